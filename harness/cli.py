@@ -1,0 +1,156 @@
+"""`python -m harness run|sweep|report`: validate everything first, run through Hydra, aggregate.
+
+Exit codes: 0 every point produced a row (OOM rows count); 1 some row is an error, a timeout,
+or missing; 2 usage or config error (nothing was run, nothing already written is touched).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import OmegaConf
+
+from harness.config.compose import CONF_DIR, SEARCHPATH_OVERRIDE, compose, expand_grid
+from harness.config.validate import resolve_backend, validate
+from harness.errors import EXIT_OK, EXIT_ROW_ERROR, EXIT_USAGE, ConfigError
+
+USAGE = """usage: python -m harness <verb> [overrides]
+
+  run    [overrides]    one point, e.g. run model=7b batch_size=4 seq_len=2048 backend=sim
+  sweep  [overrides]    a grid (sweeps/default.yaml unless sweeps=<name>); key=a,b,c sweeps a key
+  report <dir|file>     aggregate a finished, partial or interrupted sweep into results.parquet
+
+exit codes: 0 every point produced a row (OOM rows count); 1 some row is an error, timeout or
+missing; 2 usage or config error."""
+
+
+def to_point(cfg, overrides: list[str]) -> dict:
+    point = OmegaConf.to_container(cfg, resolve=True)
+    point.pop("hydra", None)
+    point["backend"] = resolve_backend(point["backend"])
+    point["overrides"] = " ".join(overrides)
+    return point
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def main(cfg) -> str:
+    """Hydra's task: one point -> one result.json. Never raises for an expected outcome."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from hydra.utils import to_absolute_path
+
+    from harness.record import base_record
+    from harness.runner import _write, run_point
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    overrides = list(hc.overrides.task)
+    try:
+        validate(cfg)
+        point = to_point(cfg, overrides)
+    except ConfigError as e:  # validated up front; a worker composing differently still leaves a row
+        point = OmegaConf.to_container(cfg, resolve=True)
+        point.pop("hydra", None)
+        rec = base_record(point)
+        rec.update(status="error", error=str(e))
+        return _write(run_dir, rec)["status"]
+    results_dir = Path(to_absolute_path(cfg.results_dir))
+    reuse = results_dir if hc.mode == RunMode.MULTIRUN else None
+    return run_point(point, run_dir, reuse)["status"]
+
+
+def _fail(message: str) -> int:
+    print(f"harness: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _prepare(verb: str, overrides: list[str]) -> tuple[list[list[str]], object]:
+    """Every point composed and validated; returns (points, the base config with hydra)."""
+    points = expand_grid(overrides) if verb == "sweep" else [overrides]
+    seen = set()
+    for p in points:
+        key = tuple(p)
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            validate(compose(p))
+        except ConfigError as e:
+            if len(points) > 1:
+                raise ConfigError(e.key, f"{e.message} (point: {' '.join(p)})")
+            raise
+    from harness.config.compose import split_overrides
+
+    plain, _ = split_overrides(overrides)
+    return points, compose(plain, with_hydra=True)
+
+
+def _launch(verb: str, flags: list[str], overrides: list[str]) -> int:
+    try:
+        points, base = _prepare(verb, overrides)
+        backend = resolve_backend(base.backend)
+    except ConfigError as e:
+        return _fail(str(e))
+    results_dir = Path(base.results_dir).expanduser().resolve()
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    extra = [SEARCHPATH_OVERRIDE, f"results_dir={results_dir}"]
+    if not any(o.split("=", 1)[0] == "backend" for o in overrides):
+        extra.append(f"backend={backend}")  # resolved once, so run_ids don't depend on the host
+    if verb == "sweep":
+        out = results_dir / base.sweep / stamp
+        hydra_args = ["--multirun", *overrides, f"hydra.sweep.dir={out}", *extra]
+    else:
+        out = results_dir / "runs" / stamp
+        hydra_args = [*overrides, f"hydra.run.dir={out}", *extra]
+    print(f"harness: {verb}: {len(points)} point(s) on backend={backend} -> {out}", file=sys.stderr)
+    sys.argv = [sys.argv[0], *flags, *hydra_args]
+    try:
+        main()
+    except SystemExit as e:
+        if e.code not in (0, None):
+            print(f"harness: Hydra stopped with code {e.code}; rows written so far are kept", file=sys.stderr)
+    return _aggregate(out, expected=len(points))
+
+
+def _aggregate(path: Path, expected: int | None = None) -> int:
+    from harness import report, results
+
+    rows = results.load_rows(path)
+    if not rows:
+        print(f"harness: error: no result.json under {path}", file=sys.stderr)
+        return EXIT_ROW_ERROR
+    df = results.to_frame(rows)
+    target = path if path.is_dir() else path.parent
+    out = results.write(df, target)
+    report.render(df, title=f"{out}")
+    bad = int(df["status"].isin(["error", "timeout"]).sum())
+    missing = (expected - len(df)) if expected is not None else 0
+    if missing > 0:
+        print(f"harness: {missing} point(s) left no row", file=sys.stderr)
+    return EXIT_ROW_ERROR if bad or missing > 0 else EXIT_OK
+
+
+def entry(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return EXIT_OK if argv else EXIT_USAGE
+    verb, rest = argv[0], argv[1:]
+    if verb == "report":
+        if len(rest) != 1:
+            return _fail("report takes one path: a sweep dir, a run dir or a result.json")
+        path = Path(rest[0])
+        if not path.exists():
+            return _fail(f"report: no such file or directory: {path}")
+        return _aggregate(path)
+    if verb not in ("run", "sweep"):
+        return _fail(f"unknown verb '{verb}' (run, sweep, report)")
+    flags = [a for a in rest if a.startswith("-")]
+    overrides = [a for a in rest if not a.startswith("-")]
+    if flags:  # --cfg, --info, --help: Hydra's own, nothing runs
+        sys.argv = [sys.argv[0], *flags, *overrides, SEARCHPATH_OVERRIDE]
+        main()
+        return EXIT_OK
+    return _launch(verb, flags, overrides)

@@ -1,0 +1,137 @@
+"""Composing configs the way `python -m harness` does, and expanding a sweep into its points.
+
+Used before any work: every point of a grid is composed and validated first, so a typo or an
+impossible value fails in a second with the key named, not an hour into a sweep.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from harness.config import schema
+from harness.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+CONF_DIR = REPO / "conf"
+SWEEPS_DIR = REPO / "sweeps"
+# sweeps/ is the `sweeps` config group: the repo root joins Hydra's search path.
+SEARCHPATH_OVERRIDE = f"hydra.searchpath=[file://{REPO}]"
+
+# A point on the virtual GPU needs about 2 GiB of host memory (torch + transformers + trace).
+_HOST_BYTES_PER_POINT = 2 * 1024**3
+
+
+def parallelism() -> int:
+    """Points to run at once: one per core, fewer if host memory is short."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = cores * _HOST_BYTES_PER_POINT
+    return max(1, min(cores, avail // _HOST_BYTES_PER_POINT))
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("harness_parallelism"):
+        OmegaConf.register_new_resolver("harness_parallelism", parallelism)
+
+
+schema.register()
+register_resolvers()
+
+
+def compose(overrides: list[str], with_hydra: bool = False):
+    """The config `python -m harness run <overrides>` would see (ConfigError on bad input)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+            return hydra_compose("config", overrides=[*overrides, SEARCHPATH_OVERRIDE],
+                                 return_hydra_config=with_hydra)
+    except Exception as e:  # Hydra and OmegaConf raise many types; all are bad input here
+        raise friendly_error(e) from e
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def friendly_error(e: Exception) -> ConfigError:
+    """One line naming the key, from Hydra's and OmegaConf's multi-line messages."""
+    msg = str(e)
+    m = re.search(r"Could not find '([\w/.-]+)/([^']+)'", msg)
+    if m:
+        group, option = m.group(1), m.group(2)
+        choices = sorted(p.stem for p in _group_dir(group).glob("*.yaml"))
+        return ConfigError(group, f"no option '{option}' (choices: {', '.join(choices)})")
+    inner = e
+    while inner.__cause__ is not None and getattr(inner, "full_key", None) is None:
+        inner = inner.__cause__  # Hydra wraps OmegaConf's error, which knows the key
+    if getattr(inner, "full_key", None):
+        first = str(inner).strip().splitlines()[0]
+        if "not in" in first:
+            first = "unknown key"
+        return ConfigError(inner.full_key, first)
+    full_key = None
+    first = msg.strip().splitlines()[0] if msg.strip() else type(e).__name__
+    m = re.search(r"full_key: ([\w.]+)", msg)
+    key = full_key or (m.group(1) if m else "overrides")
+    return ConfigError(key, first)
+
+
+def _group_dir(group: str) -> Path:
+    return SWEEPS_DIR if group == "sweeps" else CONF_DIR / group
+
+
+def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(plain overrides, sweep overrides such as batch_size=1,2,4)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as e:
+        raise friendly_error(e) from e
+    plain, sweeps = [], []
+    for text, o in zip(overrides, parsed):
+        (sweeps if o.is_sweep_override() else plain).append(text)
+    return plain, sweeps
+
+
+def expand_grid(overrides: list[str]) -> list[list[str]]:
+    """Every point of the sweep: the sweeps/<name>.yaml grid with command-line sweeps on top."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    plain, cli_sweeps = split_overrides(overrides)
+    hydra_cfg = compose(plain, with_hydra=True).hydra
+    params = dict(OmegaConf.to_container(hydra_cfg.sweeper.params or {}, resolve=False))
+    parser = OverridesParser.create()
+    axes: dict[str, list[str]] = {}
+    for key, value in params.items():
+        axes[key] = _values(parser, f"{key}={value}")
+    for text in cli_sweeps:  # a command-line sweep of the same key wins
+        key = text.split("=", 1)[0].lstrip("+~")
+        axes[key] = _values(parser, text)
+    for text in plain:  # a plain command-line value pins that axis
+        key = text.split("=", 1)[0].lstrip("+~")
+        if key in axes:
+            axes[key] = [text.split("=", 1)[1]]
+    fixed = [t for t in plain if t.split("=", 1)[0].lstrip("+~") not in axes]
+    keys = list(axes)
+    return [fixed + [f"{k}={v}" for k, v in zip(keys, combo)]
+            for combo in itertools.product(*(axes[k] for k in keys))]
+
+
+def _values(parser, text: str) -> list[str]:
+    try:
+        o = parser.parse_override(text)
+    except Exception as e:
+        raise friendly_error(e) from e
+    if o.is_sweep_override():
+        return list(o.sweep_string_iterator())
+    return [o.get_value_element_as_str()]

@@ -1,0 +1,80 @@
+"""The config schema. Hydra merges conf/ into it, so unknown keys and wrong types fail at compose."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+PRECISIONS = ("fp32", "bf16", "fp16", "amp_bf16", "amp_fp16")
+OPTIMIZERS = ("adamw", "sgd", "adafactor")
+OPTIMIZER_IMPLS = ("auto", "foreach", "fused", "forloop")
+BACKENDS = ("auto", "sim", "cuda")
+WORKLOADS = ("train", "infer")
+
+
+@dataclass
+class ModelConf:
+    name: str = ""
+    arch: str = "llama"  # transformers config class family: llama | qwen2 | mistral | auto
+    config_json: Optional[str] = None  # a local HF config.json (or its folder)
+    hf: dict[str, Any] = field(default_factory=dict)  # config-class keyword arguments
+
+
+@dataclass
+class WorkloadConf:
+    name: str = "train"
+    steps: int = 3  # train: steps run; the peak is read from step 2 on (step 1 creates optimizer state)
+    new_tokens: int = 16  # infer: tokens decoded after the prefill; prompt = seq_len - new_tokens
+
+
+@dataclass
+class OptimizerConf:
+    name: str = "adamw"
+    impl: str = "auto"  # auto = what torch.optim picks on CUDA (foreach)
+    lr: float = 1e-4
+
+
+@dataclass
+class AllocatorConf:
+    name: str = "default"
+    conf: str = ""  # the exact PYTORCH_ALLOC_CONF string
+
+
+@dataclass
+class SlurmConf:
+    gres: Optional[str] = None
+    constraint: Optional[str] = None
+    partition: Optional[str] = None
+
+
+@dataclass
+class GpuConf:
+    name: str = ""
+    device_name: str = ""
+    memory_bytes: int = 0  # torch.cuda.get_device_properties().total_memory
+    non_pytorch_bytes: int = 0  # CUDA context etc., outside PyTorch's allocator
+    source: str = ""
+    slurm: SlurmConf = field(default_factory=SlurmConf)
+
+
+@dataclass
+class HarnessConf:
+    model: ModelConf = field(default_factory=ModelConf)
+    workload: WorkloadConf = field(default_factory=WorkloadConf)
+    optimizer: OptimizerConf = field(default_factory=OptimizerConf)
+    allocator: AllocatorConf = field(default_factory=AllocatorConf)
+    gpu: GpuConf = field(default_factory=GpuConf)
+    batch_size: int = 1  # sequences per step (train) or concurrent sequences (infer)
+    seq_len: int = 1024  # tokens per sequence (infer: the context, prompt + decoded)
+    precision: str = "bf16"
+    checkpointing: bool = False  # activation checkpointing per decoder layer
+    backend: str = "auto"
+    results_dir: str = "results"
+    sweep: str = "adhoc"  # the sweep's name: results go to results_dir/<sweep>/<stamp>/
+    timeout_s: int = 1800  # per point; past it the row is `timeout`
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="base_config", node=HarnessConf)

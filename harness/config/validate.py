@@ -1,0 +1,64 @@
+"""Semantic checks on a composed config, before any work. Each failure names its dotted key."""
+
+from __future__ import annotations
+
+from harness.config import alloc_conf, schema
+from harness.errors import ConfigError
+
+
+def _one_of(key: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(key, f"'{value}' is not one of {', '.join(choices)}")
+
+
+def validate(cfg) -> None:
+    """Raise ConfigError for the first bad value in `cfg` (a composed HarnessConf)."""
+    if cfg.batch_size < 1:
+        raise ConfigError("batch_size", f"must be >= 1, got {cfg.batch_size}")
+    if cfg.seq_len < 1:
+        raise ConfigError("seq_len", f"must be >= 1, got {cfg.seq_len}")
+    _one_of("precision", cfg.precision, schema.PRECISIONS)
+    _one_of("backend", cfg.backend, schema.BACKENDS)
+    _one_of("workload.name", cfg.workload.name, schema.WORKLOADS)
+    _one_of("optimizer.name", cfg.optimizer.name, schema.OPTIMIZERS)
+    _one_of("optimizer.impl", cfg.optimizer.impl, schema.OPTIMIZER_IMPLS)
+    if cfg.optimizer.name == "adafactor" and cfg.optimizer.impl == "fused":
+        raise ConfigError("optimizer.impl", "torch.optim.Adafactor has no fused implementation")
+    if cfg.optimizer.lr <= 0:
+        raise ConfigError("optimizer.lr", f"must be > 0, got {cfg.optimizer.lr}")
+    if cfg.workload.name == "train" and cfg.workload.steps < 2:
+        raise ConfigError("workload.steps", f"must be >= 2 (the peak is read from step 2 on), got {cfg.workload.steps}")
+    if cfg.workload.name == "infer" and not 1 <= cfg.workload.new_tokens < cfg.seq_len:
+        raise ConfigError("workload.new_tokens",
+                          f"must be in [1, seq_len) = [1, {cfg.seq_len}), got {cfg.workload.new_tokens}")
+    if cfg.gpu.memory_bytes <= 0:
+        raise ConfigError("gpu.memory_bytes", f"must be > 0, got {cfg.gpu.memory_bytes}")
+    if cfg.timeout_s <= 0:
+        raise ConfigError("timeout_s", f"must be > 0, got {cfg.timeout_s}")
+    alloc_conf.parse(cfg.allocator.conf)
+    _check_model(cfg)
+
+
+def _check_model(cfg) -> None:
+    limit = cfg.model.hf.get("max_position_embeddings") if not cfg.model.config_json else None
+    if limit is None:
+        from harness.models import hf_config, max_positions
+
+        limit = max_positions(hf_config(cfg.model))
+    if limit is not None and cfg.seq_len > limit:
+        raise ConfigError("seq_len", f"{cfg.seq_len} exceeds model {cfg.model.name}'s "
+                          f"max_position_embeddings ({limit})")
+
+
+def resolve_backend(backend: str) -> str:
+    """auto -> cuda when a GPU is visible, else sim. cuda without a GPU is a config error."""
+    if backend == "sim":
+        return "sim"
+    import torch
+
+    has_gpu = torch.cuda.is_available()
+    if backend == "auto":
+        return "cuda" if has_gpu else "sim"
+    if not has_gpu:
+        raise ConfigError("backend", "cuda asked for, but no GPU is visible (use backend=sim or auto)")
+    return "cuda"

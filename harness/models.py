@@ -1,0 +1,58 @@
+"""Model architectures from transformers' config classes: presets or a local config.json, no weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from harness.errors import ConfigError
+
+_ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+
+
+def _read_config_json(path: str) -> dict:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ConfigError("model.config_json", f"no such file: {p}")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError("model.config_json", f"{p} is not valid JSON ({e.msg} at line {e.lineno})")
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ConfigError("model.config_json", f"{p} has no 'model_type'")
+    return data
+
+
+def hf_config(model_cfg):
+    """A transformers PretrainedConfig for the `model` config group."""
+    from omegaconf import OmegaConf
+    from transformers import AutoConfig
+
+    if isinstance(model_cfg, dict):
+        model_cfg = OmegaConf.create(model_cfg)
+    if model_cfg.config_json:
+        data = _read_config_json(model_cfg.config_json)
+        model_type = data.pop("model_type")
+        data.update(dict(model_cfg.hf or {}))
+    else:
+        model_type = _ARCH_TO_MODEL_TYPE.get(model_cfg.arch)
+        if model_type is None:
+            raise ConfigError("model.arch", f"unknown architecture '{model_cfg.arch}' "
+                              f"(choices: {', '.join(_ARCH_TO_MODEL_TYPE)})")
+        data = dict(model_cfg.hf)
+    # YAML 1.1 reads 1e-05 as a string; the config classes want numbers.
+    for k in ("rms_norm_eps", "rope_theta", "layer_norm_eps"):
+        if isinstance(data.get(k), str):
+            data[k] = float(data[k])
+    try:
+        config = AutoConfig.for_model(model_type, **data)
+    except ValueError as e:
+        raise ConfigError("model", f"transformers cannot build model_type '{model_type}': {e}")
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def max_positions(config) -> int | None:
+    return getattr(config, "max_position_embeddings", None)

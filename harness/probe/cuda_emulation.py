@@ -1,0 +1,195 @@
+"""Make a step traced on fake CPU tensors allocate what eager CUDA would allocate.
+
+Each difference listed in shared/reference/fidelity.md (A) is reproduced here, scoped to a
+context manager so nothing leaks out of the trace:
+
+- optimizers: CUDA defaults to the foreach path (fused=False); on fake tensors torch picks the
+  for-loop path, whose temporaries are one parameter's, not all of them (13% of a 7B peak);
+- scaled-dot-product attention: CUDA's kernel choice (flash for fp16/bf16 without a mask,
+  memory-efficient otherwise) instead of the CPU kernels;
+- autocast: CUDA's op lists (lower precision for GEMMs, fp32 for exp/pow/rsqrt/losses, fp32
+  output for softmax/sum) with CUDA's cast cache for leaf weights, which lives until the
+  autocast region exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+# ---- optimizers --------------------------------------------------------------------------
+
+
+def optimizer_kwargs(impl: str) -> dict:
+    """What `torch.optim` picks on CUDA for impl=auto, or the implementation asked for."""
+    if impl in ("auto", "foreach"):
+        return {"foreach": True}  # CUDA default: _default_to_fused_or_foreach -> foreach
+    if impl == "fused":
+        return {"fused": True}
+    return {"foreach": False}  # for-loop
+
+
+# ---- scaled dot-product attention ----------------------------------------------------------
+
+_original_sdpa = F.scaled_dot_product_attention
+
+
+def _flash_eligible(q, k, v, attn_mask, dropout_p) -> bool:
+    # sdp_utils.cpp (CUDA): no explicit mask, fp16/bf16, head dim <= 256 and a multiple of 8.
+    return (
+        attn_mask is None
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] <= 256
+        and q.shape[-1] % 8 == 0
+        and k.shape[-1] == v.shape[-1] == q.shape[-1]
+    )
+
+
+def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False):
+    """F.scaled_dot_product_attention as CUDA dispatches it: flash, else memory-efficient."""
+    if _flash_eligible(query, key, value, attn_mask, dropout_p):
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p, is_causal, False, scale=scale)
+        return out[0]
+    if key.shape[1] != query.shape[1]:
+        # The memory-efficient kernel takes no grouped KV heads: expand them, as the
+        # fallback does (one K- and one V-sized copy per layer).
+        rep = query.shape[1] // key.shape[1]
+        key = key.repeat_interleave(rep, dim=1)
+        value = value.repeat_interleave(rep, dim=1)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # sdp::convert_boolean_attn_mask: a bool mask becomes an additive mask in q's dtype.
+        attn_mask = torch.where(attn_mask, 0.0, -math.inf).to(query.dtype)
+    if attn_mask is not None:
+        attn_mask = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    out = torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, attn_mask, query.requires_grad, dropout_p, is_causal, scale=scale)
+    return out[0]
+
+
+# ---- autocast with CUDA's op lists -----------------------------------------------------------
+
+# torch/csrc/autograd/autocast_mode / aten/src/ATen/autocast_mode.cpp, CUDA policy.
+_LOWER = {
+    F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm,
+    torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.addmm, torch.Tensor.addmm,
+    torch.einsum, F.conv1d, F.conv2d, F.conv3d, F.scaled_dot_product_attention, cuda_sdpa,
+}
+_FP32 = {
+    torch.exp, torch.Tensor.exp, torch.log, torch.Tensor.log, torch.rsqrt, torch.Tensor.rsqrt,
+    torch.pow, torch.Tensor.pow, torch.Tensor.__pow__, torch.reciprocal, torch.Tensor.reciprocal,
+    torch.log1p, torch.expm1, F.layer_norm, F.group_norm, F.nll_loss, F.mse_loss, F.l1_loss,
+    F.softplus, torch.logsumexp, F.kl_div, F.binary_cross_entropy_with_logits,
+}
+_FP32_OUT = {  # run with dtype=float32 when the input is lower precision
+    torch.softmax, torch.Tensor.softmax, F.softmax, torch.log_softmax, torch.Tensor.log_softmax,
+    F.log_softmax, torch.sum, torch.Tensor.sum, torch.cumsum, torch.Tensor.cumsum, torch.prod,
+}
+_LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class CudaAutocast(TorchFunctionMode):
+    """CUDA autocast's casting policy for tensors that live on a (fake) CPU device."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+        self._cache: dict[int, torch.Tensor] = {}  # leaf weight id -> cast copy (CUDA cached_cast)
+        self._disabled = 0
+
+    def _cast(self, t, dtype):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == dtype:
+            return t
+        cacheable = dtype == self.dtype and t.is_leaf and t.requires_grad
+        if cacheable and id(t) in self._cache:
+            return self._cache[id(t)]
+        with torch._C.DisableTorchFunction():
+            out = t.to(dtype)
+        if cacheable and not torch.is_inference_mode_enabled():
+            self._cache[id(t)] = out
+        return out
+
+    def _cast_all(self, args, kwargs, dtype):
+        args = tuple(self._cast(a, dtype) for a in args)
+        kwargs = {k: self._cast(v, dtype) for k, v in kwargs.items()}
+        return args, kwargs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._disabled:
+            return func(*args, **kwargs)
+        if func in _LOWER:
+            args, kwargs = self._cast_all(args, kwargs, self.dtype)
+        elif func in _FP32:
+            args, kwargs = self._cast_all(args, kwargs, torch.float32)
+        elif func in _FP32_OUT:
+            first = args[0] if args else None
+            if isinstance(first, torch.Tensor) and first.dtype in _LOW_DTYPES and kwargs.get("dtype") is None:
+                kwargs = {**kwargs, "dtype": torch.float32}
+        elif func is F.cross_entropy:
+            # Composite: log_softmax (fp32 output) then nll_loss, as the C++ autocast sees it.
+            return self._cross_entropy(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _cross_entropy(self, input, target, weight=None, size_average=None, ignore_index=-100,
+                       reduce=None, reduction="mean", label_smoothing=0.0):
+        dim = 1 if input.dim() >= 2 else 0
+        logp = torch.log_softmax(input, dim, dtype=torch.float32 if input.dtype in _LOW_DTYPES else None)
+        return F.nll_loss(logp, target, weight, ignore_index=ignore_index, reduction=reduction)
+
+    def exit_region(self):
+        self._cache.clear()
+
+
+@contextlib.contextmanager
+def _respect_autocast_disabled(mode: CudaAutocast):
+    """Code that turns autocast off (`torch.autocast(..., enabled=False)`, e.g. rotary
+    embeddings) turns our emulation off too."""
+    cls = torch.amp.autocast_mode.autocast
+    orig_enter, orig_exit = cls.__enter__, cls.__exit__
+
+    def enter(self):
+        self._harness_off = not self._enabled
+        if self._harness_off:
+            mode._disabled += 1
+        return orig_enter(self)
+
+    def exit(self, *exc):
+        if getattr(self, "_harness_off", False):
+            mode._disabled -= 1
+        return orig_exit(self, *exc)
+
+    cls.__enter__, cls.__exit__ = enter, exit
+    try:
+        yield
+    finally:
+        cls.__enter__, cls.__exit__ = orig_enter, orig_exit
+
+
+@contextlib.contextmanager
+def autocast_region(mode: CudaAutocast | None):
+    """One autocast region (e.g. a forward pass); the cast cache dies with it."""
+    if mode is None:
+        yield
+        return
+    try:
+        with _respect_autocast_disabled(mode), mode:
+            yield
+    finally:
+        mode.exit_region()
+
+
+@contextlib.contextmanager
+def cuda_kernels():
+    """Route F.scaled_dot_product_attention through CUDA's kernel choice while tracing."""
+    F.scaled_dot_product_attention = cuda_sdpa
+    torch.nn.functional.scaled_dot_product_attention = cuda_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = _original_sdpa

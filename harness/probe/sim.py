@@ -1,0 +1,153 @@
+"""The virtual GPU: the real transformers model and step under FakeTensorMode, tracked per storage.
+
+No memory is allocated and no arithmetic is done; the tracker sees every storage the step would
+create on CUDA (see cuda_emulation for the differences from CPU that are reproduced).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from harness.probe import cuda_emulation as cu
+from harness.probe import steps
+from harness.probe.tracker import StorageTracker
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def precision_dtypes(precision: str) -> tuple[torch.dtype, torch.dtype | None]:
+    """(parameter dtype, autocast dtype or None)."""
+    if precision.startswith("amp_"):
+        return torch.float32, DTYPES[precision[4:]]
+    return DTYPES[precision], None
+
+
+class _Hooks:
+    def __init__(self, tracker: StorageTracker):
+        self.t = tracker
+
+    def begin_step(self, step):
+        self.t.begin_step(step)
+
+    def set_phase(self, phase):
+        self.t.set_phase(phase)
+
+    def end_step(self):
+        gc.collect()  # frees that only the cyclic GC would do happen before the reading, as on CUDA
+        self.t.end_step()
+
+
+def run_point(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tuple[dict, StorageTracker]:
+    """Trace one config point; returns (measurements, tracker with the event trace).
+
+    `fake=False` runs the same steps on real CPU tensors under the same tracker (used to check
+    the fake trace against real execution for small models).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from harness.models import hf_config
+
+    config = hf_config(point["model"])
+    param_dtype, amp_dtype = precision_dtypes(point["precision"])
+    workload = point["workload"]
+    tracker = StorageTracker(emulate_cublas_workspace=emulate_cuda)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else None
+    autocast_mode = None
+    if amp_dtype is not None:
+        autocast_mode = cu.CudaAutocast(amp_dtype) if emulate_cuda else None
+
+    torch.manual_seed(0)
+    with contextlib_ctx(fake_mode), (cu.cuda_kernels() if emulate_cuda else nullctx()), tracker:
+        tracker.set_phase("setup")
+        model = AutoModelForCausalLM.from_config(config, dtype=param_dtype)
+        n_params = sum(p.numel() for p in model.parameters())
+        for p in model.parameters():
+            tracker.track(p, "parameter")
+        for b in model.buffers():
+            tracker.track(b, "parameter")
+        params_bytes = sum(tracker._live[p.untyped_storage()._cdata][1] for p in model.parameters()
+                           if tracker.is_tracked(p))
+        tracker.attach_modules(model)
+        tracker.set_phase("input")
+        input_ids = torch.randint(0, config.vocab_size, (point["batch_size"], point["seq_len"]))
+        if workload["name"] == "train":
+            if point["checkpointing"]:
+                recompute = (lambda: cu.autocast_region(autocast_mode)) if autocast_mode else None
+                steps.enable_checkpointing(model, recompute)
+            opt_kwargs = cu.optimizer_kwargs(point["optimizer"]["impl"]) if emulate_cuda else {}
+            optimizer = steps.build_optimizer(point["optimizer"]["name"], model.parameters(),
+                                              opt_kwargs, point["optimizer"]["lr"])
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "gradient"))
+            optimizer.register_step_post_hook(lambda opt, *_: _retag_state(tracker, opt))
+            steps.train(model, optimizer, input_ids, workload["steps"], _Hooks(tracker), autocast_mode)
+            state_bytes = _state_bytes(tracker, optimizer)
+        else:
+            new_tokens = workload["new_tokens"]
+            prompt = input_ids[:, : point["seq_len"] - new_tokens]
+            del input_ids
+            steps.infer(model, prompt, new_tokens, _Hooks(tracker), autocast_mode)
+            state_bytes = 0
+    return _measurements(tracker, workload, n_params, params_bytes, state_bytes), tracker
+
+
+def _retag_state(tracker: StorageTracker, optimizer) -> None:
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                tracker.retag(v, "optimizer_state")
+
+
+def _state_bytes(tracker: StorageTracker, optimizer) -> int:
+    total = 0
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and tracker.is_tracked(v):
+                total += tracker._live[v.untyped_storage()._cdata][1]
+    return total
+
+
+def _measurements(tracker: StorageTracker, workload: dict, n_params: int, params_bytes: int,
+                  state_bytes: int) -> dict:
+    per_step = tracker.steps
+    if workload["name"] == "train":
+        # Step 1 creates the optimizer state; the steady state is from step 2 on.
+        window = per_step[1:] if len(per_step) > 1 else per_step
+    else:
+        window = per_step
+    peak = max(window, key=lambda s: s.peak_allocated_bytes)
+    bd = peak.peak_breakdown
+    return {
+        "n_params": n_params,
+        "peak_allocated_bytes": peak.peak_allocated_bytes,
+        "peak_requested_bytes": max(s.peak_requested_bytes for s in window),
+        "peak_step": peak.step,
+        "peak_phase": peak.peak_phase,
+        "peak_module": peak.peak_module,
+        "params_bytes": params_bytes,
+        "grads_bytes": bd.get("gradient", 0),
+        "optimizer_bytes": state_bytes,
+        "activations_bytes": bd.get("activation", 0),
+        "temporaries_bytes": bd.get("temporary", 0),
+        "workspace_bytes": bd.get("workspace", 0),
+        "peak_breakdown": {k: v for k, v in bd.items() if v},
+        "step_allocated_bytes": [s.allocated_after_bytes for s in per_step],
+        "step_peak_bytes": [s.peak_allocated_bytes for s in per_step],
+        "overall_peak_allocated_bytes": tracker.overall_peak,
+        "num_events": len(tracker.events),
+    }
+
+
+class nullctx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def contextlib_ctx(mode):
+    return mode if mode is not None else nullctx()

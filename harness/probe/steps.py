@@ -1,0 +1,95 @@
+"""The work a probe measures: training steps and prefill + decode, the same on every backend.
+
+`hooks` is how a backend watches: begin_step(i), set_phase(name), end_step(). Nothing here
+knows whether the tensors are real or fake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from harness.probe.cuda_emulation import autocast_region
+
+
+class NullHooks:
+    def begin_step(self, step): ...
+    def set_phase(self, phase): ...
+    def end_step(self): ...
+
+
+def build_optimizer(name: str, params, opt_kwargs: dict, lr: float):
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, **opt_kwargs)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, **opt_kwargs)
+    if name == "adafactor":
+        kw = {k: v for k, v in opt_kwargs.items() if k == "foreach"}  # Adafactor has no fused
+        return torch.optim.Adafactor(params, lr=lr, **kw)
+    raise ValueError(f"unknown optimizer {name}")
+
+
+def enable_checkpointing(model, recompute_ctx=None) -> None:
+    """Activation checkpointing per decoder layer (non-reentrant, as HF recommends)."""
+    kwargs = {"use_reentrant": False}
+    if recompute_ctx is not None:
+        # The recompute runs inside backward, outside our autocast emulation: re-enter it.
+        kwargs["context_fn"] = lambda: (contextlib.nullcontext(), recompute_ctx())
+    if hasattr(model, "activation_checkpointing_enable"):  # the newer transformers name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def train(model, optimizer, input_ids, steps: int, hooks, autocast_mode=None) -> None:
+    """forward, backward, optimizer step, zero_grad(set_to_none=True); `steps` times."""
+    model.train()
+    for step in range(steps):
+        hooks.begin_step(step)
+        hooks.set_phase("forward")
+        with autocast_region(autocast_mode):
+            out = model(input_ids=input_ids, labels=input_ids, use_cache=False)
+        loss = out.loss
+        del out
+        hooks.set_phase("backward")
+        loss.backward()
+        del loss
+        hooks.set_phase("optimizer")
+        optimizer.step()
+        hooks.set_phase("zero_grad")
+        optimizer.zero_grad(set_to_none=True)
+        hooks.end_step()
+
+
+def _cache_kwarg(model) -> str:
+    """transformers renamed `past_key_values` to `cache`; use whichever this version takes."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def infer(model, input_ids, new_tokens: int, hooks, autocast_mode=None) -> None:
+    """Prefill the prompt into a KV cache, then decode `new_tokens` one at a time (greedy)."""
+    from transformers import DynamicCache
+
+    model.eval()
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        ck = _cache_kwarg(model)
+        hooks.begin_step(0)
+        hooks.set_phase("prefill")
+        with autocast_region(autocast_mode):
+            out = model(input_ids=input_ids, **{ck: cache}, use_cache=True, logits_to_keep=1)
+        next_ids = out.logits[:, -1:].argmax(-1)
+        del out
+        hooks.end_step()
+        for i in range(new_tokens):
+            hooks.begin_step(i + 1)
+            hooks.set_phase("decode")
+            with autocast_region(autocast_mode):
+                out = model(input_ids=next_ids, **{ck: cache}, use_cache=True, logits_to_keep=1)
+            next_ids = out.logits[:, -1:].argmax(-1)
+            del out
+            hooks.end_step()
+        del cache

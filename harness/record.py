@@ -1,0 +1,55 @@
+"""The record: one row per run, raw bytes, PyTorch's allocator vocabulary for names."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+STATUSES = ("ok", "oom", "error", "timeout")
+
+# Every column a row carries (DESIGN.md "The record"); absent values are None.
+COLUMNS = (
+    "run_id", "sweep", "status", "error", "backend", "device_name", "gpu", "gpu_memory_bytes",
+    "gpu_non_pytorch_bytes", "emulated_gpu", "model", "n_params", "workload", "batch_size", "seq_len",
+    "precision", "optimizer", "optimizer_impl", "checkpointing", "allocator_conf",
+    "peak_allocated_bytes", "peak_reserved_bytes", "peak_requested_bytes", "params_bytes",
+    "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes", "workspace_bytes",
+    "peak_step", "peak_phase", "peak_module", "step_allocated_bytes", "step_peak_bytes",
+    "num_alloc_retries", "num_ooms", "oom_phase", "oom_step", "oom_tried_bytes",
+    "step_time_s", "tokens_per_s", "wall_s", "torch_version", "transformers_version",
+    "harness_version", "trace_path", "snapshot_path", "reused_from", "overrides",
+)
+
+
+def point_identity(point: dict) -> dict:
+    """What defines a run: everything that can change its numbers or its status."""
+    return {
+        "model": point["model"], "workload": point["workload"], "batch_size": point["batch_size"],
+        "seq_len": point["seq_len"], "precision": point["precision"], "optimizer": point["optimizer"],
+        "checkpointing": point["checkpointing"], "allocator_conf": point["allocator"]["conf"],
+        "backend": point["backend"], "gpu": point["gpu"]["name"],
+        "gpu_memory_bytes": point["gpu"]["memory_bytes"],
+    }
+
+
+def run_id(point: dict) -> str:
+    blob = json.dumps(point_identity(point), sort_keys=True, default=str)
+    return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+def base_record(point: dict) -> dict:
+    """The row's identity columns, filled before anything runs (so a failure is still a row)."""
+    import harness
+
+    rec = dict.fromkeys(COLUMNS)
+    rec.update(
+        run_id=run_id(point), sweep=point.get("sweep"), backend=point["backend"],
+        gpu=point["gpu"]["name"], gpu_memory_bytes=point["gpu"]["memory_bytes"],
+        gpu_non_pytorch_bytes=point["gpu"]["non_pytorch_bytes"], model=point["model"]["name"],
+        workload=point["workload"]["name"], batch_size=point["batch_size"], seq_len=point["seq_len"],
+        precision=point["precision"], optimizer=point["optimizer"]["name"],
+        optimizer_impl=point["optimizer"]["impl"], checkpointing=point["checkpointing"],
+        allocator_conf=point["allocator"]["conf"], harness_version=harness.__version__,
+        overrides=point.get("overrides"),
+    )
+    return rec

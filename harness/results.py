@@ -1,0 +1,46 @@
+"""Rows from result.json files -> one DataFrame -> results.parquet (+ results.csv) per sweep dir."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from harness.record import COLUMNS
+from harness.runner import RESULT_FILE
+
+
+def load_rows(path: Path) -> list[dict]:
+    """Rows under a sweep dir, a run dir, or one result.json (partial sweeps welcome)."""
+    path = Path(path)
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(path.glob(f"**/{RESULT_FILE}"))
+    rows = []
+    for f in files:
+        try:
+            rows.append(json.loads(f.read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            rows.append({"status": "error", "error": f"unreadable {f}: {e}"})
+    return rows
+
+
+def to_frame(rows: list[dict]) -> pd.DataFrame:
+    df = pd.DataFrame(rows)
+    for col in COLUMNS:
+        if col not in df.columns:
+            df[col] = None
+    df = df[list(COLUMNS) + [c for c in df.columns if c not in COLUMNS]]
+    sort = [c for c in ("model", "workload", "precision", "checkpointing", "batch_size", "seq_len")]
+    return df.sort_values(sort, na_position="last", kind="stable").reset_index(drop=True)
+
+
+def write(df: pd.DataFrame, sweep_dir: Path) -> Path:
+    """results.parquet (the source of truth) and results.csv (for people) in `sweep_dir`."""
+    sweep_dir = Path(sweep_dir)
+    out = sweep_dir / "results.parquet"
+    df.to_parquet(out, index=False)
+    df.to_csv(sweep_dir / "results.csv", index=False)
+    return out
