@@ -185,10 +185,32 @@ def autocast_region(mode: CudaAutocast | None):
 
 
 @contextlib.contextmanager
+def unpacked_sequences():
+    """transformers reads position_ids' values to rule out packed sequences, and on fake tensors,
+    which have no values, assumes packing: it then builds a full mask instead of SDPA's is_causal,
+    which changes the attention kernel and adds tensors a real run never has. Our position ids
+    are never packed, so do the real check's tensor work and give the real answer (None)."""
+    from transformers import masking_utils as mu
+
+    original = mu.find_packed_sequence_indices
+
+    def no_packing(position_ids):
+        first = position_ids[:, :1] - 1
+        diff = torch.diff(position_ids, prepend=first, dim=-1)
+        ((diff != 1).cumsum(-1)[:, -1] == 0).all()  # the real run's allocations; its value is True
+        return None
+
+    mu.find_packed_sequence_indices = no_packing
+    try:
+        yield
+    finally:
+        mu.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
 def cuda_kernels():
     """Route F.scaled_dot_product_attention through CUDA's kernel choice while tracing."""
     F.scaled_dot_product_attention = cuda_sdpa
-    torch.nn.functional.scaled_dot_product_attention = cuda_sdpa
     try:
         yield
     finally:

@@ -60,7 +60,8 @@ def run_point(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tupl
         autocast_mode = cu.CudaAutocast(amp_dtype) if emulate_cuda else None
 
     torch.manual_seed(0)
-    with contextlib_ctx(fake_mode), (cu.cuda_kernels() if emulate_cuda else nullctx()), tracker:
+    with contextlib_ctx(fake_mode), cu.unpacked_sequences(), \
+            (cu.cuda_kernels() if emulate_cuda else nullctx()), tracker:
         tracker.set_phase("setup")
         model = AutoModelForCausalLM.from_config(config, dtype=param_dtype)
         n_params = sum(p.numel() for p in model.parameters())
