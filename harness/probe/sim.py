@@ -83,7 +83,8 @@ def run_point(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tupl
                                               opt_kwargs, point["optimizer"]["lr"])
             for p in model.parameters():
                 p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "gradient"))
-            optimizer.register_step_post_hook(lambda opt, *_: _retag_state(tracker, opt))
+            host_steps = point["optimizer"]["impl"] != "fused" or not emulate_cuda
+            optimizer.register_step_post_hook(lambda opt, *_: _retag_state(tracker, opt, host_steps))
             steps.train(model, optimizer, input_ids, workload["steps"], _Hooks(tracker), autocast_mode)
             state_bytes = _state_bytes(tracker, optimizer)
         else:
@@ -95,10 +96,16 @@ def run_point(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tupl
     return _measurements(tracker, workload, n_params, params_bytes, state_bytes), tracker
 
 
-def _retag_state(tracker: StorageTracker, optimizer) -> None:
+def _retag_state(tracker: StorageTracker, optimizer, host_steps: bool) -> None:
     for state in optimizer.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor):
+        for name, v in state.items():
+            if not isinstance(v, torch.Tensor):
+                continue
+            if name == "step" and host_steps and v.dim() == 0:
+                # torch.optim keeps step counts on the CPU unless fused or capturable:
+                # a real CUDA run never allocates them on the card.
+                tracker.drop(v)
+            else:
                 tracker.retag(v, "optimizer_state")
 
 

@@ -130,6 +130,22 @@ class StorageTracker(TorchDispatchMode):
         self.kind_bytes[kind] += entry[1]
         entry[2] = kind
 
+    def drop(self, t: torch.Tensor) -> None:
+        """Forget a storage that a real CUDA run keeps on the host (e.g. optimizer step counts):
+        its alloc event goes, and so will its free."""
+        key = t.untyped_storage()._cdata
+        entry = self._live.pop(key, None)
+        if entry is None:
+            return
+        nbytes, alloc, kind = entry
+        self.allocated -= alloc
+        self.requested -= nbytes
+        self.kind_bytes[kind] -= alloc
+        for i in range(len(self.events) - 1, -1, -1):
+            if self.events[i][2] == key and self.events[i][1] == "alloc":
+                del self.events[i]
+                break
+
     def is_tracked(self, t: torch.Tensor) -> bool:
         return t.untyped_storage()._cdata in self._live
 

@@ -1,0 +1,35 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def model_cfg(name: str, **hf) -> dict:
+    cfg = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"))
+    cfg["hf"].update(hf)
+    return cfg
+
+
+def train_point(model="tiny", precision="bf16", batch_size=2, seq_len=64, checkpointing=False,
+                optimizer="adamw", impl="auto", steps=3, **hf) -> dict:
+    return dict(model=model_cfg(model, **hf), precision=precision, batch_size=batch_size,
+                seq_len=seq_len, checkpointing=checkpointing,
+                workload=dict(name="train", steps=steps, new_tokens=16),
+                optimizer=dict(name=optimizer, impl=impl, lr=1e-4))
+
+
+def run_cli(*args, cwd=None, timeout=600):
+    """`python -m harness ...` as a user runs it."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True,
+                          cwd=cwd or REPO, timeout=timeout, env=env)
+
+
+@pytest.fixture
+def tiny_point():
+    return train_point()

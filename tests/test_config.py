@@ -1,0 +1,101 @@
+"""Config: presets, grids and bad input, all before any work is done."""
+
+import json
+
+import pytest
+
+from harness.config import alloc_conf
+from harness.config.compose import compose, expand_grid
+from harness.config.validate import validate
+from harness.errors import ConfigError
+from tests.conftest import run_cli
+
+
+def test_default_grid_covers_batch_seq_precision_checkpointing():
+    """`sweep model=7b` expands sweeps/default.yaml into its 48 training points."""
+    points = expand_grid(["model=7b"])
+    assert len(points) == 48
+    assert {p for pt in points for p in pt if p.startswith("checkpointing=")} == {
+        "checkpointing=False", "checkpointing=True"}
+
+
+def test_command_line_sweep_replaces_the_grid_axis():
+    """A swept key on the command line wins over the grid file's values for that key."""
+    points = expand_grid(["model=7b", "batch_size=16,32"])
+    assert len(points) == 2 * 3 * 2 * 2
+    assert {p for pt in points for p in pt if p.startswith("batch_size=")} == {"batch_size=16", "batch_size=32"}
+
+
+def test_plain_value_pins_a_grid_axis():
+    points = expand_grid(["model=7b", "precision=fp32"])
+    assert len(points) == 24 and all("precision=fp32" in p for p in points)
+
+
+@pytest.mark.parametrize("preset", ["7b", "13b", "70b", "llama3-8b", "qwen2.5-7b", "mistral-7b", "tiny"])
+def test_every_model_preset_composes_and_validates(preset):
+    validate(compose([f"model={preset}", "seq_len=128"]))
+
+
+@pytest.mark.parametrize("conf,expected", [
+    ("", {}),
+    ("expandable_segments:True", {"expandable_segments": True}),
+    ("max_split_size_mb:512,garbage_collection_threshold:0.8",
+     {"max_split_size_mb": 512, "garbage_collection_threshold": 0.8}),
+    ("roundup_power2_divisions:[256:1,512:2,>:8]", {"roundup_power2_divisions": {"256": 1, "512": 2, ">": 8}}),
+])
+def test_allocator_conf_parses_like_pytorch(conf, expected):
+    assert alloc_conf.parse(conf) == expected
+
+
+@pytest.mark.parametrize("conf", ["expandable_segments", "max_split_size_mb:10", "bogus_key:1",
+                                  "garbage_collection_threshold:1.5", "roundup_power2_divisions:3",
+                                  "expandable_segments:maybe", "roundup_power2_divisions:[1:2"])
+def test_allocator_conf_rejects_what_pytorch_rejects(conf):
+    with pytest.raises(ConfigError) as e:
+        alloc_conf.parse(conf)
+    assert e.value.key == "allocator.conf"
+
+
+def test_hf_config_json_points_at_a_local_architecture(tmp_path):
+    """model=hf model.config_json=<file> builds from a Hugging Face config.json."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 100,
+        "max_position_embeddings": 128}))
+    cfg = compose(["model=hf", f"model.config_json={tmp_path}", "seq_len=128"])
+    validate(cfg)
+    cfg.seq_len = 129
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("override,key", [
+    ("model=nope", "model"),
+    ("batch_size=0", "batch_size"),
+    ("batch_size=-3", "batch_size"),
+    ("precision=fp9", "precision"),
+    ("gpu=nope", "gpu"),
+    ("optimizer=nope", "optimizer"),
+    ("seq_len=4097", "seq_len"),  # Llama-2-7B has 4096 positions
+    ("allocator.conf=expandable_segments", "allocator.conf"),
+    ("modle=7b", "modle"),
+    ("batch_size=abc", "batch_size"),
+])
+def test_bad_input_is_one_line_naming_the_key_exit_2_and_keeps_results(tmp_path, override, key):
+    """Bad input: one line on stderr naming the key, exit 2, no traceback, nothing lost."""
+    kept = tmp_path / "default" / "old" / "runs" / "0" / "result.json"
+    kept.parent.mkdir(parents=True)
+    kept.write_text('{"status": "ok"}')
+    r = run_cli("sweep", "model=7b", override, f"results_dir={tmp_path}")
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"harness: error: {key}:"), lines[0]
+    assert "Traceback" not in r.stderr
+    assert kept.read_text() == '{"status": "ok"}'
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(["default", "old", "runs", "0", "result.json"])
+
+
+def test_unknown_verb_is_a_usage_error():
+    r = run_cli("sweeep", "model=7b")
+    assert r.returncode == 2 and "unknown verb" in r.stderr

@@ -1,0 +1,179 @@
+"""The virtual GPU: faithful to real execution, and to what eager CUDA would allocate."""
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from harness.probe import cuda_emulation as cu
+from harness.probe.sim import run_point
+from harness.probe.tracker import CUBLAS_WORKSPACE_BYTES, StorageTracker
+from tests.conftest import train_point
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_tiny_fake_trace_equals_real_cpu_execution_byte_for_byte(precision, checkpointing):
+    """Same steps, same tracker: fake tensors and real CPU tensors give the same trace and peak."""
+    point = train_point(precision=precision, checkpointing=checkpointing)
+    fake, tf = run_point(point, emulate_cuda=False, fake=True)
+    real, tr = run_point(point, emulate_cuda=False, fake=False)
+    assert fake["peak_allocated_bytes"] == real["peak_allocated_bytes"]
+    assert fake["step_allocated_bytes"] == real["step_allocated_bytes"]
+    assert [e[1:2] + e[3:] for e in tf.events] == [e[1:2] + e[3:] for e in tr.events]
+
+
+def test_tiny_infer_fake_equals_real():
+    point = train_point()
+    point["workload"] = dict(name="infer", steps=1, new_tokens=4)
+    fake, _ = run_point(point, emulate_cuda=False, fake=True)
+    real, _ = run_point(point, emulate_cuda=False, fake=False)
+    assert fake["peak_allocated_bytes"] == real["peak_allocated_bytes"] > 0
+
+
+def _phase_peak_temporaries(tracker, phase):
+    """Largest sum of live `temporary` bytes during `phase` from step 2 on (step 1 creates
+    the optimizer state, tagged temporary until that step ends)."""
+    live, cur, peak = {}, 0, 0
+    for _s, action, key, size, kind, ph, st, _m in tracker.events:
+        if action == "alloc":
+            live[key] = (size, kind)
+            if kind == "temporary" and ph == phase and st >= 1:
+                cur += size
+                peak = max(peak, cur)
+        else:
+            size, kind = live.pop(key, (0, ""))
+            if kind == "temporary":
+                cur = max(0, cur - size)
+    return peak
+
+
+def test_foreach_adamw_sqrt_temporaries_of_every_parameter_appear():
+    """CUDA's default foreach AdamW holds _foreach_sqrt(exp_avg_sq) for all parameters at once;
+    the for-loop path fake tensors would pick holds one parameter's worth."""
+    point = train_point(model="tiny")
+    m, tr = run_point(point)
+    params = m["params_bytes"]
+    assert _phase_peak_temporaries(tr, "optimizer") >= 0.99 * params
+    point["optimizer"]["impl"] = "forloop"
+    m2, tr2 = run_point(point)
+    assert _phase_peak_temporaries(tr2, "optimizer") < 0.5 * params
+
+
+def test_optimizer_default_is_cuda_foreach():
+    assert cu.optimizer_kwargs("auto") == {"foreach": True}
+
+
+class _OpNames(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype,mask,kernel", [
+    (torch.bfloat16, False, "_scaled_dot_product_flash_attention"),
+    (torch.float16, False, "_scaled_dot_product_flash_attention"),
+    (torch.float32, False, "_scaled_dot_product_efficient_attention"),
+    (torch.bfloat16, True, "_scaled_dot_product_efficient_attention"),
+])
+def test_attention_uses_cuda_kernel_choice(dtype, mask, kernel):
+    with FakeTensorMode(), cu.cuda_kernels():
+        q = torch.randn(2, 4, 128, 64, dtype=dtype, requires_grad=True)
+        m = torch.ones(2, 1, 128, 128, dtype=torch.bool) if mask else None
+        with _OpNames() as ops:
+            out = F.scaled_dot_product_attention(q, q, q, attn_mask=m, is_causal=not mask)
+            out.sum().backward()
+    assert kernel in ops.names
+    assert "_scaled_dot_product_flash_attention_for_cpu" not in ops.names
+
+
+def test_attention_patch_is_undone():
+    with cu.cuda_kernels():
+        pass
+    assert F.scaled_dot_product_attention is cu._original_sdpa
+
+
+def test_autocast_emulation_follows_cuda_op_lists():
+    """GEMMs in bf16, rsqrt/pow in fp32, softmax output fp32, leaf weight casts cached per region."""
+    with FakeTensorMode():
+        w = torch.nn.Parameter(torch.randn(32, 16))
+        x = torch.randn(4, 16)
+        mode = cu.CudaAutocast(torch.bfloat16)
+        with cu.autocast_region(mode):
+            y = F.linear(x, w)
+            assert y.dtype == torch.bfloat16
+            assert len(mode._cache) == 1
+            F.linear(x, w)
+            assert len(mode._cache) == 1  # the cast weight is reused, as CUDA's cached_cast
+            assert torch.rsqrt(y).dtype == torch.float32
+            assert y.pow(2).dtype == torch.float32
+            assert torch.softmax(y, -1).dtype == torch.float32
+            assert (y + y).dtype == torch.bfloat16  # not on any list: runs in its input dtype
+            with torch.autocast("cpu", enabled=False):
+                assert F.linear(x, w).dtype == torch.float32  # autocast turned off by the code
+        assert mode._cache == {}
+
+
+def test_cublas_workspace_one_per_thread():
+    """Training allocates a workspace for the forward thread and one for the autograd thread."""
+    _, tr = run_point(train_point())
+    ws = [e for e in tr.events if e[4] == "workspace"]
+    assert [e[3] for e in ws] == [CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACE_BYTES]
+    point = train_point()
+    point["workload"] = dict(name="infer", steps=1, new_tokens=2)
+    _, tr = run_point(point)
+    assert len([e for e in tr.events if e[4] == "workspace"]) == 1
+
+
+def test_tracker_keeps_no_graph_alive_in_a_forward_loop_with_grad_enabled():
+    """Forward passes whose outputs are dropped (no backward) must not climb."""
+    from transformers import AutoModelForCausalLM
+
+    from harness.models import hf_config
+    from tests.conftest import model_cfg
+
+    with FakeTensorMode():
+        tracker = StorageTracker()
+        with tracker:
+            model = AutoModelForCausalLM.from_config(hf_config(model_cfg("tiny")))
+            tracker.attach_modules(model)
+            ids = torch.randint(0, 100, (2, 32))
+            after = []
+            for step in range(4):
+                tracker.begin_step(step)
+                tracker.set_phase("forward")
+                out = model(input_ids=ids)
+                del out
+                gc.collect()
+                tracker.end_step()
+                after.append(tracker.allocated)
+    assert after[1] == after[2] == after[3]
+
+
+def test_checkpointing_lowers_the_peak_and_peak_grows_with_batch_and_sequence():
+    def peak(**kw):
+        return run_point(train_point(seq_len=256, **kw))[0]["peak_allocated_bytes"]
+
+    base = peak(batch_size=4)
+    assert peak(batch_size=4, checkpointing=True) < base
+    assert peak(batch_size=8) > base
+    assert run_point(train_point(seq_len=512, batch_size=4))[0]["peak_allocated_bytes"] > base
+
+
+def test_breakdown_at_the_peak_adds_up():
+    m, _ = run_point(train_point())
+    assert sum(m["peak_breakdown"].values()) == m["peak_allocated_bytes"]
+    assert m["params_bytes"] > 0 and m["optimizer_bytes"] == 2 * m["params_bytes"]
+
+
+def test_allocated_after_each_step_is_kept_for_leak_detection():
+    m, _ = run_point(train_point(steps=4))
+    assert len(m["step_allocated_bytes"]) == 4
+    assert len(set(m["step_allocated_bytes"])) == 1  # no leak in a correct loop
