@@ -1,0 +1,38 @@
+"""PyTorch's own estimator on the same workload: MemTracker under FakeTensorMode.
+
+Same model, same CUDA emulations (kernels, foreach), same steps; only the bookkeeping differs.
+"""
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from harness.models import hf_config
+from harness.probe import cuda_emulation as cu
+from harness.probe import steps
+from harness.probe.sim import precision_dtypes
+
+
+def memtracker_peak(point: dict) -> int:
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from transformers import AutoModelForCausalLM
+
+    param_dtype, _ = precision_dtypes(point["precision"])
+    with FakeTensorMode(), cu.unpacked_sequences(), cu.cuda_kernels():
+        model = AutoModelForCausalLM.from_config(hf_config(point["model"]), dtype=param_dtype)
+        model.train()
+        opt = steps.build_optimizer(point["optimizer"]["name"], model.parameters(),
+                                    cu.optimizer_kwargs(point["optimizer"]["impl"]), 1e-4)
+        ids = torch.randint(0, model.config.vocab_size, (point["batch_size"], point["seq_len"]))
+        mt = MemTracker()
+        mt.track_external(model, opt)
+        with mt:
+            for step in range(point["workload"]["steps"]):
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                loss.backward()
+                del loss
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if step == 0:
+                    mt.reset_mod_stats()
+        snap = mt.get_tracker_snapshot("peak")
+        return max(v["Total"] for v in snap.values())

@@ -1,0 +1,121 @@
+"""`python -m harness run|sweep|report` end to end, as users type it (tiny model, CPU)."""
+
+import json
+import os
+import shutil
+import stat
+
+import pandas as pd
+import pytest
+
+from harness import runner
+from harness.record import COLUMNS
+from tests.conftest import run_cli, train_point
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smoke_sweep(tmp_path_factory):
+    results = tmp_path_factory.mktemp("results")
+    r = run_cli("sweep", "sweeps=smoke", f"results_dir={results}")
+    return r, results
+
+
+def _sweep_dirs(results):
+    return sorted((results / "smoke").iterdir())
+
+
+def test_sweep_writes_one_row_per_point_and_a_parquet(smoke_sweep):
+    r, results = smoke_sweep
+    assert r.returncode == 0, r.stderr
+    [sweep_dir] = _sweep_dirs(results)
+    df = pd.read_parquet(sweep_dir / "results.parquet")
+    assert len(df) == 4
+    assert set(df["status"]) == {"ok"}
+    assert (df["peak_allocated_bytes"] > 0).all()
+    assert set(df["batch_size"]) == {1, 2} and set(df["seq_len"]) == {32, 64}
+    assert (sweep_dir / "results.csv").exists()
+    for run in (sweep_dir / "runs").iterdir():
+        assert (run / "trace.parquet").exists()
+    assert "peak alloc GiB" in r.stdout and "h100-80gb" in r.stdout
+
+
+def test_rerunning_a_sweep_skips_points_already_done(smoke_sweep):
+    _, results = smoke_sweep
+    r = run_cli("sweep", "sweeps=smoke", f"results_dir={results}")
+    assert r.returncode == 0, r.stderr
+    newest = _sweep_dirs(results)[-1]
+    df = pd.read_parquet(newest / "results.parquet")
+    assert len(df) == 4 and df["reused_from"].notna().all()
+    assert not list((newest / "runs").glob("*/trace.parquet"))  # nothing was traced again
+
+
+def test_report_aggregates_a_partial_sweep(smoke_sweep, tmp_path):
+    _, results = smoke_sweep
+    partial = tmp_path / "partial"
+    shutil.copytree(_sweep_dirs(results)[0], partial)
+    (partial / "results.parquet").unlink()
+    (partial / "runs" / "3" / "result.json").unlink()  # an interrupted point
+    r = run_cli("report", str(partial))
+    assert r.returncode == 0, r.stderr
+    assert len(pd.read_parquet(partial / "results.parquet")) == 3
+
+
+def test_run_records_every_column(tmp_path):
+    r = run_cli("run", "model=tiny", "batch_size=2", "seq_len=32", f"results_dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    [result] = tmp_path.glob("runs/*/result.json")
+    rec = json.loads(result.read_text())
+    assert set(COLUMNS) <= set(rec)
+    assert rec["status"] == "ok" and rec["backend"] == "sim" and rec["n_params"] > 0
+    assert rec["torch_version"] and rec["harness_version"]
+    assert rec["peak_allocated_bytes"] >= rec["params_bytes"] + rec["optimizer_bytes"]
+
+
+def test_inference_point_runs_prefill_and_decode(tmp_path):
+    r = run_cli("run", "model=tiny", "workload=infer", "batch_size=4", "seq_len=64", f"results_dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(next(tmp_path.glob("runs/*/result.json")).read_text())
+    assert rec["status"] == "ok" and len(rec["step_allocated_bytes"]) == 1 + 16
+    assert rec["optimizer_bytes"] == 0 and rec["grads_bytes"] == 0
+
+
+def test_point_beyond_the_card_is_an_oom_row_not_a_failure(tmp_path):
+    """7B full fine-tuning cannot fit a T4: the row says oom, where, and the exit code is 0."""
+    r = run_cli("run", "model=7b", "gpu=t4", "batch_size=1", "seq_len=128", f"results_dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(next(tmp_path.glob("runs/*/result.json")).read_text())
+    # bf16 weights (12.55 GiB) fit a T4; the gradients arriving in the first backward do not.
+    assert rec["status"] == "oom" and (rec["oom_phase"], rec["oom_step"]) == ("backward", 0)
+    assert rec["peak_allocated_bytes"] > rec["gpu_memory_bytes"]
+
+
+def test_timeouts_are_rows_and_the_sweep_goes_on(tmp_path):
+    r = run_cli("sweep", "sweeps=smoke", "batch_size=1", "timeout_s=1", f"results_dir={tmp_path}")
+    assert r.returncode == 1
+    df = pd.read_parquet(next((tmp_path / "smoke").iterdir()) / "results.parquet")
+    assert len(df) == 2 and set(df["status"]) == {"timeout"}
+
+
+def test_a_killed_worker_is_an_error_row(tmp_path, monkeypatch):
+    """A worker killed by a signal (e.g. the host's OOM killer) leaves an error row."""
+    suicide = tmp_path / "python"
+    suicide.write_text("#!/bin/sh\nkill -9 $$\n")
+    suicide.chmod(suicide.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr(runner.sys, "executable", str(suicide))
+    point = {**train_point(), "backend": "sim", "timeout_s": 60, "sweep": "t",
+             "allocator": {"name": "default", "conf": ""},
+             "gpu": {"name": "T4", "memory_bytes": 1, "non_pytorch_bytes": 0}}
+    rec = runner.run_point(point, tmp_path / "run")
+    assert rec["status"] == "error" and "SIGKILL" in rec["error"]
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "error"
+
+
+def test_cuda_backend_without_a_gpu_is_exit_2(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: backend=cuda is valid here")
+    r = run_cli("run", "model=tiny", "backend=cuda", "seq_len=64", f"results_dir={tmp_path}")
+    assert r.returncode == 2 and r.stderr.strip().startswith("harness: error: backend:")
