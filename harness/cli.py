@@ -99,12 +99,17 @@ def _launch(verb: str, flags: list[str], overrides: list[str]) -> int:
     extra = [SEARCHPATH_OVERRIDE, f"results_dir={results_dir}"]
     if not any(o.split("=", 1)[0] == "backend" for o in overrides):
         extra.append(f"backend={backend}")  # resolved once, so run_ids don't depend on the host
-    if verb == "sweep":
+    dir_key = "hydra.sweep.dir" if verb == "sweep" else "hydra.run.dir"
+    given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == dir_key]
+    if given:  # the user's own output dir wins; we only need to know it
+        out = Path(given[-1]).expanduser().resolve()
+        overrides = [o for o in overrides if o.split("=", 1)[0] != dir_key]
+    elif verb == "sweep":
         out = results_dir / base.sweep / stamp
-        hydra_args = ["--multirun", *overrides, f"hydra.sweep.dir={out}", *extra]
     else:
         out = results_dir / "runs" / stamp
-        hydra_args = [*overrides, f"hydra.run.dir={out}", *extra]
+    hydra_args = ([*overrides, f"{dir_key}={out}", *extra] if verb == "run"
+                  else ["--multirun", *overrides, f"{dir_key}={out}", *extra])
     print(f"harness: {verb}: {len(points)} point(s) on backend={backend} -> {out}", file=sys.stderr)
     sys.argv = [sys.argv[0], *flags, *hydra_args]
     try:

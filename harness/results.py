@@ -33,7 +33,7 @@ def to_frame(rows: list[dict]) -> pd.DataFrame:
         if col not in df.columns:
             df[col] = None
     df = df[list(COLUMNS) + [c for c in df.columns if c not in COLUMNS]]
-    sort = [c for c in ("model", "workload", "precision", "checkpointing", "batch_size", "seq_len")]
+    sort = ["model", "workload", "precision", "checkpointing", "batch_size", "seq_len"]
     return df.sort_values(sort, na_position="last", kind="stable").reset_index(drop=True)
 
 

@@ -26,14 +26,22 @@ SEARCHPATH_OVERRIDE = f"hydra.searchpath=[file://{REPO}]"
 _HOST_BYTES_PER_POINT = 2 * 1024**3
 
 
+def _available_host_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # reported in KiB
+    except OSError:
+        pass
+    return None
+
+
 def parallelism() -> int:
     """Points to run at once: one per core, fewer if host memory is short."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        avail = cores * _HOST_BYTES_PER_POINT
-    return max(1, min(cores, avail // _HOST_BYTES_PER_POINT))
+    avail = _available_host_bytes()
+    by_memory = cores if avail is None else avail // _HOST_BYTES_PER_POINT
+    return max(1, min(cores, by_memory))
 
 
 def register_resolvers() -> None:
@@ -78,11 +86,9 @@ def friendly_error(e: Exception) -> ConfigError:
         if "not in" in first:
             first = "unknown key"
         return ConfigError(inner.full_key, first)
-    full_key = None
     first = msg.strip().splitlines()[0] if msg.strip() else type(e).__name__
-    m = re.search(r"full_key: ([\w.]+)", msg)
-    key = full_key or (m.group(1) if m else "overrides")
-    return ConfigError(key, first)
+    m = re.search(r"(?:override|argument) '?([\w.+~/-]+)", first)
+    return ConfigError(m.group(1).lstrip("+~") if m else "overrides", first)
 
 
 def _group_dir(group: str) -> Path:

@@ -6,6 +6,7 @@ create on CUDA (see cuda_emulation for the differences from CPU that are reprodu
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import torch
@@ -60,8 +61,8 @@ def run_point(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tupl
         autocast_mode = cu.CudaAutocast(amp_dtype) if emulate_cuda else None
 
     torch.manual_seed(0)
-    with contextlib_ctx(fake_mode), cu.unpacked_sequences(), \
-            (cu.cuda_kernels() if emulate_cuda else nullctx()), tracker:
+    with fake_mode or contextlib.nullcontext(), cu.unpacked_sequences(), \
+            (cu.cuda_kernels() if emulate_cuda else contextlib.nullcontext()), tracker:
         tracker.set_phase("setup")
         model = AutoModelForCausalLM.from_config(config, dtype=param_dtype)
         n_params = sum(p.numel() for p in model.parameters())
@@ -69,8 +70,7 @@ def run_point(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tupl
             tracker.track(p, "parameter")
         for b in model.buffers():
             tracker.track(b, "parameter")
-        params_bytes = sum(tracker._live[p.untyped_storage()._cdata][1] for p in model.parameters()
-                           if tracker.is_tracked(p))
+        params_bytes = sum(tracker.allocated_bytes_of(p) for p in model.parameters())
         tracker.attach_modules(model)
         tracker.set_phase("input")
         input_ids = torch.randint(0, config.vocab_size, (point["batch_size"], point["seq_len"]))
@@ -110,12 +110,8 @@ def _retag_state(tracker: StorageTracker, optimizer, host_steps: bool) -> None:
 
 
 def _state_bytes(tracker: StorageTracker, optimizer) -> int:
-    total = 0
-    for state in optimizer.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor) and tracker.is_tracked(v):
-                total += tracker._live[v.untyped_storage()._cdata][1]
-    return total
+    return sum(tracker.allocated_bytes_of(v) for state in optimizer.state.values()
+               for v in state.values() if isinstance(v, torch.Tensor))
 
 
 def _measurements(tracker: StorageTracker, workload: dict, n_params: int, params_bytes: int,
@@ -147,15 +143,3 @@ def _measurements(tracker: StorageTracker, workload: dict, n_params: int, params
         "overall_peak_allocated_bytes": tracker.overall_peak,
         "num_events": len(tracker.events),
     }
-
-
-class nullctx:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def contextlib_ctx(mode):
-    return mode if mode is not None else nullctx()

@@ -149,6 +149,11 @@ class StorageTracker(TorchDispatchMode):
     def is_tracked(self, t: torch.Tensor) -> bool:
         return t.untyped_storage()._cdata in self._live
 
+    def allocated_bytes_of(self, t: torch.Tensor) -> int:
+        """Bytes the allocator holds for t's storage (0 if untracked or on the host)."""
+        entry = self._live.get(t.untyped_storage()._cdata)
+        return entry[1] if entry else 0
+
     def _default_kind(self) -> str:
         if self.phase in ("forward", "prefill", "decode"):
             return "activation"
