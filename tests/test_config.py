@@ -99,3 +99,22 @@ def test_bad_input_is_one_line_naming_the_key_exit_2_and_keeps_results(tmp_path,
 def test_unknown_verb_is_a_usage_error():
     r = run_cli("sweeep", "model=7b")
     assert r.returncode == 2 and "unknown verb" in r.stderr
+
+
+def test_slurm_launcher_picks_the_card_from_the_catalog():
+    """hydra/launcher=harness_slurm takes gres and constraint from conf/gpu/<card>.yaml."""
+    from omegaconf import OmegaConf
+
+    cfg = compose(["hydra/launcher=harness_slurm", "gpu=h100-80gb"], with_hydra=True)
+    launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    assert launcher["gres"] == "gpu:h100:1" and launcher["constraint"] == "h100"
+    assert launcher["_target_"].endswith("SlurmLauncher")
+
+
+def test_every_card_cites_its_capacity():
+    from harness import catalog
+
+    cards = catalog.cards()
+    assert {c["key"] for c in cards} >= {"t4", "l4", "a10g", "rtx4090", "a100-40gb", "a100-80gb",
+                                         "h100-80gb", "h200", "b200", "mi300x"}
+    assert all(c["memory_bytes"] > 10 * 1024**3 and c["source"] for c in cards)

@@ -37,8 +37,12 @@ def write_trace(events: list[tuple], path: Path) -> None:
     import pandas as pd
 
     cols = ["seq", "action", "key", "size", "kind", "phase", "step", "module"]
+    from harness.probe.tracker import round_request
+
     df = pd.DataFrame(events, columns=cols)
     df["seq"] = range(len(df))  # dropped host-side allocations leave gaps
+    # `size` is the requested bytes; `allocated` what the allocator's 512-B rounding hands out.
+    df["allocated"] = [round_request(int(n)) for n in df["size"]]
     df.to_parquet(path, index=False)
 
 
