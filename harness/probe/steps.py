@@ -77,19 +77,13 @@ def infer(model, input_ids, new_tokens: int, hooks, autocast_mode=None) -> None:
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
         ck = _cache_kwarg(model)
-        hooks.begin_step(0)
-        hooks.set_phase("prefill")
-        with autocast_region(autocast_mode):
-            out = model(input_ids=input_ids, **{ck: cache}, use_cache=True, logits_to_keep=1)
-        next_ids = out.logits[:, -1:].argmax(-1)
-        del out
-        hooks.end_step()
-        for i in range(new_tokens):
-            hooks.begin_step(i + 1)
-            hooks.set_phase("decode")
+        ids = input_ids
+        for step in range(new_tokens + 1):  # step 0 is the prefill
+            hooks.begin_step(step)
+            hooks.set_phase("prefill" if step == 0 else "decode")
             with autocast_region(autocast_mode):
-                out = model(input_ids=next_ids, **{ck: cache}, use_cache=True, logits_to_keep=1)
-            next_ids = out.logits[:, -1:].argmax(-1)
+                out = model(input_ids=ids, **{ck: cache}, use_cache=True, logits_to_keep=1)
+            ids = out.logits[:, -1:].argmax(-1)
             del out
             hooks.end_step()
         del cache

@@ -100,15 +100,19 @@ class StorageTracker(TorchDispatchMode):
                 s.peak_module = module
             s.peak_requested_bytes = max(s.peak_requested_bytes, self.requested)
 
-    def _record_free(self, key: int) -> None:
+    def _forget(self, key: int) -> list | None:
+        """Stop counting a live storage; returns its [requested, allocated, kind] entry."""
         entry = self._live.pop(key, None)
-        if entry is None:
-            return
-        nbytes, alloc, kind = entry
-        self.allocated -= alloc
-        self.requested -= nbytes
-        self.kind_bytes[kind] -= alloc
-        self.events.append((len(self.events), "free", key, nbytes, kind, self.phase, self.step, ""))
+        if entry is not None:
+            self.allocated -= entry[1]
+            self.requested -= entry[0]
+            self.kind_bytes[entry[2]] -= entry[1]
+        return entry
+
+    def _record_free(self, key: int) -> None:
+        entry = self._forget(key)
+        if entry is not None:
+            self.events.append((len(self.events), "free", key, entry[0], entry[2], self.phase, self.step, ""))
 
     def track(self, t: torch.Tensor, kind: str) -> None:
         """Start tracking a tensor's storage (idempotent); `kind` applies if it is new."""
@@ -134,13 +138,8 @@ class StorageTracker(TorchDispatchMode):
         """Forget a storage that a real CUDA run keeps on the host (e.g. optimizer step counts):
         its alloc event goes, and so will its free."""
         key = t.untyped_storage()._cdata
-        entry = self._live.pop(key, None)
-        if entry is None:
+        if self._forget(key) is None:
             return
-        nbytes, alloc, kind = entry
-        self.allocated -= alloc
-        self.requested -= nbytes
-        self.kind_bytes[kind] -= alloc
         for i in range(len(self.events) - 1, -1, -1):
             if self.events[i][2] == key and self.events[i][1] == "alloc":
                 del self.events[i]
