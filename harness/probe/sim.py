@@ -53,47 +53,49 @@ def run_point(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tupl
 
     config = hf_config(point["model"])
     param_dtype, amp_dtype = precision_dtypes(point["precision"])
-    workload = point["workload"]
+    if amp_dtype is not None and not emulate_cuda:
+        raise ValueError("amp_* precisions are traced with CUDA's autocast policy only")
+    autocast_mode = cu.CudaAutocast(amp_dtype) if amp_dtype is not None else None
     tracker = StorageTracker(emulate_cublas_workspace=emulate_cuda)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else None
-    autocast_mode = None
-    if amp_dtype is not None:
-        autocast_mode = cu.CudaAutocast(amp_dtype) if emulate_cuda else None
+    train = point["workload"]["name"] == "train"
+    # infer: the prompt; the rest of the context is decoded
+    n_tokens = point["seq_len"] - (0 if train else point["workload"]["new_tokens"])
 
     torch.manual_seed(0)
-    with fake_mode or contextlib.nullcontext(), cu.unpacked_sequences(), \
-            (cu.cuda_kernels() if emulate_cuda else contextlib.nullcontext()), tracker:
+    with FakeTensorMode() if fake else contextlib.nullcontext(), cu.unpacked_sequences(), \
+            cu.cuda_kernels() if emulate_cuda else contextlib.nullcontext(), tracker:
         tracker.set_phase("setup")
         model = AutoModelForCausalLM.from_config(config, dtype=param_dtype)
-        n_params = sum(p.numel() for p in model.parameters())
-        for p in model.parameters():
-            tracker.track(p, "parameter")
-        for b in model.buffers():
-            tracker.track(b, "parameter")
-        params_bytes = sum(tracker.allocated_bytes_of(p) for p in model.parameters())
+        for t in (*model.parameters(), *model.buffers()):
+            tracker.track(t, "parameter")
         tracker.attach_modules(model)
         tracker.set_phase("input")
-        input_ids = torch.randint(0, config.vocab_size, (point["batch_size"], point["seq_len"]))
-        if workload["name"] == "train":
-            if point["checkpointing"]:
-                recompute = (lambda: cu.autocast_region(autocast_mode)) if autocast_mode else None
-                steps.enable_checkpointing(model, recompute)
-            opt_kwargs = cu.optimizer_kwargs(point["optimizer"]["impl"]) if emulate_cuda else {}
-            optimizer = steps.build_optimizer(point["optimizer"]["name"], model.parameters(),
-                                              opt_kwargs, point["optimizer"]["lr"])
-            for p in model.parameters():
-                p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "gradient"))
-            host_steps = point["optimizer"]["impl"] != "fused" or not emulate_cuda
-            optimizer.register_step_post_hook(lambda opt, *_: _retag_state(tracker, opt, host_steps))
-            steps.train(model, optimizer, input_ids, workload["steps"], _Hooks(tracker), autocast_mode)
-            state_bytes = _state_bytes(tracker, optimizer)
+        input_ids = torch.randint(0, config.vocab_size, (point["batch_size"], n_tokens))
+        if train:
+            state_bytes = _trace_train(point, model, input_ids, tracker, autocast_mode, emulate_cuda)
         else:
-            new_tokens = workload["new_tokens"]
-            prompt = input_ids[:, : point["seq_len"] - new_tokens]
-            del input_ids
-            steps.infer(model, prompt, new_tokens, _Hooks(tracker), autocast_mode)
+            steps.infer(model, input_ids, point["workload"]["new_tokens"], _Hooks(tracker), autocast_mode)
             state_bytes = 0
-    return _measurements(tracker, workload, n_params, params_bytes, state_bytes), tracker
+        n_params = sum(p.numel() for p in model.parameters())
+        params_bytes = sum(tracker.allocated_bytes_of(p) for p in model.parameters())
+    return _measurements(tracker, point["workload"], n_params, params_bytes, state_bytes), tracker
+
+
+def _trace_train(point, model, input_ids, tracker, autocast_mode, emulate_cuda) -> int:
+    """The training steps under the tracker; returns the optimizer state's bytes."""
+    if point["checkpointing"]:
+        recompute = (lambda: cu.autocast_region(autocast_mode)) if autocast_mode else None
+        steps.enable_checkpointing(model, recompute)
+    opt = point["optimizer"]
+    opt_kwargs = cu.optimizer_kwargs(opt["impl"]) if emulate_cuda else {}
+    optimizer = steps.build_optimizer(opt["name"], model.parameters(), opt_kwargs, opt["lr"])
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "gradient"))
+    host_steps = opt["impl"] != "fused" or not emulate_cuda
+    optimizer.register_step_post_hook(lambda o, *_: _retag_state(tracker, o, host_steps))
+    steps.train(model, optimizer, input_ids, point["workload"]["steps"], _Hooks(tracker), autocast_mode)
+    return sum(tracker.allocated_bytes_of(v) for state in optimizer.state.values()
+               for v in state.values() if isinstance(v, torch.Tensor))
 
 
 def _retag_state(tracker: StorageTracker, optimizer, host_steps: bool) -> None:
@@ -107,11 +109,6 @@ def _retag_state(tracker: StorageTracker, optimizer, host_steps: bool) -> None:
                 tracker.drop(v)
             else:
                 tracker.retag(v, "optimizer_state")
-
-
-def _state_bytes(tracker: StorageTracker, optimizer) -> int:
-    return sum(tracker.allocated_bytes_of(v) for state in optimizer.state.values()
-               for v in state.values() if isinstance(v, torch.Tensor))
 
 
 def _measurements(tracker: StorageTracker, workload: dict, n_params: int, params_bytes: int,
