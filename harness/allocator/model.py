@@ -1,0 +1,590 @@
+"""A model of PyTorch's CUDA caching allocator (backend:native), rule for rule.
+
+Follows c10/cuda/CUDACachingAllocator.cpp as summarised in shared/reference/pytorch-allocator.md
+(section 1): request rounding, small and large pools, segment sizes, best fit with the oversize
+rules, splitting, coalescing on free, pools per stream, the release-and-retry ladder,
+garbage_collection_threshold, expandable segments, and the statistics with their peaks.
+Memory comes from a `Device` with a capacity; it never touches a GPU.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from dataclasses import dataclass, field
+
+from harness.allocator.settings import K_LARGE_BUFFER, SIZE_MAX, AllocSettings
+
+MiB = 1024 * 1024
+K_MIN_BLOCK = 512
+K_SMALL_SIZE = MiB  # requests up to 1 MiB (rounded) go to the small pool
+K_SMALL_BUFFER = 2 * MiB  # small-pool segment size and small expandable page
+K_MIN_LARGE_ALLOC = 10 * MiB
+K_ROUND_LARGE = 2 * MiB
+
+
+def _power2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def round_size(size: int, divisions: tuple[int, ...] = (0,) * 16) -> int:
+    """Bytes a request is rounded to (round_size, with roundup_power2_divisions)."""
+    if size < K_MIN_BLOCK:
+        return K_MIN_BLOCK
+    index = min(max(size.bit_length() - 1 - 20, 0), len(divisions) - 1)
+    d = divisions[index]
+    if d > 1 and size > K_MIN_BLOCK * d:
+        if size & (size - 1) == 0:
+            return size
+        floor = _power2_floor(size)
+        step = floor >> (d.bit_length() - 1)
+        if step == 0:
+            return 2 * floor
+        return -(-size // step) * step
+    return -(-size // K_MIN_BLOCK) * K_MIN_BLOCK
+
+
+def allocation_size(size: int) -> int:
+    """Segment size cudaMalloc'd for a (rounded) request (get_allocation_size)."""
+    if size <= K_SMALL_SIZE:
+        return K_SMALL_BUFFER
+    if size < K_MIN_LARGE_ALLOC:
+        return K_LARGE_BUFFER
+    return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
+
+
+class Block:
+    __slots__ = ("addr", "size", "requested", "stream", "small", "allocated", "mapped", "prev", "next",
+                 "es", "gc_base", "tag")
+
+    def __init__(self, addr, size, stream, small, es=None, mapped=True):
+        self.addr, self.size, self.stream, self.small = addr, size, stream, small
+        self.requested = 0
+        self.allocated = False
+        self.mapped = mapped
+        self.prev: Block | None = None
+        self.next: Block | None = None
+        self.es: ExpandableSegment | None = es
+        self.gc_base = 0
+        self.tag = None  # the caller's label (e.g. the trace event) for snapshots
+
+    def is_split(self) -> bool:
+        return self.prev is not None or self.next is not None
+
+    def key(self):
+        return (self.stream, self.size, self.addr)
+
+
+class ExpandableSegment:
+    """One per (pool, stream): a reserved address range mapped page by page."""
+
+    def __init__(self, base: int, size: int, page: int, stream: int, small: bool):
+        self.base, self.size, self.page, self.stream, self.small = base, size, page, stream, small
+        self.mapped: set[int] = set()  # page indices
+
+
+class Pool:
+    def __init__(self, small: bool):
+        self.small = small
+        self.free: list[tuple] = []  # (stream, size, addr), mapped free blocks, best-fit order
+        self.unmapped: list[tuple] = []  # (stream, addr), expandable address space not mapped
+        self.get_free_blocks_calls = 0  # the garbage collector's clock
+
+    def insert(self, b: Block) -> None:
+        insort(self.free, b.key())
+        b.gc_base = self.get_free_blocks_calls
+
+    def remove(self, b: Block) -> None:
+        i = bisect_left(self.free, b.key())
+        if i < len(self.free) and self.free[i] == b.key():
+            del self.free[i]
+
+    def insert_unmapped(self, b: Block) -> None:
+        insort(self.unmapped, (b.stream, b.addr))
+
+    def remove_unmapped(self, b: Block) -> None:
+        i = bisect_left(self.unmapped, (b.stream, b.addr))
+        if i < len(self.unmapped) and self.unmapped[i] == (b.stream, b.addr):
+            del self.unmapped[i]
+
+
+@dataclass
+class Stat:
+    current: int = 0
+    peak: int = 0
+
+    def add(self, n: int) -> None:
+        self.current += n
+        if self.current > self.peak:
+            self.peak = self.current
+
+
+@dataclass
+class Stats:
+    allocated_bytes: Stat = field(default_factory=Stat)
+    requested_bytes: Stat = field(default_factory=Stat)
+    reserved_bytes: Stat = field(default_factory=Stat)
+    active_bytes: Stat = field(default_factory=Stat)
+    inactive_split_bytes: Stat = field(default_factory=Stat)
+    allocation: Stat = field(default_factory=Stat)
+    segment: Stat = field(default_factory=Stat)
+    num_alloc_retries: int = 0
+    num_ooms: int = 0
+    num_device_alloc: int = 0
+    num_device_free: int = 0
+
+    def as_dict(self) -> dict:
+        out = {}
+        for name in ("allocated_bytes", "requested_bytes", "reserved_bytes", "active_bytes",
+                     "inactive_split_bytes", "allocation", "segment"):
+            s = getattr(self, name)
+            out[f"{name}.all.current"] = s.current
+            out[f"{name}.all.peak"] = s.peak
+        for name in ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free"):
+            out[name] = getattr(self, name)
+        return out
+
+
+class OutOfMemory(Exception):
+    """What torch.OutOfMemoryError would carry; `message(version)` words it."""
+
+    def __init__(self, tried_bytes: int, rounded_bytes: int, capacity: int, free: int, allocated: int,
+                 reserved: int, allowed: int | None, device: int = 0):
+        super().__init__(f"CUDA out of memory. Tried to allocate {tried_bytes} bytes")
+        self.tried_bytes, self.rounded_bytes = tried_bytes, rounded_bytes
+        self.capacity, self.free, self.allocated, self.reserved = capacity, free, allocated, reserved
+        self.allowed, self.device = allowed, device
+
+
+class Device:
+    """Physical memory PyTorch may use: `capacity` bytes (the card less non-PyTorch memory), and
+    optionally a per-process fraction of `total` (set_per_process_memory_fraction)."""
+
+    def __init__(self, capacity: int | None = None, total: int | None = None, fraction: float | None = None):
+        self.capacity = capacity  # None: unlimited (a replay that only reproduces decisions)
+        self.total = total if total is not None else (capacity if capacity is not None else 80 * 1024**3)
+        self.allowed = int(fraction * self.total) if fraction is not None else None
+
+
+class CachingAllocator:
+    """Per-device caching allocator. `new_segment_addr(size)` chooses cudaMalloc's addresses."""
+
+    def __init__(self, settings: AllocSettings | None = None, device: Device | None = None,
+                 new_segment_addr=None):
+        self.settings = settings or AllocSettings()
+        self.device = device or Device()
+        self.small, self.large = Pool(True), Pool(False)
+        self.blocks: dict[int, Block] = {}  # every block by address (free, allocated, unmapped)
+        self.segments: dict[int, Block] = {}  # regular segments: base address -> first block
+        self.expandable: dict[tuple[bool, int], ExpandableSegment] = {}
+        self.stats = Stats()
+        self.total_allocated_memory = 0  # bytes obtained from the device (== reserved)
+        self._va = 0x7F0000000000
+        self._new_segment_addr = new_segment_addr or self._bump
+        self.on_event = None  # callback(action, addr, size, stream) for traces
+
+    # ---- addresses -------------------------------------------------------------------------
+    def _bump(self, size: int) -> int:
+        addr = self._va
+        self._va += -(-size // K_SMALL_BUFFER) * K_SMALL_BUFFER + K_SMALL_BUFFER  # a gap: never adjacent
+        return addr
+
+    def _emit(self, action, addr, size, stream=0):
+        if self.on_event is not None:
+            self.on_event(action, addr, size, stream)
+
+    # ---- public API ------------------------------------------------------------------------
+    def malloc(self, orig_size: int, stream: int = 0) -> Block:
+        """Allocate like CUDACachingAllocator::malloc; raises OutOfMemory."""
+        s = self.settings
+        size = round_size(orig_size, s.roundup_power2_divisions)
+        pool = self.small if size <= K_SMALL_SIZE else self.large
+        alloc_size = allocation_size(size)
+        block = self._get_free_block(pool, stream, size)
+        if block is None:
+            if self._gc_active():
+                self._garbage_collect()
+            block = self._alloc_block(pool, stream, size, alloc_size)
+            if block is None and self._release_available_cached_blocks(pool, stream, size):
+                block = self._alloc_block(pool, stream, size, alloc_size)
+            if block is None:
+                self.release_cached_blocks()
+                block = self._alloc_block(pool, stream, size, alloc_size)
+                self.stats.num_alloc_retries += 1
+            if block is None:
+                self.stats.num_ooms += 1
+                self._emit("oom", 0, size, stream)
+                raise self._oom(alloc_size, size)
+        return self._alloc_found_block(block, pool, size, orig_size, self._should_split(block, size))
+
+    def free(self, block: Block) -> None:
+        """free + free_block (a single stream: the free completes at once)."""
+        self.stats.allocation.add(-1)
+        self.stats.allocated_bytes.add(-block.size)
+        self._emit("free_requested", block.addr, block.requested, block.stream)
+        self._free_block(block)
+        self._emit("free_completed", block.addr, block.requested, block.stream)
+
+    def empty_cache(self) -> None:
+        self.release_cached_blocks()
+
+    # ---- the rules ---------------------------------------------------------------------------
+    def _gc_active(self) -> bool:
+        return self.device.allowed is not None and self.settings.garbage_collection_threshold > 0
+
+    def _get_free_block(self, pool: Pool, stream: int, size: int) -> Block | None:
+        s = self.settings
+        if self._gc_active():
+            pool.get_free_blocks_calls += 1
+        i = bisect_left(pool.free, (stream, size, 0))
+        if i == len(pool.free) or pool.free[i][0] != stream:
+            return None
+        b = self.blocks[pool.free[i][2]]
+        if b.es is not None:
+            # Best fit counts an expandable block as big as it can grow (next unmapped).
+            def grow(x: Block) -> int:
+                return x.size + (x.next.size if x.next is not None and not x.next.mapped else 0)
+            j = i + 1
+            while b.es is not None and j < len(pool.free) and pool.free[j][0] == stream:
+                nb = self.blocks[pool.free[j][2]]
+                if grow(nb) >= grow(b):
+                    break
+                b, j = nb, j + 1
+        if size < s.max_split_size and b.size >= s.max_split_size:
+            return None  # never hand an oversize block to a normal request
+        if size >= s.max_split_size and b.size >= size + s.max_non_split_rounding:
+            return None  # oversize reuse only within max_non_split_rounding
+        pool.remove(b)
+        return b
+
+    def _should_split(self, b: Block, size: int) -> bool:
+        remaining = b.size - size
+        if b.small or self.settings.expandable_segments:
+            return remaining >= K_MIN_BLOCK
+        return size < self.settings.max_split_size and remaining > K_SMALL_SIZE
+
+    def _alloc_found_block(self, b: Block, pool: Pool, size: int, orig_size: int, split: bool) -> Block:
+        st = self.stats
+        already_split = b.is_split()
+        if split:
+            rest = Block(b.addr + size, b.size - size, b.stream, b.small, b.es)
+            rest.prev, rest.next = b, b.next
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            b.size = size
+            self.blocks[rest.addr] = rest
+            pool.insert(rest)
+            if b.es is None:
+                if already_split:
+                    st.inactive_split_bytes.add(-size)
+                else:
+                    st.inactive_split_bytes.add(rest.size)
+        elif already_split and b.es is None:
+            st.inactive_split_bytes.add(-b.size)
+        b.allocated = True
+        b.requested = orig_size
+        st.allocation.add(1)
+        st.allocated_bytes.add(b.size)
+        st.active_bytes.add(b.size)
+        st.requested_bytes.add(orig_size)
+        self._emit("alloc", b.addr, orig_size, b.stream)
+        return b
+
+    def _try_merge(self, dst: Block, src: Block | None, pool: Pool) -> int:
+        if src is None or src.allocated or dst.mapped != src.mapped:
+            return 0
+        if dst.prev is src:
+            del self.blocks[dst.addr]
+            dst.addr = src.addr
+            dst.prev = src.prev
+            if dst.prev is not None:
+                dst.prev.next = dst
+            self.blocks[dst.addr] = dst
+        else:
+            dst.next = src.next
+            if dst.next is not None:
+                dst.next.prev = dst
+        if src.mapped:
+            pool.remove(src)
+        else:
+            pool.remove_unmapped(src)
+        if self.blocks.get(src.addr) is src:
+            del self.blocks[src.addr]
+        dst.size += src.size
+        if dst.es is None and dst.prev is None:
+            self.segments[dst.addr] = dst  # dst now starts its segment
+        return src.size
+
+    def _free_block(self, b: Block) -> None:
+        st = self.stats
+        pool = self.small if b.small else self.large
+        original, requested = b.size, b.requested
+        delta = 0
+        for cand in (b.prev, b.next):
+            subsumed = self._try_merge(b, cand, pool)
+            delta -= subsumed
+        b.allocated = False
+        pool.insert(b)
+        if b.is_split():
+            delta += b.size
+        if b.es is None:
+            st.inactive_split_bytes.add(delta)
+        st.active_bytes.add(-original)
+        st.requested_bytes.add(-requested)
+
+    # ---- memory from the device -------------------------------------------------------------
+    def _device_has(self, nbytes: int) -> bool:
+        cap = self.device.capacity
+        return cap is None or self.total_allocated_memory + nbytes <= cap
+
+    def _alloc_block(self, pool: Pool, stream: int, size: int, alloc_size: int) -> Block | None:
+        allowed = self.device.allowed
+        if allowed is not None and self.total_allocated_memory + alloc_size > allowed:
+            return None
+        if self.settings.expandable_segments:
+            return self._try_allocate_expandable_block(pool, stream, size)
+        if not self._device_has(alloc_size):
+            return None
+        addr = self._new_segment_addr(alloc_size)
+        b = Block(addr, alloc_size, stream, pool.small)
+        self.blocks[addr] = b
+        self.segments[addr] = b
+        self.total_allocated_memory += alloc_size
+        self.stats.segment.add(1)
+        self.stats.reserved_bytes.add(alloc_size)
+        self.stats.num_device_alloc += 1
+        self._emit("segment_alloc", addr, alloc_size, stream)
+        return b
+
+    def _release_block(self, b: Block, pool: Pool) -> None:
+        """cudaFree a whole free segment."""
+        pool.remove(b)
+        del self.blocks[b.addr]
+        self.segments.pop(b.addr, None)
+        self.total_allocated_memory -= b.size
+        self.stats.segment.add(-1)
+        self.stats.reserved_bytes.add(-b.size)
+        self.stats.num_device_free += 1
+        self._emit("segment_free", b.addr, b.size, b.stream)
+
+    def _release_available_cached_blocks(self, pool: Pool, stream: int, size: int) -> bool:
+        msz = self.settings.max_split_size
+        if msz == SIZE_MAX:
+            return False
+        key = max(size, msz)
+        i = bisect_left(pool.free, (stream, key, 0))
+        if i == len(pool.free) or pool.free[i][0] != stream:
+            # No single block is large enough: free oversize blocks from the largest down.
+            released, j = 0, i - 1
+            while j >= 0 and released < key:
+                st_, sz, addr = pool.free[j]
+                if st_ != stream or sz < msz:
+                    break
+                b = self.blocks[addr]
+                if b.es is None and not b.is_split():
+                    self._release_block(b, pool)
+                    released += sz
+                j -= 1
+            return released >= key
+        b = self.blocks[pool.free[i][2]]
+        if b.es is not None or b.is_split():
+            return False
+        self._release_block(b, pool)
+        return True
+
+    def release_cached_blocks(self) -> None:
+        """empty_cache(): every whole free segment back to the device; expandable pages unmapped."""
+        for pool in (self.large, self.small):
+            free = [self.blocks[addr] for _stream, _size, addr in pool.free]
+            to_unmap = []
+            for b in free:
+                if b.es is not None:
+                    to_unmap.append(b)
+                elif not b.is_split():
+                    self._release_block(b, pool)
+            for b in to_unmap:
+                self._unmap_block(b, pool)
+                if not b.mapped and b.prev is None and b.next is None:
+                    self._release_expandable_segment(b, pool)
+
+    def _release_expandable_segment(self, b: Block, pool: Pool) -> None:
+        """A segment with nothing mapped gives its address range back."""
+        pool.remove_unmapped(b)
+        del self.blocks[b.addr]
+        del self.expandable[(b.small, b.es.base)]
+
+    def _garbage_collect(self) -> None:
+        """garbage_collect_cached_blocks: free whole large-pool segments of above-average age
+        (age: get_free_block calls since the block was cached) until reserved is under the
+        threshold; a pass does not stop at the target, so GC does not run again at once."""
+        pool = self.large
+        threshold = int(self.settings.garbage_collection_threshold * self.device.allowed)
+        if self.total_allocated_memory <= threshold:
+            return
+        target = self.total_allocated_memory - threshold
+
+        def age(b):
+            return pool.get_free_blocks_calls - b.gc_base
+
+        unsplit = [self.blocks[a] for _s, _z, a in pool.free if not self.blocks[a].is_split()]
+        total_age, count = sum(age(b) for b in unsplit), len(unsplit)
+        reclaimed, freed_one = 0, True
+        while reclaimed < target and freed_one and count > 0:
+            threshold_age = total_age / count
+            freed_one = False
+            for b in [self.blocks[a] for _s, _z, a in pool.free]:
+                if not b.is_split() and b.es is None and age(b) >= threshold_age:
+                    freed_one = True
+                    reclaimed += b.size
+                    total_age -= age(b)
+                    count -= 1
+                    self._release_block(b, pool)
+
+    # ---- expandable segments ----------------------------------------------------------------
+    def _segment_for(self, pool: Pool, stream: int) -> ExpandableSegment:
+        page = K_SMALL_BUFFER if pool.small else K_LARGE_BUFFER
+        total = self.device.total
+        n_pages = -(-(total + total // 8) // page)
+        es = ExpandableSegment(self._new_segment_addr(n_pages * page), n_pages * page, page, stream, pool.small)
+        self.expandable[(pool.small, es.base)] = es
+        b = Block(es.base, es.size, stream, pool.small, es, mapped=False)
+        self.blocks[b.addr] = b
+        pool.insert_unmapped(b)
+        return es
+
+    def _find_expandable_block(self, pool: Pool, stream: int, size: int) -> Block:
+        def allocatable(b):
+            return b is not None and not b.allocated
+
+        def room(b):
+            total = 0
+            while total < size and allocatable(b):
+                total += b.size
+                b = b.next
+            return total >= size
+
+        i = bisect_left(pool.unmapped, (stream, 0))
+        while i < len(pool.unmapped) and pool.unmapped[i][0] == stream:
+            c = self.blocks[pool.unmapped[i][1]]
+            if allocatable(c.prev):
+                c = c.prev
+            if room(c):
+                return c
+            i += 1
+        es = self._segment_for(pool, stream)
+        return self.blocks[es.base]
+
+    def _map_block(self, b: Block, size: int, pool: Pool) -> bool:
+        es = b.es
+        first = (b.addr - es.base) // es.page
+        last = -(-(b.addr - es.base + size) // es.page)
+        nbytes = (last - first) * es.page
+        if not self._device_has(nbytes):
+            return False  # cuMemCreate fails; the mapping is all or nothing
+        es.mapped.update(range(first, last))
+        pool.remove_unmapped(b)
+        b.mapped = True
+        if nbytes < b.size:
+            rest = Block(b.addr + nbytes, b.size - nbytes, b.stream, b.small, es, mapped=False)
+            rest.prev, rest.next = b, b.next
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            b.size = nbytes
+            self.blocks[rest.addr] = rest
+            pool.insert_unmapped(rest)
+        addr = b.addr
+        self._try_merge(b, b.prev, pool)
+        self._try_merge(b, b.next, pool)
+        pool.insert(b)
+        self.total_allocated_memory += nbytes
+        self.stats.reserved_bytes.add(nbytes)
+        self.stats.num_device_alloc += 1
+        self._emit("segment_map", addr, nbytes, b.stream)
+        return True
+
+    def _try_allocate_expandable_block(self, pool: Pool, stream: int, size: int) -> Block | None:
+        c = self._find_expandable_block(pool, stream, size)
+        if not c.mapped and not self._map_block(c, min(c.size, size), pool):
+            return None
+        while c.size < size:
+            nxt = c.next
+            if not self._map_block(nxt, min(size - c.size, nxt.size), pool):
+                return None
+            c = nxt
+        pool.remove(c)
+        return c
+
+    def _unmap_block(self, b: Block, pool: Pool) -> None:
+        es = b.es
+        first = -(-(b.addr - es.base) // es.page)
+        last = (b.addr + b.size - es.base) // es.page
+        if first >= last:
+            return
+        start, nbytes = es.base + first * es.page, (last - first) * es.page
+        pool.remove(b)
+        before, after = start - b.addr, b.addr + b.size - (start + nbytes)
+        if before > 0:
+            head = Block(b.addr, before, b.stream, b.small, es)
+            head.prev, head.next = b.prev, b
+            if b.prev is not None:
+                b.prev.next = head
+            b.prev = head
+            self.blocks[head.addr] = head
+            pool.insert(head)
+        if after > 0:
+            tail = Block(start + nbytes, after, b.stream, b.small, es)
+            tail.prev, tail.next = b, b.next
+            if b.next is not None:
+                b.next.prev = tail
+            b.next = tail
+            self.blocks[tail.addr] = tail
+            pool.insert(tail)
+        if self.blocks.get(b.addr) is b:
+            del self.blocks[b.addr]
+        b.addr, b.size, b.mapped = start, nbytes, False
+        self.blocks[start] = b
+        es.mapped.difference_update(range(first, last))
+        self._try_merge(b, b.prev, pool)
+        self._try_merge(b, b.next, pool)
+        pool.insert_unmapped(b)
+        self.total_allocated_memory -= nbytes
+        self.stats.reserved_bytes.add(-nbytes)
+        self.stats.num_device_free += 1
+        self._emit("segment_unmap", start, nbytes, b.stream)
+
+    # ---- OOM -----------------------------------------------------------------------------------
+    def _oom(self, alloc_size: int, size: int) -> OutOfMemory:
+        dev = self.device
+        cap = dev.capacity if dev.capacity is not None else dev.total
+        free = max(0, cap - self.total_allocated_memory)
+        return OutOfMemory(alloc_size, size, dev.total, free, self.stats.allocated_bytes.current,
+                           self.stats.reserved_bytes.current, dev.allowed)
+
+    # ---- state for snapshots --------------------------------------------------------------------
+    def segment_blocks(self):
+        """(segment dict, [blocks in address order]) for every mapped range, as snapshots list them."""
+        out = []
+        for base in sorted(self.segments):
+            first = self.segments[base]
+            blocks, b = [], first
+            while b is not None:
+                blocks.append(b)
+                b = b.next
+            out.append(({"address": base, "stream": first.stream, "small": first.small,
+                         "is_expandable": False}, blocks))
+        for es in self.expandable.values():
+            b = self.blocks.get(es.base)
+            run: list[Block] = []
+            while b is not None:
+                if b.mapped:
+                    run.append(b)
+                elif run:
+                    out.append(({"address": run[0].addr, "stream": es.stream, "small": es.small,
+                                 "is_expandable": True}, run))
+                    run = []
+                b = b.next
+            if run:
+                out.append(({"address": run[0].addr, "stream": es.stream, "small": es.small,
+                             "is_expandable": True}, run))
+        return sorted(out, key=lambda sb: sb[0]["address"])

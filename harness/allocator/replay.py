@@ -1,0 +1,233 @@
+"""Replaying allocation traces through the allocator model: real snapshots (checked against what
+the recording decided) and the virtual GPU's traces (what-if on any card and setting)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+from harness.allocator import snapshot as snap
+from harness.allocator.model import Block, CachingAllocator, Device, OutOfMemory
+from harness.allocator.settings import AllocSettings
+
+
+@dataclass
+class ReplayResult:
+    peak_reserved_bytes: int = 0
+    peak_allocated_bytes: int = 0
+    peak_requested_bytes: int = 0
+    final_reserved_bytes: int = 0
+    final_allocated_bytes: int = 0
+    # reserved minus allocated when reserved peaked, and the largest free split remainder total
+    fragmentation_at_peak_bytes: int = 0
+    peak_inactive_split_bytes: int = 0
+    num_alloc_retries: int = 0
+    ooms: list = field(default_factory=list)
+    requests: int = 0
+    settings: str = ""
+    # under the recorded settings only: the replay checked against the recording
+    allocs_total: int | None = None
+    allocs_address_matched: int | None = None
+    segments_total: int | None = None
+    segments_matched: int | None = None
+    reserved_checked: int | None = None
+    reserved_matched: int | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def exact(self) -> bool:
+        return (self.allocs_total is not None and self.allocs_address_matched == self.allocs_total
+                and self.segments_matched == self.segments_total and self.reserved_matched == self.reserved_checked)
+
+
+class _Peaks:
+    """Reserved minus allocated at the moment reserved peaks."""
+
+    def __init__(self, alloc: CachingAllocator):
+        self.a = alloc
+        self.best = -1
+        self.frag = 0
+
+    def observe(self) -> None:
+        st = self.a.stats
+        if st.reserved_bytes.current > self.best:
+            self.best = st.reserved_bytes.current
+            self.frag = st.reserved_bytes.current - st.allocated_bytes.current
+
+
+def seed(alloc: CachingAllocator, state: snap.StartState) -> dict[int, Block]:
+    """Put the recorded start state into the allocator; returns its live blocks by address."""
+    live: dict[int, Block] = {}
+    st = alloc.stats
+    by_segment: dict[int, list] = {base: [] for base in state.segments}
+    bases = sorted(state.segments)
+    import bisect
+
+    for addr, (size, requested) in state.blocks.items():
+        j = bisect.bisect_right(bases, addr) - 1
+        if j >= 0:
+            by_segment[bases[j]].append((addr, size, requested))
+    for base in bases:
+        seg_size, small, stream = state.segments[base]
+        pool = alloc.small if small else alloc.large
+        pieces, pos = [], base
+        for addr, size, requested in sorted(by_segment[base]):
+            if addr > pos:
+                pieces.append(Block(pos, addr - pos, stream, small))
+            b = Block(addr, size, stream, small)
+            b.allocated, b.requested = True, requested
+            pieces.append(b)
+            pos = addr + size
+        if pos < base + seg_size:
+            pieces.append(Block(pos, base + seg_size - pos, stream, small))
+        for prev, nxt in zip(pieces, pieces[1:]):
+            prev.next, nxt.prev = nxt, prev
+        alloc.segments[base] = pieces[0]
+        alloc.total_allocated_memory += seg_size
+        st.segment.add(1)
+        st.reserved_bytes.add(seg_size)
+        for b in pieces:
+            alloc.blocks[b.addr] = b
+            if b.allocated:
+                live[b.addr] = b
+                st.allocation.add(1)
+                st.allocated_bytes.add(b.size)
+                st.active_bytes.add(b.size)
+                st.requested_bytes.add(b.requested)
+            else:
+                pool.insert(b)
+                if b.is_split():
+                    st.inactive_split_bytes.add(b.size)
+    return live
+
+
+def replay_snapshot(data: dict, settings: AllocSettings | None = None, device: Device | None = None,
+                    on_event=None) -> ReplayResult:
+    """Replay a snapshot's trace. Under the recorded settings on an unlimited device, every
+    decision is checked against the recording; otherwise the replay answers what-if."""
+    dev = snap.device_of(data)
+    recorded = AllocSettings.from_snapshot(data.get("allocator_settings") or {})
+    settings = settings or recorded
+    device = device or Device()
+    verify = settings == recorded and device.capacity is None and device.allowed is None
+    state = snap.start_state(data, dev)
+    reqs = snap.requests(data, dev)
+    pending: deque = deque()
+    seg_stats = {"total": 0, "matched": 0}
+    top = max([*state.segments, *(r[1] for r in reqs if r[0] in ("alloc", "segment"))], default=0)
+    bump = [top + (1 << 32)]
+
+    def new_segment_addr(size: int) -> int:
+        if verify and pending and pending[0][1] == size:
+            seg_stats["matched"] += 1
+            return pending.popleft()[0]
+        addr = bump[0]
+        bump[0] += size + (1 << 21)
+        return addr
+
+    alloc = CachingAllocator(settings, device, new_segment_addr)
+    live = seed(alloc, state)  # recorded address -> model block
+    alloc.on_event = on_event
+    result = ReplayResult(settings=settings.conf, requests=len(reqs))
+    peaks = _Peaks(alloc)
+    peaks.observe()
+    recorded_reserved = sum(s for s, _small, _st in state.segments.values())
+    allocs = matched = checked = reserved_ok = 0
+    freed_by_model: list = []
+    for i, r in enumerate(reqs):
+        kind = r[0]
+        if kind == "segment":
+            pending.append((r[1], r[2]))
+            seg_stats["total"] += 1
+            recorded_reserved += r[2]
+            continue
+        if kind == "alloc":
+            _, addr, size, stream = r
+            allocs += 1
+            try:
+                b = alloc.malloc(size, stream)
+            except OutOfMemory as oom:
+                result.ooms.append(_oom_row(oom, i, size))
+                break
+            matched += b.addr == addr
+            live[addr] = b
+            pending.clear()  # a recorded segment the model did not ask for stays unmatched
+        elif kind == "free":
+            b = live.pop(r[1], None)
+            if b is not None:
+                alloc.free(b)
+        elif kind == "empty_cache":
+            recorded_reserved -= sum(size for _a, size in r[1])
+            if verify:
+                hook = alloc.on_event
+                alloc.on_event = lambda act, a, s, st: freed_by_model.append((a, s)) if act == "segment_free" else None
+                alloc.empty_cache()
+                alloc.on_event = hook
+                seg_stats["total"] += len(r[1])
+                seg_stats["matched"] += len(set(freed_by_model) & set(r[1]))
+                freed_by_model.clear()
+            else:
+                alloc.empty_cache()
+        elif kind == "oom":
+            continue
+        peaks.observe()
+        if verify:
+            checked += 1
+            reserved_ok += alloc.stats.reserved_bytes.current == recorded_reserved
+    _finish(result, alloc, peaks)
+    if verify:
+        result.allocs_total, result.allocs_address_matched = allocs, matched
+        result.segments_total, result.segments_matched = seg_stats["total"], seg_stats["matched"]
+        result.reserved_checked, result.reserved_matched = checked, reserved_ok
+    return result
+
+
+def replay_events(events, settings: AllocSettings, device: Device | None = None, on_event=None,
+                  stop_at_oom: bool = True) -> tuple[ReplayResult, CachingAllocator]:
+    """Replay a virtual-GPU trace: rows of (action, key, size, tag) with action alloc|free."""
+    alloc = CachingAllocator(settings, device or Device())
+    alloc.on_event = on_event
+    result = ReplayResult(settings=settings.conf)
+    peaks = _Peaks(alloc)
+    live: dict = {}
+    n = 0
+    for i, (action, key, size, tag) in enumerate(events):
+        n += 1
+        if action == "alloc":
+            try:
+                b = alloc.malloc(int(size))
+            except OutOfMemory as oom:
+                result.ooms.append(_oom_row(oom, i, int(size), tag))
+                if stop_at_oom:
+                    break
+                continue
+            b.tag = tag
+            live[key] = b
+            peaks.observe()
+        else:
+            b = live.pop(key, None)
+            if b is not None:
+                alloc.free(b)
+    result.requests = n
+    _finish(result, alloc, peaks)
+    return result, alloc
+
+
+def _finish(result: ReplayResult, alloc: CachingAllocator, peaks: _Peaks) -> None:
+    st = alloc.stats
+    result.peak_reserved_bytes = st.reserved_bytes.peak
+    result.peak_allocated_bytes = st.allocated_bytes.peak
+    result.peak_requested_bytes = st.requested_bytes.peak
+    result.final_reserved_bytes = st.reserved_bytes.current
+    result.final_allocated_bytes = st.allocated_bytes.current
+    result.fragmentation_at_peak_bytes = peaks.frag
+    result.peak_inactive_split_bytes = st.inactive_split_bytes.peak
+    result.num_alloc_retries = st.num_alloc_retries
+
+
+def _oom_row(oom: OutOfMemory, index: int, size: int, tag=None) -> dict:
+    return {"event": index, "requested_bytes": size, "tried_bytes": oom.tried_bytes,
+            "allocated_bytes": oom.allocated, "reserved_bytes": oom.reserved, "free_bytes": oom.free,
+            "capacity_bytes": oom.capacity, "allowed_bytes": oom.allowed, "where": tag}
