@@ -22,6 +22,9 @@ USAGE = """usage: python -m harness <verb> [overrides]
   run    [overrides]    one point, e.g. run model=7b batch_size=4 seq_len=2048 backend=sim
   sweep  [overrides]    a grid (sweeps/default.yaml unless sweeps=<name>); key=a,b,c sweeps a key
   report <dir|file>     aggregate a finished, partial or interrupted sweep into results.parquet
+  replay <snapshot.pickle> [allocator=...] [gpu=...] [torch_version=2.6] [--json]
+                        replay a memory snapshot through the allocator model: checked against
+                        the recording, or what-if under other settings / on another card
 
 exit codes: 0 every point produced a row (OOM rows count); 1 some row is an error, timeout or
 missing; 2 usage or config error."""
@@ -143,6 +146,10 @@ def entry(argv: list[str]) -> int:
         print(USAGE)
         return EXIT_OK if argv else EXIT_USAGE
     verb, rest = argv[0], argv[1:]
+    if verb == "replay":
+        from harness.replay_cli import main as replay
+
+        return replay(rest)
     if verb == "report":
         if len(rest) != 1:
             return _fail("report takes one path: a sweep dir, a run dir or a result.json")
@@ -151,7 +158,7 @@ def entry(argv: list[str]) -> int:
             return _fail(f"report: no such file or directory: {path}")
         return _aggregate(path)
     if verb not in ("run", "sweep"):
-        return _fail(f"unknown verb '{verb}' (run, sweep, report)")
+        return _fail(f"unknown verb '{verb}' (run, sweep, report, replay)")
     flags = [a for a in rest if a.startswith("-")]
     overrides = [a for a in rest if not a.startswith("-")]
     if flags:  # --cfg, --info, --help: Hydra's own, nothing runs

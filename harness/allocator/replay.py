@@ -32,6 +32,7 @@ class ReplayResult:
     segments_matched: int | None = None
     reserved_checked: int | None = None
     reserved_matched: int | None = None
+    final_layout_matched: bool | None = None  # every final segment and block as the snapshot lists it
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -39,7 +40,8 @@ class ReplayResult:
     @property
     def exact(self) -> bool:
         return (self.allocs_total is not None and self.allocs_address_matched == self.allocs_total
-                and self.segments_matched == self.segments_total and self.reserved_matched == self.reserved_checked)
+                and self.segments_matched == self.segments_total and self.reserved_matched == self.reserved_checked
+                and bool(self.final_layout_matched))
 
 
 class _Peaks:
@@ -181,7 +183,17 @@ def replay_snapshot(data: dict, settings: AllocSettings | None = None, device: D
         result.allocs_total, result.allocs_address_matched = allocs, matched
         result.segments_total, result.segments_matched = seg_stats["total"], seg_stats["matched"]
         result.reserved_checked, result.reserved_matched = checked, reserved_ok
+        result.final_layout_matched = _layout(alloc) == _recorded_layout(data, dev)
     return result
+
+
+def _layout(alloc: CachingAllocator) -> set:
+    return {(b.addr, b.size, b.allocated) for _seg, blocks in alloc.segment_blocks() for b in blocks}
+
+
+def _recorded_layout(data: dict, device: int) -> set:
+    return {(b["address"], b["size"], b["state"] != "inactive") for s in data["segments"]
+            if s.get("device", device) == device for b in s["blocks"]}
 
 
 def replay_events(events, settings: AllocSettings, device: Device | None = None, on_event=None,

@@ -1,0 +1,108 @@
+"""`python -m harness replay <snapshot.pickle> [allocator=...] [gpu=...] [torch_version=...] [--json]`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from harness.errors import EXIT_OK, EXIT_USAGE, ConfigError
+
+GIB = 1024**3
+
+
+def _parse(args: list[str]) -> tuple[str, dict, bool]:
+    paths = [a for a in args if "=" not in a and not a.startswith("-")]
+    flags = [a for a in args if a.startswith("-")]
+    unknown = [f for f in flags if f != "--json"]
+    if unknown:
+        raise ConfigError(unknown[0], "unknown flag (replay takes --json)")
+    if len(paths) != 1:
+        raise ConfigError("replay", "takes one snapshot file: replay <snapshot.pickle> [allocator=...] [gpu=...]")
+    overrides = dict(a.split("=", 1) for a in args if "=" in a)
+    return paths[0], overrides, "--json" in flags
+
+
+def _what_if(overrides: dict):
+    """AllocSettings and Device from allocator=/allocator.conf=/gpu= (None: as recorded)."""
+    from harness.allocator.model import Device
+    from harness.allocator.settings import AllocSettings
+    from harness.config.compose import compose
+
+    known = {"allocator", "allocator.conf", "gpu", "torch_version"}
+    for key in overrides:
+        if key not in known:
+            raise ConfigError(key, f"unknown key for replay (known: {', '.join(sorted(known))})")
+    cfg_overrides = [f"{k}={v}" for k, v in overrides.items() if k != "torch_version"]
+    settings = device = None
+    if cfg_overrides:
+        cfg = compose(cfg_overrides)
+        if "allocator" in overrides or "allocator.conf" in overrides:
+            settings = AllocSettings.from_conf(cfg.allocator.conf)
+        if "gpu" in overrides:
+            device = Device(capacity=cfg.gpu.memory_bytes - cfg.gpu.non_pytorch_bytes, total=cfg.gpu.memory_bytes)
+            card = cfg.gpu.name
+            return settings, device, card
+    return settings, device, None
+
+
+def main(args: list[str]) -> int:
+    from harness.allocator import oom_message
+    from harness.allocator import snapshot as snap
+    from harness.allocator.replay import replay_snapshot
+
+    try:
+        path, overrides, as_json = _parse(args)
+        settings, device, card = _what_if(overrides)
+        version = overrides.get("torch_version", "2.8")
+        oom_message.era(version)
+        data = snap.load(path)
+    except (ConfigError, snap.SnapshotError) as e:
+        print(f"harness: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except ValueError as e:
+        print(f"harness: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    result = replay_snapshot(data, settings, device)
+    out = result.as_dict()
+    out["snapshot"] = path
+    out["gpu"] = card
+    for oom in out["ooms"]:
+        oom["message"] = _oom_text(oom, version)
+    if as_json:
+        print(json.dumps(out, indent=1))
+    else:
+        _print(out, result)
+    return EXIT_OK
+
+
+def _oom_text(oom: dict, version: str) -> str:
+    from harness.allocator import oom_message
+    from harness.allocator.model import OutOfMemory
+
+    e = OutOfMemory(oom["tried_bytes"], oom["requested_bytes"], oom["capacity_bytes"], oom["free_bytes"],
+                    oom["allocated_bytes"], oom["reserved_bytes"], oom["allowed_bytes"])
+    return f"{oom_message.exception_name(version)}: {oom_message.message(e, version)}"
+
+
+def _print(out: dict, result) -> None:
+    def g(n):
+        return f"{n / GIB:.3f} GiB"
+
+    print(f"snapshot          {out['snapshot']}")
+    print(f"settings          {out['settings'] or '(default)'}" + (f" on {out['gpu']}" if out["gpu"] else ""))
+    print(f"requests          {out['requests']}")
+    print(f"peak reserved     {g(out['peak_reserved_bytes'])}")
+    print(f"peak allocated    {g(out['peak_allocated_bytes'])}")
+    print(f"final reserved    {g(out['final_reserved_bytes'])}")
+    print(f"fragmentation     {g(out['fragmentation_at_peak_bytes'])} reserved but unallocated at the "
+          f"reserved peak; inactive split peak {g(out['peak_inactive_split_bytes'])}")
+    print(f"alloc retries     {out['num_alloc_retries']}")
+    if out["allocs_total"] is not None:
+        verdict = "exact" if result.exact else "DIFFERS"
+        print(f"against the recording ({verdict}): addresses {out['allocs_address_matched']}/{out['allocs_total']}, "
+              f"segment decisions {out['segments_matched']}/{out['segments_total']}, reserved after each "
+              f"event {out['reserved_matched']}/{out['reserved_checked']}")
+    for oom in out["ooms"]:
+        print(f"OOM at request {oom['event']}: {oom['message']}")
+    if not out["ooms"]:
+        print("OOM               none")

@@ -1,0 +1,342 @@
+"""The caching-allocator model: PyTorch's rules, its known behaviours, and real traces replayed exactly."""
+
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from harness.allocator import snapshot as snap
+from harness.allocator.model import (CachingAllocator, Device, OutOfMemory, allocation_size,
+                                     round_size)
+from harness.allocator.oom_message import format_size, message
+from harness.allocator.replay import replay_snapshot
+from harness.allocator.settings import AllocSettings
+from tests.conftest import run_cli
+
+MiB, GiB = 1024**2, 1024**3
+SNAPSHOTS = sorted((Path(__file__).resolve().parents[2] / "shared" / "data" / "snapshots").glob("*.pickle"))
+
+
+def allocator(conf: str = "", **device) -> CachingAllocator:
+    return CachingAllocator(AllocSettings.from_conf(conf), Device(**device) if device else Device())
+
+
+# ---- rounding and segment sizes --------------------------------------------------------------
+
+@pytest.mark.parametrize("size,expected", [(1, 512), (512, 512), (513, 1024), (1200, 1536), (3 * MiB + 1, 3 * MiB + 512)])
+def test_requests_round_to_512_bytes(size, expected):
+    assert round_size(size) == expected
+
+
+def test_roundup_power2_divisions_round_to_the_next_division():
+    table = AllocSettings.from_conf("roundup_power2_divisions:4").roundup_power2_divisions
+    assert round_size(3 * MiB + 1, table) == 3 * MiB + MiB // 2  # step = 2 MiB / 4
+    assert round_size(4 * MiB, table) == 4 * MiB  # powers of two stay
+    assert round_size(1200, table) == 1536  # not above 512 * 4: plain rounding
+
+
+def test_roundup_list_form_maps_mib_keys_to_intervals():
+    table = AllocSettings.from_conf("roundup_power2_divisions:[256:1,512:2,1024:4,>:8]").roundup_power2_divisions
+    assert table[:8] == (1,) * 8  # the first value fills the lower intervals
+    assert table[8:11] == (1, 2, 4)  # 512:2 is [512 MiB, 1 GiB): the code, not the docs
+    assert table[11:] == (8,) * 5
+
+
+@pytest.mark.parametrize("size,segment", [(512 * 1024, 2 * MiB), (MiB, 2 * MiB), (3 * MiB, 20 * MiB),
+                                          (11 * MiB, 12 * MiB), (10 * MiB, 10 * MiB)])
+def test_segment_size_follows_the_request(size, segment):
+    assert allocation_size(size) == segment
+
+
+# ---- known behaviours --------------------------------------------------------------------------
+
+def _reserved_after(conf, first, second):
+    a = allocator(conf)
+    blocks = [a.malloc(first[1]) for _ in range(first[0])]
+    after_first = a.stats.reserved_bytes.current
+    for b in blocks:
+        a.free(b)
+    for _ in range(second[0]):
+        a.malloc(second[1])
+    return after_first, a.stats.reserved_bytes.current
+
+
+def test_eight_16mib_allocations_map_140mib_with_expandable_segments():
+    assert _reserved_after("expandable_segments:True", (8, 16 * MiB), (4, 32 * MiB)) == (140 * MiB, 140 * MiB)
+
+
+def test_small_then_large_reserves_twice_large_then_small():
+    assert _reserved_after("", (8, 16 * MiB), (4, 32 * MiB))[1] == 256 * MiB
+    assert _reserved_after("", (4, 32 * MiB), (8, 16 * MiB))[1] == 128 * MiB
+
+
+def test_pools_stay_apart_across_the_1mib_boundary():
+    a = allocator()
+    a.malloc(2 * MiB)
+    a.malloc(MiB // 2)
+    assert a.stats.reserved_bytes.current == 22 * MiB
+
+
+def _cycles(conf: str, n: int) -> tuple[int, int]:
+    """Short-lived oversize tensors of varying size beside a tensor that lives one cycle."""
+    a, live, peak_allocated = allocator(conf, total=80 * GiB), [], 0
+    for k in range(n):
+        live.append((a.malloc((130 + 10 * (k % 7)) * MiB), 0))
+        live.append((a.malloc(66 * MiB), 1))
+        peak_allocated = max(peak_allocated, a.stats.allocated_bytes.current)
+        keep = []
+        for b, ttl in live:
+            if ttl <= 0:
+                a.free(b)
+            else:
+                keep.append((b, ttl - 1))
+        live = keep
+    return a.stats.reserved_bytes.current, peak_allocated
+
+
+def test_max_split_size_with_expandable_segments_grows_reserved_without_bound():
+    both = "max_split_size_mb:128,expandable_segments:True"
+    r20, alloc20 = _cycles(both, 20)
+    r100, alloc100 = _cycles(both, 100)
+    assert alloc20 == alloc100 < 400 * MiB  # live memory is bounded
+    assert r100 > 4 * r20  # reserved keeps growing with the cycles
+    for alone in ("", "expandable_segments:True", "max_split_size_mb:128"):
+        assert _cycles(alone, 20)[0] == _cycles(alone, 100)[0], alone
+
+
+def test_best_fit_takes_the_smallest_block_then_the_lowest_address():
+    a = allocator()
+    x, keep1, y, keep2, z = (a.malloc(s) for s in (40 * MiB, 2 * MiB, 30 * MiB, 2 * MiB, 30 * MiB))
+    a.free(x)
+    a.free(y)
+    a.free(z)
+    assert a.malloc(30 * MiB).addr == y.addr
+
+
+def test_large_remainder_up_to_1mib_is_not_split_and_counts_as_allocated():
+    a = allocator()
+    b = a.malloc(19 * MiB + MiB // 2)  # 20 MiB segment, 0.5 MiB left: handed out whole
+    assert b.size == 20 * MiB and a.stats.allocated_bytes.current == 20 * MiB
+    a2 = allocator()
+    assert a2.malloc(18 * MiB).size == 18 * MiB  # 2 MiB left: split
+
+
+def test_oversize_blocks_never_serve_normal_requests():
+    a = allocator("max_split_size_mb:100")
+    big = a.malloc(200 * MiB)
+    a.free(big)
+    small = a.malloc(50 * MiB)
+    assert small.addr != big.addr and a.stats.reserved_bytes.current == 250 * MiB
+    again = a.malloc(190 * MiB)  # oversize request: reuse within +20 MiB
+    assert again.addr == big.addr
+
+
+def test_free_blocks_are_reused_only_on_their_stream():
+    a = allocator()
+    b = a.malloc(30 * MiB, stream=1)
+    a.free(b)
+    assert a.malloc(30 * MiB, stream=2).addr != b.addr
+    assert a.malloc(30 * MiB, stream=1).addr == b.addr
+
+
+def test_retry_ladder_releases_cached_segments_before_giving_up():
+    a = allocator(capacity=100 * MiB)
+    cached = a.malloc(60 * MiB)
+    a.free(cached)
+    b = a.malloc(80 * MiB)  # needs the cached 60 MiB segment released first
+    assert b is not None and a.stats.num_alloc_retries == 1 and a.stats.num_ooms == 0
+    assert a.stats.reserved_bytes.current == 80 * MiB
+
+
+def test_split_segments_are_never_released_so_the_oom_reports_them():
+    a2 = allocator(capacity=64 * MiB, total=64 * MiB)
+    x = a2.malloc(40 * MiB)
+    y = a2.malloc(2 * MiB)  # 20 MiB segment, split: 18 MiB free inside it
+    a2.free(x)
+    with pytest.raises(OutOfMemory) as e:
+        a2.malloc(50 * MiB)
+    assert a2.stats.num_ooms == 1 and e.value.reserved == 20 * MiB  # the split segment stays
+    assert e.value.reserved - e.value.allocated == 18 * MiB
+    assert y.allocated
+
+
+def test_per_process_fraction_caps_reserved_and_the_message_says_allowed():
+    a = allocator(total=10 * GiB, fraction=0.5)
+    with pytest.raises(OutOfMemory) as e:
+        a.malloc(6 * GiB)
+    assert e.value.allowed == 5 * GiB
+    assert "5.00 GiB allowed; " in message(e.value, "2.6")
+
+
+def test_garbage_collection_threshold_reclaims_old_cached_segments():
+    def reserved(conf):
+        a = allocator(conf, total=1 * GiB, fraction=1.0)
+        for size in range(30, 60, 2):  # every size a new segment; each freed at once
+            a.free(a.malloc(size * MiB))
+        return a.stats.reserved_bytes.current
+
+    assert reserved("") > 600 * MiB
+    assert reserved("garbage_collection_threshold:0.5") <= 512 * MiB + 60 * MiB
+
+
+def test_inactive_split_bytes_is_the_free_split_remainder_total():
+    rng = random.Random(1)
+    a, live = allocator(), []
+    for _ in range(3000):
+        if live and rng.random() < 0.45:
+            a.free(live.pop(rng.randrange(len(live))))
+        else:
+            live.append(a.malloc(rng.choice([rng.randint(1, 4096), rng.randint(1, 64 * MiB)])))
+        expected = sum(b.size for b in a.blocks.values() if b.mapped and not b.allocated and b.is_split())
+        assert a.stats.inactive_split_bytes.current == expected
+
+
+def test_allocated_and_reserved_return_to_the_start_after_everything_is_freed():
+    rng = random.Random(2)
+    a, live = allocator("expandable_segments:True"), []
+    for _ in range(2000):
+        if live and rng.random() < 0.5:
+            a.free(live.pop(rng.randrange(len(live))))
+        else:
+            live.append(a.malloc(rng.randint(1, 40 * MiB)))
+    for b in live:
+        a.free(b)
+    a.empty_cache()
+    assert a.stats.allocated_bytes.current == 0 and a.stats.reserved_bytes.current == 0
+
+
+# ---- OOM wording -------------------------------------------------------------------------------
+
+def test_format_size_matches_c10():
+    assert [format_size(n) for n in (0, 1024, 1025, MiB, GiB, 3 * GiB // 2)] == [
+        "0 bytes", "1024 bytes", "1.00 KiB", "1024.00 KiB", "1024.00 MiB", "1.50 GiB"]
+
+
+@pytest.mark.parametrize("version,pattern", [
+    ("1.13", r"^CUDA out of memory\. Tried to allocate [\d.]+ \w+ \(GPU 0; [\d.]+ \w+ total capacity; "
+             r"[\d.]+ \w+ already allocated; [\d.]+ \w+ free; [\d.]+ \w+ reserved in total by PyTorch\) "),
+    ("2.1", r"has a total capacty of [\d.]+ \w+ of which [\d.]+ \w+ is free\. .* try setting max_split_size_mb"),
+    ("2.6", r"has a total capacity of .* is reserved by PyTorch but unallocated\. .*expandable_segments:True.*"
+            r"\(https://pytorch\.org/docs/stable/notes/cuda\.html#environment-variables\)$"),
+    ("2.9", r"\(https://docs\.pytorch\.org/docs/stable/notes/cuda\.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf\)$"),
+])
+def test_oom_message_is_worded_as_each_version_words_it(version, pattern):
+    a = allocator(capacity=100 * MiB, total=120 * MiB)
+    a.malloc(90 * MiB)
+    with pytest.raises(OutOfMemory) as e:
+        a.malloc(30 * MiB)
+    text = message(e.value, version)
+    assert re.search(pattern, text), text
+    assert "Tried to allocate 30.00 MiB" in text  # the segment size (>= 10 MiB: itself)
+
+
+def test_tried_to_allocate_is_the_segment_size_not_the_tensor():
+    a = allocator(capacity=10 * MiB, total=10 * MiB)
+    with pytest.raises(OutOfMemory) as e:
+        a.malloc(3 * MiB)
+    assert e.value.tried_bytes == 20 * MiB
+
+
+# ---- real snapshots ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", SNAPSHOTS, ids=lambda p: p.stem)
+def test_real_snapshot_replays_exactly_under_recorded_settings(path):
+    """Every allocation at its recorded address, every segment decision, reserved after every
+    event and the final layout of every segment and block: as recorded."""
+    r = replay_snapshot(snap.load(path))
+    assert r.allocs_total > 2000
+    assert r.allocs_address_matched == r.allocs_total
+    assert r.segments_matched == r.segments_total
+    assert r.reserved_matched == r.reserved_checked
+    assert r.final_layout_matched
+
+
+def test_what_if_on_a_smaller_card_gives_the_oom_it_would_raise():
+    data = snap.load(next(p for p in SNAPSHOTS if "fullstep" in p.name))
+    r = replay_snapshot(data, device=Device(capacity=40 * GiB, total=40 * GiB))
+    assert len(r.ooms) == 1 and r.ooms[0]["reserved_bytes"] <= 40 * GiB
+    assert r.allocs_total is None  # what-if: no check against the recording
+
+
+def test_expandable_segments_cut_the_recorded_fragmentation():
+    data = snap.load(next(p for p in SNAPSHOTS if "fullstep" in p.name))
+    default = replay_snapshot(data)
+    expandable = replay_snapshot(data, settings=AllocSettings.from_conf("expandable_segments:True"))
+    assert expandable.peak_reserved_bytes < default.peak_reserved_bytes
+
+
+# ---- files and the command line ---------------------------------------------------------------
+
+def test_snapshot_loader_refuses_code(tmp_path):
+    import os
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    path = tmp_path / "evil.pickle"
+    path.write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(snap.SnapshotError, match="refused"):
+        snap.load(path)
+
+
+def test_written_snapshot_loads_in_pytorch_memory_viz(tmp_path):
+    from torch.cuda import _memory_viz
+
+    data = snap.load(SNAPSHOTS[0])
+    trace: list = []
+    replay_snapshot(data, on_event=lambda a, addr, size, st: trace.append(
+        {"action": a, "addr": addr, "size": size, "stream": st, "time_us": len(trace), "frames": []}))
+    from harness.allocator.replay import seed
+
+    alloc = CachingAllocator(AllocSettings())
+    seed(alloc, snap.start_state(data, 0))
+    path = snap.write(tmp_path / "s.pickle", alloc, trace)
+    written = snap.load(path)
+    assert "segment" in _memory_viz.segsum(written)
+    html = _memory_viz.trace_plot(written)
+    assert isinstance(html, str) and len(html) > 1000
+    for seg in written["segments"]:
+        assert sum(b["size"] for b in seg["blocks"]) == seg["total_size"]
+
+
+@pytest.mark.parametrize("content", ["text", "evil", "truncated", "no_trace", "missing"])
+def test_replay_bad_input_is_a_clear_error_exit_2(tmp_path, content):
+    import os
+    import pickle
+
+    path = tmp_path / "s.pickle"
+    if content == "text":
+        path.write_text("hello")
+    elif content == "evil":
+        class Evil:
+            def __reduce__(self):
+                return (os.system, ("echo pwned",))
+        path.write_bytes(pickle.dumps(Evil()))
+    elif content == "truncated":
+        path.write_bytes(SNAPSHOTS[0].read_bytes()[:1000])
+    elif content == "no_trace":
+        path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[]], "allocator_settings": {}}))
+    r = run_cli("replay", str(path))
+    assert r.returncode == 2
+    assert r.stderr.startswith("harness: error: ") and str(path) in r.stderr and len(r.stderr.splitlines()) == 1
+    assert "pwned" not in r.stdout
+
+
+def test_replay_unknown_allocator_key_is_exit_2():
+    r = run_cli("replay", str(SNAPSHOTS[0]), "allocator.conf=bogus_key:1")
+    assert r.returncode == 2 and "allocator.conf" in r.stderr
+
+
+def test_replay_json_reports_the_check_against_the_recording():
+    import json
+
+    r = run_cli("replay", str(SNAPSHOTS[0]), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("peak_reserved_bytes", "peak_allocated_bytes", "final_reserved_bytes", "ooms",
+                "allocs_total", "allocs_address_matched"):
+        assert key in out
+    assert out["allocs_total"] == out["allocs_address_matched"] > 0
