@@ -61,6 +61,7 @@ def main(cfg) -> str:
         rec.update(status="error", error=str(e))
         return _write(run_dir, rec)["status"]
     results_dir = Path(to_absolute_path(cfg.results_dir))
+    point["trace_cache"] = str(results_dir / ".traces")  # one trace serves every allocator and card
     reuse = results_dir if hc.mode == RunMode.MULTIRUN else None
     return run_point(point, run_dir, reuse)["status"]
 

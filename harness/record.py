@@ -12,12 +12,13 @@ COLUMNS = (
     "run_id", "sweep", "status", "error", "backend", "device_name", "gpu", "gpu_memory_bytes",
     "gpu_non_pytorch_bytes", "emulated_gpu", "model", "n_params", "workload", "batch_size", "seq_len",
     "precision", "optimizer", "optimizer_impl", "checkpointing", "allocator_conf",
-    "peak_allocated_bytes", "peak_reserved_bytes", "peak_requested_bytes", "params_bytes",
+    "peak_allocated_bytes", "peak_reserved_bytes", "peak_requested_bytes", "peak_tensor_bytes", "params_bytes",
     "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes", "workspace_bytes",
     "peak_step", "peak_phase", "peak_module", "step_allocated_bytes", "step_peak_bytes",
-    "num_alloc_retries", "num_ooms", "oom_phase", "oom_step", "oom_tried_bytes",
+    "peak_inactive_split_bytes", "fragmentation_bytes", "fits_cards",
+    "num_alloc_retries", "num_ooms", "oom_phase", "oom_step", "oom_module", "oom_tried_bytes", "oom_message",
     "step_time_s", "tokens_per_s", "wall_s", "torch_version", "transformers_version",
-    "harness_version", "trace_path", "snapshot_path", "reused_from", "overrides",
+    "harness_version", "trace_path", "trace_reused", "snapshot_path", "reused_from", "overrides",
 )
 
 

@@ -67,21 +67,12 @@ def main(args: list[str]) -> int:
     out["snapshot"] = path
     out["gpu"] = card
     for oom in out["ooms"]:
-        oom["message"] = _oom_text(oom, version)
+        oom["message"] = oom_message.for_row(oom, version)
     if as_json:
         print(json.dumps(out, indent=1))
     else:
         _print(out, result)
     return EXIT_OK
-
-
-def _oom_text(oom: dict, version: str) -> str:
-    from harness.allocator import oom_message
-    from harness.allocator.model import OutOfMemory
-
-    e = OutOfMemory(oom["tried_bytes"], oom["requested_bytes"], oom["capacity_bytes"], oom["free_bytes"],
-                    oom["allocated_bytes"], oom["reserved_bytes"], oom["allowed_bytes"])
-    return f"{oom_message.exception_name(version)}: {oom_message.message(e, version)}"
 
 
 def _print(out: dict, result) -> None:

@@ -17,15 +17,26 @@ def fit_table(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     """(header, rows): one row per point, one column per card (peak + non-PyTorch vs capacity)."""
     cards = catalog.cards()
     header = ["model", "workload", "batch", "seq", "precision", "ckpt", "status",
-              "peak alloc GiB"] + [c["key"] for c in cards]
+              "peak alloc GiB", "peak reserved GiB"] + [c["key"] for c in cards]
     rows = []
     for r in df.itertuples(index=False):
-        peak = r.peak_allocated_bytes
-        marks = ["-" if peak is None or pd.isna(peak) else ("fits" if catalog.fits(int(peak), c) else "OOM")
-                 for c in cards]
+        marks = [_mark(r, c) for c in cards]
         rows.append([str(r.model), str(r.workload), str(r.batch_size), str(r.seq_len), str(r.precision),
-                     "yes" if r.checkpointing else "no", str(r.status), gib(peak), *marks])
+                     "yes" if r.checkpointing else "no", str(r.status), gib(r.peak_allocated_bytes),
+                     gib(r.peak_reserved_bytes), *marks])
     return header, rows
+
+
+def _mark(row, card: dict) -> str:
+    """fits / OOM on `card`: the allocator model's verdict where the row has one, else peak
+    allocated + non-PyTorch memory against the capacity."""
+    listed = getattr(row, "fits_cards", None)
+    if listed is not None and not (isinstance(listed, float) and pd.isna(listed)):
+        return "fits" if card["key"] in list(listed) else "OOM"
+    peak = row.peak_allocated_bytes
+    if peak is None or pd.isna(peak):
+        return "-"
+    return "fits" if catalog.fits(int(peak), card) else "OOM"
 
 
 def render(df: pd.DataFrame, title: str) -> None:
@@ -36,8 +47,8 @@ def render(df: pd.DataFrame, title: str) -> None:
 
     console = Console(width=max(200, Console().width))  # 10 cards: keep every column whole
     header, rows = fit_table(df)
-    table = Table(title=title, caption="fits: peak allocated + non-PyTorch memory <= the card's capacity "
-                  "(GiB = 1024^3 B); reserved bytes refine this once the allocator model lands")
+    table = Table(title=title, caption="fits: the allocator model replays the run on the card without an "
+                  "OOM (reserved bytes + non-PyTorch memory within its capacity); GiB = 1024^3 B")
     for i, h in enumerate(header):
         table.add_column(h, justify="right" if i >= 7 or h in ("batch", "seq") else "left", no_wrap=True)
     for row in rows:

@@ -61,3 +61,10 @@ def message(oom: OutOfMemory, torch_version: str = "2.8") -> str:
     return head + ("If reserved but unallocated memory is large try setting "
                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  "
                    f"See documentation for Memory Management  ({url})")
+
+
+def for_row(oom: dict, torch_version: str) -> str:
+    """The full line (exception name and message) for an OOM row of a replay."""
+    e = OutOfMemory(oom["tried_bytes"], oom["requested_bytes"], oom["capacity_bytes"], oom["free_bytes"],
+                    oom["allocated_bytes"], oom["reserved_bytes"], oom["allowed_bytes"])
+    return f"{exception_name(torch_version)}: {message(e, torch_version)}"

@@ -74,6 +74,7 @@ class HarnessConf:
     results_dir: str = "results"
     sweep: str = "adhoc"  # the sweep's name: results go to results_dir/<sweep>/<stamp>/
     timeout_s: int = 1800  # per point; past it the row is `timeout`
+    snapshot: bool = False  # write a memory_viz snapshot next to each result.json
 
 
 def register() -> None:

@@ -12,61 +12,44 @@ import traceback
 from pathlib import Path
 
 from harness.record import base_record
-
-TRACE_FILE = "trace.parquet"
-
-
-def oom_point(events: list[tuple], capacity: int, non_pytorch: int) -> dict | None:
-    """The first allocation after which allocated + non-PyTorch memory exceeds the card."""
-    from harness.probe.tracker import round_request
-
-    live, allocated = {}, 0
-    for _seq, action, key, size, _kind, phase, step, module in events:
-        if action == "alloc":
-            b = round_request(size)
-            live[key] = b
-            allocated += b
-            if allocated + non_pytorch > capacity:
-                return {"oom_phase": phase, "oom_step": step, "oom_tried_bytes": b, "oom_module": module}
-        else:
-            allocated -= live.pop(key, 0)
-    return None
-
-
-def write_trace(events: list[tuple], path: Path) -> None:
-    import pandas as pd
-
-    cols = ["seq", "action", "key", "size", "kind", "phase", "step", "module"]
-    from harness.probe.tracker import round_request
-
-    df = pd.DataFrame(events, columns=cols)
-    df["seq"] = range(len(df))  # dropped host-side allocations leave gaps
-    # `size` is the requested bytes; `allocated` what the allocator's 512-B rounding hands out.
-    df["allocated"] = [round_request(int(n)) for n in df["size"]]
-    df.to_parquet(path, index=False)
-
-
 def run_sim(point: dict, run_dir: Path) -> dict:
+    """Trace the point (or reuse the trace of a point that differs only in allocator or card),
+    then replay it through the allocator model for reserved bytes and each card's verdict."""
     import torch
     import transformers
 
+    from harness import catalog
+    from harness.allocator.settings import AllocSettings
+    from harness.probe import reserved, trace_store
     from harness.probe.sim import run_point
 
     t0 = time.perf_counter()
-    m, tracker = run_point(point)
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    tid = trace_store.trace_id(point, versions)
+    cache = Path(point["trace_cache"]) if point.get("trace_cache") else None
+    trace_path = run_dir / trace_store.TRACE_FILE
+    cached = trace_store.load_cached(cache, tid)
     rec = base_record(point)
-    rec.update({k: v for k, v in m.items() if k in rec})
+    if cached is not None:
+        df, m = cached
+        df.to_parquet(trace_path, index=False)
+        rec["trace_reused"] = tid
+    else:
+        m, tracker = run_point(point)
+        m = {k: v for k, v in m.items() if k in rec}
+        df = trace_store.to_frame(tracker.events)
+        df.to_parquet(trace_path, index=False)
+        trace_store.save_cached(cache, tid, trace_path, m)
+    rec.update(m)
+    rec["peak_tensor_bytes"] = m["peak_allocated_bytes"]  # storages rounded to 512 B (the tracker)
     gpu = point["gpu"]
-    rec.update(
-        status="ok", device_name=f"virtual {gpu['device_name']}", wall_s=time.perf_counter() - t0,
-        torch_version=torch.__version__, transformers_version=transformers.__version__,
-    )
-    oom = oom_point(tracker.events, gpu["memory_bytes"], gpu["non_pytorch_bytes"])
-    if oom is not None:
-        rec.update(status="oom", oom_phase=oom["oom_phase"], oom_step=oom["oom_step"],
-                   oom_tried_bytes=oom["oom_tried_bytes"])
-    write_trace(tracker.events, run_dir / TRACE_FILE)
-    rec["trace_path"] = str(run_dir / TRACE_FILE)
+    rec.update(status="ok", device_name=f"virtual {gpu['device_name']}", trace_path=str(trace_path),
+               torch_version=torch.__version__, transformers_version=transformers.__version__)
+    settings = AllocSettings.from_conf(point["allocator"]["conf"])
+    snapshot = run_dir / "snapshot.pickle" if point.get("snapshot") else None
+    rec.update(reserved.analyse(trace_store.replay_rows(df), settings, gpu, catalog.cards(),
+                                torch.__version__, snapshot))
+    rec["wall_s"] = time.perf_counter() - t0
     return rec
 
 

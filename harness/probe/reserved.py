@@ -1,0 +1,71 @@
+"""From a trace to reserved bytes: the allocator model replayed under the run's settings, on an
+unlimited device (what the job reserves) and on each card (whether it fits, and the OOM if not)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.allocator import oom_message
+from harness.allocator import snapshot as snap
+from harness.allocator.model import Device
+from harness.allocator.replay import replay_events
+from harness.allocator.settings import AllocSettings
+
+
+def card_device(card: dict) -> Device:
+    return Device(capacity=card["memory_bytes"] - card["non_pytorch_bytes"], total=card["memory_bytes"])
+
+
+def fits(rows: list[tuple], settings: AllocSettings, card: dict, unlimited) -> bool:
+    """Whether the job runs on `card` without an OOM. Decided by the numbers where they settle it,
+    by a replay on the card where the release-and-retry ladder might still save it."""
+    room = card["memory_bytes"] - card["non_pytorch_bytes"]
+    if unlimited.peak_reserved_bytes <= room:
+        return True
+    if unlimited.peak_allocated_bytes > room:
+        return False
+    result, _ = replay_events(rows, settings, card_device(card))
+    return not result.ooms
+
+
+def analyse(rows: list[tuple], settings: AllocSettings, card: dict, catalog: list[dict],
+            torch_version: str, snapshot_path: Path | None = None) -> dict:
+    """Record fields for the run's card and the whole catalog."""
+    unlimited, _ = replay_events(rows, settings)
+    trace: list[dict] = []
+    current = {"tag": None}
+
+    def on_event(action, addr, size, stream):
+        tag = current["tag"]
+        frames = [{"name": f"{tag[2] or '<root>'} ({tag[0]}, step {tag[1]})", "filename": tag[3], "line": 0}] if tag else []
+        trace.append({"action": action, "addr": addr, "size": size, "stream": stream,
+                      "time_us": len(trace), "frames": frames})
+
+    tagged = _tagging(rows, current) if snapshot_path else rows
+    on_card, alloc = replay_events(tagged, settings, card_device(card), on_event if snapshot_path else None)
+    out = {
+        # block sizes, as max_memory_allocated counts them (unsplit remainders included)
+        "peak_allocated_bytes": unlimited.peak_allocated_bytes,
+        "peak_reserved_bytes": unlimited.peak_reserved_bytes,
+        "peak_inactive_split_bytes": unlimited.peak_inactive_split_bytes,
+        "fragmentation_bytes": unlimited.fragmentation_at_peak_bytes,
+        "num_alloc_retries": on_card.num_alloc_retries,
+        "num_ooms": len(on_card.ooms),
+        "fits_cards": [c["key"] for c in catalog if fits(rows, settings, c, unlimited)],
+    }
+    if on_card.ooms:
+        oom = on_card.ooms[0]
+        phase, step, module, _kind = oom["where"]
+        out.update(status="oom", oom_phase=phase, oom_step=int(step), oom_module=module,
+                   oom_tried_bytes=oom["tried_bytes"], oom_message=oom_message.for_row(oom, torch_version))
+    if snapshot_path is not None:
+        snap.write(snapshot_path, alloc, trace)
+        out["snapshot_path"] = str(snapshot_path)
+    return out
+
+
+def _tagging(rows, current):
+    """Rows that, as they are replayed, tell on_event which trace event is being served."""
+    for row in rows:
+        current["tag"] = row[3]
+        yield row

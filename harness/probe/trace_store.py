@@ -1,0 +1,67 @@
+"""Event traces on disk: written next to each record, and shared across points that differ only in
+allocator settings or card (one trace serves every setting and every card: only the replay changes)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pandas as pd
+
+from harness.probe.tracker import round_request
+
+TRACE_FILE = "trace.parquet"
+MEASUREMENTS_FILE = "measurements.json"
+COLUMNS = ["seq", "action", "key", "size", "kind", "phase", "step", "module"]
+
+
+def trace_id(point: dict, versions: dict) -> str:
+    """Everything that shapes the trace; allocator settings and the card do not."""
+    ident = {k: point[k] for k in ("model", "workload", "batch_size", "seq_len", "precision",
+                                   "optimizer", "checkpointing", "backend")}
+    blob = json.dumps({**ident, **versions}, sort_keys=True, default=str)
+    return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+def to_frame(events: list[tuple]) -> pd.DataFrame:
+    df = pd.DataFrame(events, columns=COLUMNS)
+    df["seq"] = range(len(df))  # dropped host-side allocations leave gaps
+    # `size` is the requested bytes; `allocated` what the allocator's 512-B rounding hands out.
+    df["allocated"] = [round_request(int(n)) for n in df["size"]]
+    return df
+
+
+def replay_rows(df: pd.DataFrame) -> list[tuple]:
+    """(action, key, size, tag) for the allocator model; tag = (phase, step, module, kind)."""
+    return list(zip(df["action"], df["key"], df["size"].astype("int64"),
+                    zip(df["phase"], df["step"], df["module"], df["kind"])))
+
+
+def load_cached(cache_dir: Path | None, tid: str) -> tuple[pd.DataFrame, dict] | None:
+    if cache_dir is None:
+        return None
+    d = Path(cache_dir) / tid
+    try:
+        return pd.read_parquet(d / TRACE_FILE), json.loads((d / MEASUREMENTS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def save_cached(cache_dir: Path | None, tid: str, trace_path: Path, measurements: dict) -> None:
+    """Publish atomically: a point running in parallel sees all of it or nothing."""
+    if cache_dir is None:
+        return
+    final = Path(cache_dir) / tid
+    if final.exists():
+        return
+    tmp = Path(cache_dir) / f".{tid}.{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(trace_path, tmp / TRACE_FILE)
+    (tmp / MEASUREMENTS_FILE).write_text(json.dumps(measurements, default=str))
+    try:
+        tmp.rename(final)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another point published it first

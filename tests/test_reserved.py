@@ -1,0 +1,80 @@
+"""The virtual GPU with the allocator model: reserved bytes, per-card verdicts, one trace reused."""
+
+import json
+
+import pandas as pd
+import pytest
+
+from harness.allocator.settings import AllocSettings
+from harness.allocator.replay import replay_events
+from harness.probe import reserved
+from tests.conftest import run_cli
+
+MiB = 1024**2
+
+
+def _small_then_large():
+    """8 x 16 MiB freed, then 4 x 32 MiB: 128 MiB live at most, 256 MiB reserved by default."""
+    rows = [("alloc", i, 16 * MiB, ("forward", 0, "m", "activation")) for i in range(8)]
+    rows += [("free", i, 16 * MiB, None) for i in range(8)]
+    rows += [("alloc", 10 + i, 32 * MiB, ("backward", 0, "m", "temporary")) for i in range(4)]
+    return rows
+
+
+def _card(mib):
+    return {"key": f"c{mib}", "name": f"{mib} MiB card", "memory_bytes": mib * MiB, "non_pytorch_bytes": 0}
+
+
+def test_a_card_between_allocated_and_reserved_fits_by_the_retry_ladder():
+    rows, settings = _small_then_large(), AllocSettings()
+    unlimited, _ = replay_events(rows, settings)
+    assert (unlimited.peak_allocated_bytes, unlimited.peak_reserved_bytes) == (128 * MiB, 256 * MiB)
+    assert reserved.fits(rows, settings, _card(200), unlimited)  # cached segments released, retried
+    assert not reserved.fits(rows, settings, _card(100), unlimited)
+    out = reserved.analyse(rows, settings, _card(200), [_card(100), _card(200)], "2.6")
+    assert out["num_alloc_retries"] >= 1 and "status" not in out and out["fits_cards"] == ["c200"]
+
+
+def test_an_oom_row_says_where_and_words_the_message():
+    out = reserved.analyse(_small_then_large(), AllocSettings(), _card(120), [_card(120)], "2.6")
+    assert out["status"] == "oom" and (out["oom_phase"], out["oom_step"]) == ("forward", 0)  # the 8th 16 MiB
+    assert out["oom_tried_bytes"] == 16 * MiB
+    assert out["oom_message"].startswith("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 16.00 MiB.")
+
+
+def test_expandable_segments_reserve_less_for_the_same_trace():
+    rows = _small_then_large()
+    default, _ = replay_events(rows, AllocSettings())
+    expandable, _ = replay_events(rows, AllocSettings.from_conf("expandable_segments:True"))
+    assert expandable.peak_reserved_bytes < default.peak_reserved_bytes
+
+
+@pytest.mark.slow
+def test_allocator_sweep_traces_once_and_replays_the_rest(tmp_path):
+    r = run_cli("sweep", "model=tiny", "batch_size=1", "seq_len=32", "precision=bf16", "checkpointing=false",
+                "allocator=default,expandable,max_split_512", "hydra.sweeper.max_batch_size=1",
+                f"results_dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    df = pd.read_parquet(next((tmp_path / "default").iterdir()) / "results.parquet")
+    assert len(df) == 3 and df["trace_reused"].notna().sum() == 2
+    assert df["peak_tensor_bytes"].nunique() == 1  # one trace
+    assert (df["peak_reserved_bytes"] >= df["peak_allocated_bytes"]).all()
+    assert (df["peak_allocated_bytes"] >= df["peak_tensor_bytes"]).all()
+
+
+@pytest.mark.slow
+def test_snapshot_true_writes_a_memory_viz_snapshot_next_to_the_result(tmp_path):
+    from torch.cuda import _memory_viz
+
+    from harness.allocator import snapshot as snap
+
+    r = run_cli("run", "model=tiny", "seq_len=32", "snapshot=true", f"results_dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(next(tmp_path.glob("runs/*/result.json")).read_text())
+    data = snap.load(rec["snapshot_path"])
+    _memory_viz.segsum(data)
+    assert len(_memory_viz.trace_plot(data)) > 1000
+    for seg in data["segments"]:
+        assert sum(b["size"] for b in seg["blocks"]) == seg["total_size"]
+    allocs = [e for e in data["device_traces"][0] if e["action"] == "alloc"]
+    assert allocs and all(e["frames"] for e in allocs)  # each allocation names its module and phase
