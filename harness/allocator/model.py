@@ -266,13 +266,7 @@ class CachingAllocator:
         st = self.stats
         already_split = b.is_split()
         if split:
-            rest = Block(b.addr + size, b.size - size, b.stream, b.small, b.es)
-            rest.prev, rest.next = b, b.next
-            if b.next is not None:
-                b.next.prev = rest
-            b.next = rest
-            b.size = size
-            self.blocks[rest.addr] = rest
+            rest = self._split_off(b, size)
             pool.insert(rest)
             if b.es is None:
                 if already_split:
@@ -289,6 +283,17 @@ class CachingAllocator:
         st.requested_bytes.add(orig_size)
         self._emit("alloc", b.addr, orig_size, b.stream)
         return b
+
+    def _split_off(self, b: Block, keep: int, mapped: bool = True) -> Block:
+        """Cut `b` after `keep` bytes; the rest becomes a new block linked after it."""
+        rest = Block(b.addr + keep, b.size - keep, b.stream, b.small, b.es, mapped=mapped)
+        rest.prev, rest.next = b, b.next
+        if b.next is not None:
+            b.next.prev = rest
+        b.next = rest
+        b.size = keep
+        self.blocks[rest.addr] = rest
+        return rest
 
     def _try_merge(self, dst: Block, src: Block | None, pool: Pool) -> int:
         if src is None or src.allocated or dst.mapped != src.mapped:
@@ -403,9 +408,9 @@ class CachingAllocator:
                 elif not b.is_split():
                     self._release_block(b, pool)
             for b in to_unmap:
-                self._unmap_block(b, pool)
-                if not b.mapped and b.prev is None and b.next is None:
-                    self._release_expandable_segment(b, pool)
+                gone = self._unmap_block(b, pool)
+                if gone is not None and gone.prev is None and gone.next is None:
+                    self._release_expandable_segment(gone, pool)
 
     def _release_expandable_segment(self, b: Block, pool: Pool) -> None:
         """A segment with nothing mapped gives its address range back."""
@@ -485,14 +490,7 @@ class CachingAllocator:
         pool.remove_unmapped(b)
         b.mapped = True
         if nbytes < b.size:
-            rest = Block(b.addr + nbytes, b.size - nbytes, b.stream, b.small, es, mapped=False)
-            rest.prev, rest.next = b, b.next
-            if b.next is not None:
-                b.next.prev = rest
-            b.next = rest
-            b.size = nbytes
-            self.blocks[rest.addr] = rest
-            pool.insert_unmapped(rest)
+            pool.insert_unmapped(self._split_off(b, nbytes, mapped=False))
         addr = b.addr
         self._try_merge(b, b.prev, pool)
         self._try_merge(b, b.next, pool)
@@ -515,43 +513,31 @@ class CachingAllocator:
         pool.remove(c)
         return c
 
-    def _unmap_block(self, b: Block, pool: Pool) -> None:
+    def _unmap_block(self, b: Block, pool: Pool) -> Block | None:
+        """Unmap the whole pages inside free block `b`; returns the unmapped block."""
         es = b.es
         first = -(-(b.addr - es.base) // es.page)
         last = (b.addr + b.size - es.base) // es.page
         if first >= last:
-            return
+            return None
         start, nbytes = es.base + first * es.page, (last - first) * es.page
         pool.remove(b)
-        before, after = start - b.addr, b.addr + b.size - (start + nbytes)
-        if before > 0:
-            head = Block(b.addr, before, b.stream, b.small, es)
-            head.prev, head.next = b.prev, b
-            if b.prev is not None:
-                b.prev.next = head
-            b.prev = head
-            self.blocks[head.addr] = head
-            pool.insert(head)
-        if after > 0:
-            tail = Block(start + nbytes, after, b.stream, b.small, es)
-            tail.prev, tail.next = b, b.next
-            if b.next is not None:
-                b.next.prev = tail
-            b.next = tail
-            self.blocks[tail.addr] = tail
-            pool.insert(tail)
-        if self.blocks.get(b.addr) is b:
-            del self.blocks[b.addr]
-        b.addr, b.size, b.mapped = start, nbytes, False
-        self.blocks[start] = b
+        middle = b
+        if start > b.addr:  # a free head stays mapped
+            middle = self._split_off(b, start - b.addr)
+            pool.insert(b)
+        if middle.size > nbytes:  # so does a free tail
+            pool.insert(self._split_off(middle, nbytes))
+        middle.mapped = False
         es.mapped.difference_update(range(first, last))
-        self._try_merge(b, b.prev, pool)
-        self._try_merge(b, b.next, pool)
-        pool.insert_unmapped(b)
+        self._try_merge(middle, middle.prev, pool)
+        self._try_merge(middle, middle.next, pool)
+        pool.insert_unmapped(middle)
         self.total_allocated_memory -= nbytes
         self.stats.reserved_bytes.add(-nbytes)
         self.stats.num_device_free += 1
-        self._emit("segment_unmap", start, nbytes, b.stream)
+        self._emit("segment_unmap", start, nbytes, middle.stream)
+        return middle
 
     # ---- OOM -----------------------------------------------------------------------------------
     def _oom(self, alloc_size: int, size: int) -> OutOfMemory:
