@@ -62,7 +62,11 @@ def main(args: list[str]) -> int:
     except ValueError as e:
         print(f"harness: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    result = replay_snapshot(data, settings, device)
+    try:
+        result = replay_snapshot(data, settings, device)
+    except snap.SnapshotError as e:
+        print(f"harness: error: {path}: {e}", file=sys.stderr)
+        return EXIT_USAGE
     out = result.as_dict()
     out["snapshot"] = path
     out["gpu"] = card

@@ -340,3 +340,29 @@ def test_replay_json_reports_the_check_against_the_recording():
                 "allocs_total", "allocs_address_matched"):
         assert key in out
     assert out["allocs_total"] == out["allocs_address_matched"] > 0
+
+
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True", "max_split_size_mb:64",
+                                  "roundup_power2_divisions:4,garbage_collection_threshold:0.6"])
+def test_a_snapshot_written_from_a_replay_replays_exactly(tmp_path, conf):
+    """Round trip: trace -> model -> snapshot file -> replay checked against it, for every setting
+    (this is how snapshots recorded from the first allocation, as the cuda backend writes them, check)."""
+    rng = random.Random(3)
+    rows, live, key = [], [], 0
+    for _ in range(4000):
+        if live and rng.random() < 0.47:
+            rows.append(("free", live.pop(rng.randrange(len(live))), 0, None))
+        else:
+            rows.append(("alloc", key, rng.choice([rng.randint(1, 8192), rng.randint(MiB, 48 * MiB)]), None))
+            live.append(key)
+            key += 1
+    from harness.allocator.replay import replay_events
+
+    trace = []
+    settings = AllocSettings.from_conf(conf)
+    result, alloc = replay_events(rows, settings, on_event=lambda a, addr, size, st: trace.append(
+        {"action": a, "addr": addr, "size": size, "stream": st, "time_us": len(trace), "frames": []}))
+    data = snap.load(snap.write(tmp_path / "s.pickle", alloc, trace))
+    again = replay_snapshot(data)
+    assert again.exact, again
+    assert again.peak_reserved_bytes == result.peak_reserved_bytes

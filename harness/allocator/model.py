@@ -218,11 +218,12 @@ class CachingAllocator:
 
     def free(self, block: Block) -> None:
         """free + free_block (a single stream: the free completes at once)."""
+        addr, requested, stream = block.addr, block.requested, block.stream  # merging moves block.addr
         self.stats.allocation.add(-1)
         self.stats.allocated_bytes.add(-block.size)
-        self._emit("free_requested", block.addr, block.requested, block.stream)
+        self._emit("free_requested", addr, requested, stream)
         self._free_block(block)
-        self._emit("free_completed", block.addr, block.requested, block.stream)
+        self._emit("free_completed", addr, requested, stream)
 
     def empty_cache(self) -> None:
         self.release_cached_blocks()

@@ -81,6 +81,12 @@ def start_state(data: dict, device: int) -> StartState:
             blocks.pop(e["addr"], None)
         elif a == "free_completed":
             blocks[e["addr"]] = (None, e["size"])  # block size inferred below
+    expandable = any(s.get("is_expandable") for s in data["segments"]) or any(
+        e.get("action") in ("segment_map", "segment_unmap") for e in trace)
+    if expandable and segs:
+        raise SnapshotError("expandable segments recorded after memory was already in use: the state at "
+                            "the start of the trace cannot be rebuilt; record from before the first CUDA "
+                            "allocation")
     state = StartState()
     for addr, (size, stream) in segs.items():
         small = small_of.get(addr, size == K_SMALL_BUFFER)
