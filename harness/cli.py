@@ -22,7 +22,7 @@ USAGE = """usage: python -m harness <verb> [overrides]
   run    [overrides]    one point, e.g. run model=7b batch_size=4 seq_len=2048 backend=sim
   sweep  [overrides]    a grid (sweeps/default.yaml unless sweeps=<name>); key=a,b,c sweeps a key
   report <dir|file>     aggregate a finished, partial or interrupted sweep into results.parquet
-  replay <snapshot.pickle> [allocator=...] [gpu=...] [torch_version=2.6] [--json]
+  replay <snapshot.pickle> [allocator=...] [gpu=... [fraction=0.5]] [torch_version=2.6] [--json]
                         replay a memory snapshot through the allocator model: checked against
                         the recording, or what-if under other settings / on another card
 

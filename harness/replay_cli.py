@@ -1,4 +1,4 @@
-"""`python -m harness replay <snapshot.pickle> [allocator=...] [gpu=...] [torch_version=...] [--json]`."""
+"""`python -m harness replay <snapshot.pickle> [allocator=...] [gpu=... [fraction=...]] [torch_version=...] [--json]`."""
 
 from __future__ import annotations
 
@@ -28,21 +28,31 @@ def _what_if(overrides: dict):
     from harness.allocator.settings import AllocSettings
     from harness.config.compose import compose
 
-    known = {"allocator", "allocator.conf", "gpu", "torch_version"}
+    known = {"allocator", "allocator.conf", "gpu", "fraction", "torch_version"}
     for key in overrides:
         if key not in known:
             raise ConfigError(key, f"unknown key for replay (known: {', '.join(sorted(known))})")
-    cfg_overrides = [f"{k}={v}" for k, v in overrides.items() if k != "torch_version"]
-    settings = device = None
+    cfg_overrides = [f"{k}={v}" for k, v in overrides.items() if k not in ("torch_version", "fraction")]
+    fraction = None
+    if "fraction" in overrides:  # torch.cuda.set_per_process_memory_fraction
+        try:
+            fraction = float(overrides["fraction"])
+        except ValueError:
+            fraction = -1.0
+        if not 0.0 < fraction <= 1.0:
+            raise ConfigError("fraction", f"must be in (0, 1], got '{overrides['fraction']}'")
+        if "gpu" not in overrides:
+            raise ConfigError("fraction", "needs gpu= (a fraction of which card?)")
+    settings = device = card = None
     if cfg_overrides:
         cfg = compose(cfg_overrides)
         if "allocator" in overrides or "allocator.conf" in overrides:
             settings = AllocSettings.from_conf(cfg.allocator.conf)
         if "gpu" in overrides:
-            device = Device(capacity=cfg.gpu.memory_bytes - cfg.gpu.non_pytorch_bytes, total=cfg.gpu.memory_bytes)
+            device = Device(capacity=cfg.gpu.memory_bytes - cfg.gpu.non_pytorch_bytes,
+                            total=cfg.gpu.memory_bytes, fraction=fraction)
             card = cfg.gpu.name
-            return settings, device, card
-    return settings, device, None
+    return settings, device, card
 
 
 def main(args: list[str]) -> int:

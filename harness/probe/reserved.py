@@ -31,7 +31,8 @@ def fits(rows: list[tuple], settings: AllocSettings, card: dict, unlimited) -> b
 def analyse(rows: list[tuple], settings: AllocSettings, card: dict, catalog: list[dict],
             torch_version: str, snapshot_path: Path | None = None) -> dict:
     """Record fields for the run's card and the whole catalog."""
-    unlimited, _ = replay_events(rows, settings)
+    # Unlimited memory, but the card's size for what depends on it (expandable address ranges).
+    unlimited, _ = replay_events(rows, settings, Device(total=card["memory_bytes"]))
     trace: list[dict] = []
     current = {"tag": None}
 
