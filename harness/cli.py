@@ -22,6 +22,9 @@ USAGE = """usage: python -m harness <verb> [overrides]
   run    [overrides]    one point, e.g. run model=7b batch_size=4 seq_len=2048 backend=sim
   sweep  [overrides]    a grid (sweeps/default.yaml unless sweeps=<name>); key=a,b,c sweeps a key
   report <dir|file>     aggregate a finished, partial or interrupted sweep into results.parquet
+  diagnose <-|path> [--json]
+                        an OOM message on stdin (-): code or card problem; a result.json, sweep dir
+                        or snapshot.pickle: the kind of memory behind each peak and its timeline
   replay <snapshot.pickle> [allocator=...] [gpu=... [fraction=0.5]] [torch_version=2.6] [--json]
                         replay a memory snapshot through the allocator model: checked against
                         the recording, or what-if under other settings / on another card
@@ -147,6 +150,10 @@ def entry(argv: list[str]) -> int:
         print(USAGE)
         return EXIT_OK if argv else EXIT_USAGE
     verb, rest = argv[0], argv[1:]
+    if verb == "diagnose":
+        from harness.diagnose_cli import main as diagnose
+
+        return diagnose(rest)
     if verb == "replay":
         from harness.replay_cli import main as replay
 
@@ -159,7 +166,7 @@ def entry(argv: list[str]) -> int:
             return _fail(f"report: no such file or directory: {path}")
         return _aggregate(path)
     if verb not in ("run", "sweep"):
-        return _fail(f"unknown verb '{verb}' (run, sweep, report, replay)")
+        return _fail(f"unknown verb '{verb}' (run, sweep, report, replay, diagnose)")
     flags = [a for a in rest if a.startswith("-")]
     overrides = [a for a in rest if not a.startswith("-")]
     if flags:  # --cfg, --info, --help: Hydra's own, nothing runs

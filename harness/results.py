@@ -28,6 +28,9 @@ def load_rows(path: Path) -> list[dict]:
 
 
 def to_frame(rows: list[dict]) -> pd.DataFrame:
+    from harness.analysis.kinds import kind
+
+    rows = [{**r, "kind": kind(r)[0]} for r in rows]  # the kind of memory behind each peak
     df = pd.DataFrame(rows)
     for col in COLUMNS:
         if col not in df.columns:

@@ -1,0 +1,107 @@
+"""`python -m harness diagnose <- | result.json | sweep dir | snapshot.pickle> [--json]`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from harness.errors import EXIT_OK, EXIT_USAGE
+
+GIB = 1024**3
+
+
+def _fail(message: str) -> int:
+    print(f"harness: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def main(args: list[str]) -> int:
+    as_json = "--json" in args
+    paths = [a for a in args if a != "--json"]
+    unknown = [a for a in paths if a.startswith("--")]
+    if unknown or len(paths) != 1:
+        return _fail("diagnose takes one input: - (an OOM message on stdin), a result.json, a sweep dir "
+                     "or a snapshot.pickle; and --json")
+    target = paths[0]
+    if target == "-":
+        return _message(sys.stdin.read(), as_json)
+    path = Path(target)
+    if not path.exists():
+        return _fail(f"diagnose: no such file or directory: {path}")
+    if path.suffix in (".pickle", ".pkl"):
+        return _snapshot(path, as_json)
+    return _runs(path, as_json)
+
+
+def _message(text: str, as_json: bool) -> int:
+    from harness.analysis.oom_text import diagnose
+
+    try:
+        reading = diagnose(text)
+    except ValueError as e:
+        return _fail(f"stdin: {e}")
+    out = reading.as_dict()
+    if as_json:
+        print(json.dumps(out, indent=1))
+        return EXIT_OK
+    print(f"verdict: {out['verdict']}")
+    for key in ("tried_bytes", "capacity_bytes", "free_bytes", "allocated_bytes", "reserved_unallocated_bytes",
+                "process_bytes", "non_pytorch_bytes", "other_processes_bytes", "allowed_bytes", "headroom_bytes"):
+        if out[key] is not None:
+            print(f"  {key:28s} {out[key] / GIB:9.2f} GiB")
+    print(out["reasoning"])
+    return EXIT_OK
+
+
+def _snapshot(path: Path, as_json: bool) -> int:
+    from harness.allocator import snapshot as snap
+    from harness.analysis.timeline import diagnose_snapshot
+
+    try:
+        out = diagnose_snapshot(snap.load(path))
+    except snap.SnapshotError as e:
+        return _fail(str(e))
+    out["snapshot"] = str(path)
+    if as_json:
+        print(json.dumps(out, indent=1))
+        return EXIT_OK
+    print(f"{path}: kind {out['kind']}, shape {out['shape']} ({out['shape_numbers']})")
+    print(f"  at the peak ({out['peak_requested_bytes'] / GIB:.2f} GiB requested): "
+          f"{out['resident_at_peak_bytes'] / GIB:.2f} GiB resident (allocated before the trace or still allocated "
+          f"at its end), {out['transient_at_peak_bytes'] / GIB:.2f} GiB transient (freed within it); "
+          f"{out['fragmentation_bytes'] / GIB:.2f} GiB reserved but unallocated at the reserved peak")
+    print("  what the peak is made of:")
+    for s in out["peak_sites"]:
+        print(f"    {s['bytes'] / GIB:8.2f} GiB  {s['site']}")
+    if out["growing_sites"]:
+        print("  what keeps growing:")
+        for s in out["growing_sites"]:
+            print("    " + " -> ".join(f"{b / GIB:.2f}" for b in s["bytes"]) + f" GiB  {s['site']}")
+    return EXIT_OK
+
+
+def _runs(path: Path, as_json: bool) -> int:
+    from harness import results
+    from harness.analysis.kinds import kind, shape
+
+    rows = results.load_rows(path)
+    if not rows:
+        return _fail(f"diagnose: no result.json under {path}")
+    out = []
+    for rec in rows:
+        k, why = kind(rec)
+        sh, sh_why = shape(rec.get("step_allocated_bytes") or [], rec.get("step_peak_bytes") or [],
+                           rec.get("workload") == "train")
+        out.append({"run_id": rec.get("run_id"), "model": rec.get("model"), "batch_size": rec.get("batch_size"),
+                    "seq_len": rec.get("seq_len"), "precision": rec.get("precision"),
+                    "checkpointing": rec.get("checkpointing"), "allocator_conf": rec.get("allocator_conf"),
+                    "gpu": rec.get("gpu"), "status": rec.get("status"), "kind": k, "why": why,
+                    "shape": sh, "shape_numbers": sh_why})
+    if as_json:
+        print(json.dumps(out if len(out) > 1 or path.is_dir() else out[0], indent=1, default=str))
+        return EXIT_OK
+    for r in out:
+        print(f"{r['model']} b{r['batch_size']} s{r['seq_len']} {r['precision']} ckpt={r['checkpointing']} "
+              f"on {r['gpu']}: {r['kind']} ({r['why']}); shape {r['shape']} ({r['shape_numbers']})")
+    return EXIT_OK
