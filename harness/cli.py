@@ -134,10 +134,16 @@ def _aggregate(path: Path, expected: int | None = None) -> int:
     if not rows:
         print(f"harness: error: no result.json under {path}", file=sys.stderr)
         return EXIT_ROW_ERROR
+    from harness.analysis.verdict import verdicts
+
     df = results.to_frame(rows)
+    judged = verdicts(df)
+    df = df.merge(judged[["run_id", "verdict", "detail"]].rename(columns={"detail": "verdict_detail"}),
+                  on="run_id", how="left")
     target = path if path.is_dir() else path.parent
     out = results.write(df, target)
     report.render(df, title=f"{out}")
+    report.render_verdicts(judged)
     bad = int(df["status"].isin(["error", "timeout"]).sum())
     missing = (expected - len(df)) if expected is not None else 0
     if missing > 0:

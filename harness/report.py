@@ -59,3 +59,21 @@ def render(df: pd.DataFrame, title: str) -> None:
     console.print("rows: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     for r in df[df["status"].isin(["error", "timeout"])].itertuples(index=False):
         console.print(f"[red]{r.status}[/] {r.run_id}: {escape(str(r.error))}")
+
+
+def render_verdicts(judged: pd.DataFrame) -> None:
+    """Code problem or card problem, for each point that does not fit its card."""
+    if judged.empty:
+        return
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console(width=max(200, Console().width))
+    table = Table(title="Code problem or card problem? (each point that OOMs on its card)")
+    for col in ("job", "card", "kind", "verdict", "what fits"):
+        table.add_column(col, overflow="fold")
+    for r in judged.itertuples(index=False):
+        style = "green" if r.verdict == "code problem" else "red"
+        table.add_row(escape(r.job), r.card, str(r.kind), f"[{style}]{r.verdict}[/]", escape(r.detail))
+    console.print(table)

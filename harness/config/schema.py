@@ -12,6 +12,7 @@ OPTIMIZERS = ("adamw", "sgd", "adafactor")
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused", "forloop")
 BACKENDS = ("auto", "sim", "cuda")
 WORKLOADS = ("train", "infer")
+LEAKS = ("none", "graph", "cycle")
 
 
 @dataclass
@@ -27,6 +28,7 @@ class WorkloadConf:
     name: str = "train"
     steps: int = 3  # train: steps run; the peak is read from step 2 on (step 1 creates optimizer state)
     new_tokens: int = 16  # infer: tokens decoded after the prefill; prompt = seq_len - new_tokens
+    leak: str = "none"  # train: none | graph (a loss kept with its graph) | cycle (a reference cycle)
 
 
 @dataclass

@@ -20,6 +20,9 @@ def validate(cfg) -> None:
     _one_of("precision", cfg.precision, schema.PRECISIONS)
     _one_of("backend", cfg.backend, schema.BACKENDS)
     _one_of("workload.name", cfg.workload.name, schema.WORKLOADS)
+    _one_of("workload.leak", cfg.workload.leak, schema.LEAKS)
+    if cfg.workload.leak != "none" and cfg.workload.name != "train":
+        raise ConfigError("workload.leak", "the leaks reproduce training-loop mistakes: use workload=train")
     _one_of("optimizer.name", cfg.optimizer.name, schema.OPTIMIZERS)
     _one_of("optimizer.impl", cfg.optimizer.impl, schema.OPTIMIZER_IMPLS)
     if cfg.optimizer.name == "adafactor" and cfg.optimizer.impl == "fused":

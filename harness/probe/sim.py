@@ -12,6 +12,7 @@ import gc
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from harness.analysis.holders import collect_cycles, old_tensors
 from harness.probe import cuda_emulation as cu
 from harness.probe import steps
 from harness.probe.tracker import StorageTracker
@@ -27,8 +28,9 @@ def precision_dtypes(precision: str) -> tuple[torch.dtype, torch.dtype | None]:
 
 
 class _Hooks:
-    def __init__(self, tracker: StorageTracker):
+    def __init__(self, tracker: StorageTracker, collect: bool = True):
         self.t = tracker
+        self.collect = collect
 
     def begin_step(self, step):
         self.t.begin_step(step)
@@ -37,7 +39,8 @@ class _Hooks:
         self.t.set_phase(phase)
 
     def end_step(self):
-        gc.collect()  # frees that only the cyclic GC would do happen before the reading, as on CUDA
+        if self.collect:
+            gc.collect()  # cycles of the libraries' own making are freed before the reading
         self.t.end_step()
 
 
@@ -93,7 +96,20 @@ def _trace_train(point, model, input_ids, tracker, autocast_mode, emulate_cuda) 
         p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "gradient"))
     host_steps = opt["impl"] != "fused" or not emulate_cuda
     optimizer.register_step_post_hook(lambda o, *_: _retag_state(tracker, o, host_steps))
-    steps.train(model, optimizer, input_ids, point["workload"]["steps"], _Hooks(tracker), autocast_mode)
+    leak = point["workload"].get("leak", "none")
+    n_steps = point["workload"]["steps"]
+    if leak == "cycle":
+        gc.disable()  # the cycle lives until the GC gets round to it; here, not during the steps
+    try:
+        kept = steps.train(model, optimizer, input_ids, n_steps, _Hooks(tracker, collect=leak != "cycle"),
+                           autocast_mode, leak)
+        holders = old_tensors(tracker, n_steps - 1)
+        del kept
+    finally:
+        gc.enable()
+    cycles, freed = collect_cycles(tracker)
+    tracker.findings = {"retained_holder": "; ".join(holders + cycles) or None,
+                        "cycle_freed_bytes": freed}
     return sum(tracker.allocated_bytes_of(v) for state in optimizer.state.values()
                for v in state.values() if isinstance(v, torch.Tensor))
 
@@ -121,7 +137,11 @@ def _measurements(tracker: StorageTracker, workload: dict, n_params: int, params
         window = per_step
     peak = max(window, key=lambda s: s.peak_allocated_bytes)
     bd = peak.peak_breakdown
+    after = [s.allocated_after_bytes for s in per_step]
+    findings = getattr(tracker, "findings", {})
     return {
+        "retained_bytes": max(0, after[-1] - after[1]) if len(after) > 2 and workload["name"] == "train" else 0,
+        "retained_holder": findings.get("retained_holder"),
         "n_params": n_params,
         "peak_allocated_bytes": peak.peak_allocated_bytes,
         "peak_requested_bytes": max(s.peak_requested_bytes for s in window),

@@ -42,15 +42,29 @@ def enable_checkpointing(model, recompute_ctx=None) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def train(model, optimizer, input_ids, steps: int, hooks, autocast_mode=None) -> None:
-    """forward, backward, optimizer step, zero_grad(set_to_none=True); `steps` times."""
+class _StepState:
+    """What a training loop might keep per step, e.g. for logging."""
+
+
+def train(model, optimizer, input_ids, steps: int, hooks, autocast_mode=None, leak: str = "none") -> list:
+    """forward, backward, optimizer step, zero_grad(set_to_none=True); `steps` times.
+
+    `leak` reproduces the classic mistakes: `graph` keeps the loss of an evaluation forward, with
+    its autograd graph and saved activations, across steps (history.append(loss) where
+    loss.item() was meant); `cycle` leaves a reference cycle holding the step's outputs, which
+    only the cyclic garbage collector frees. Returns what the loop kept (the leak's holder)."""
     model.train()
+    history: list = []
     for step in range(steps):
         hooks.begin_step(step)
         hooks.set_phase("forward")
         with autocast_region(autocast_mode):
             out = model(input_ids=input_ids, labels=input_ids, use_cache=False)
         loss = out.loss
+        if leak == "cycle":
+            state = _StepState()
+            state.self, state.outputs = state, out  # unreachable after this step, but a cycle
+            del state
         del out
         hooks.set_phase("backward")
         loss.backward()
@@ -59,7 +73,12 @@ def train(model, optimizer, input_ids, steps: int, hooks, autocast_mode=None) ->
         optimizer.step()
         hooks.set_phase("zero_grad")
         optimizer.zero_grad(set_to_none=True)
+        if leak == "graph":
+            hooks.set_phase("forward")
+            with autocast_region(autocast_mode):
+                history.append(model(input_ids=input_ids, labels=input_ids, use_cache=False).loss)
         hooks.end_step()
+    return history
 
 
 def _cache_kwarg(model) -> str:

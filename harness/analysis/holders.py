@@ -1,0 +1,87 @@
+"""Who holds memory that should have been freed: Python containers keeping old steps' tensors (and
+their autograd graphs), and reference cycles only the cyclic GC frees.
+
+The cycle search is the mechanism of torch.utils.viz._cycles (gc.DEBUG_SAVEALL, then look at what
+the collector found) without its CUDA-only filters, so it works on the virtual GPU too.
+"""
+
+from __future__ import annotations
+
+import gc
+import types
+import warnings
+from collections import Counter
+
+import torch
+
+GiB = 1024**3
+
+
+def _describe(obj) -> str:
+    if isinstance(obj, torch.Tensor):
+        fn = type(obj.grad_fn).__name__ if obj.grad_fn is not None else None
+        return f"Tensor{tuple(obj.shape)}" + (f"(grad_fn={fn})" if fn else "")
+    return type(obj).__name__
+
+
+def old_tensors(tracker, step: int) -> list[str]:
+    """Python-reachable tensors with an autograd graph, born before `step` and still alive: the
+    roots a loop keeps by mistake (with everything their graphs saved), and what holds them."""
+    born = {key: st for _seq, action, key, _size, _kind, _phase, st, _module in tracker.events
+            if action == "alloc"}
+    found = Counter()
+    with warnings.catch_warnings():  # some library objects warn when their type is probed
+        warnings.simplefilter("ignore")
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in tensors:
+        if obj.grad_fn is None:
+            continue
+        try:
+            key = obj.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError):
+            continue
+        live = tracker._live.get(key)
+        if live is None or born.get(key, step) >= step or live[2] != "activation":
+            continue
+        holders = [r for r in gc.get_referrers(obj)
+                   if r is not tensors and not isinstance(r, types.FrameType)]
+        if not holders:
+            continue  # reachable only through autograd's saved tensors: not a root
+        where = type(holders[0]).__name__
+        found[f"a {where} holding {_describe(obj)}"] += 1
+    return [text + (f" (x{n})" if n > 1 else "") for text, n in found.most_common(3)]
+
+
+def collect_cycles(tracker) -> tuple[list[str], int]:
+    """Run the cyclic GC, name the objects in the cycles that held tensors, return the bytes freed."""
+    before = tracker.allocated
+    was = gc.get_debug()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # unreachable objects go to gc.garbage instead of being freed
+    try:
+        gc.collect()
+        garbage = list(gc.garbage)
+        gc.garbage.clear()
+    finally:
+        gc.set_debug(was)
+    in_garbage = {id(o) for o in garbage}
+    holders = Counter()
+    frontier: list = []
+    for t in (o for o in garbage if isinstance(o, torch.Tensor)):
+        frontier, seen = [t], {id(t)}
+        for _depth in range(4):  # up the referrer chain, inside the garbage only
+            nxt = []
+            for o in frontier:
+                for r in gc.get_referrers(o):
+                    if id(r) in in_garbage and id(r) not in seen:
+                        seen.add(id(r))
+                        nxt.append(r)
+                        if not isinstance(r, (dict, list, tuple, set, torch.Tensor)) and type(r).__name__ != "cell":
+                            holders[type(r).__name__] += 1
+            frontier = nxt
+    del garbage, frontier
+    gc.collect()
+    freed = before - tracker.allocated
+    if not holders:
+        return [], freed
+    names = ", ".join(name for name, _n in holders.most_common(3))
+    return [f"a reference cycle through {names}; gc.collect() freed {freed / 1024**2:.1f} MiB"], freed

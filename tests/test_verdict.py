@@ -1,0 +1,90 @@
+"""Code problem or card problem, and the leaks that make memory climb."""
+
+import pandas as pd
+import pytest
+
+from harness.analysis.verdict import verdicts
+from harness.probe.sim import run_point
+from tests.conftest import run_cli, train_point
+
+GiB = 1024**3
+
+
+def _row(**kw):
+    row = {"run_id": kw.get("run_id", "r"), "model": "m", "workload": "train", "seq_len": 2048, "batch_size": 8,
+           "precision": "bf16", "optimizer": "adamw", "optimizer_impl": "auto", "checkpointing": False,
+           "allocator_conf": "", "leak": "none", "gpu": "T4", "status": "oom", "kind": "activations",
+           "fits_cards": [], "peak_reserved_bytes": 30 * GiB}
+    row.update(kw)
+    return row
+
+
+def test_a_remedy_that_fits_the_card_makes_it_a_code_problem():
+    df = pd.DataFrame([_row(run_id="job"),
+                       _row(run_id="ckpt", checkpointing=True, status="ok", fits_cards=["t4"]),
+                       _row(run_id="micro", batch_size=2, status="ok", fits_cards=["t4", "l4"]),
+                       _row(run_id="odd", batch_size=3, status="ok", fits_cards=["t4"])])  # 3 does not divide 8
+    v = verdicts(df).set_index("run_id").loc["job"]
+    assert v["verdict"] == "code problem"
+    assert "activation checkpointing" in v["detail"] and "micro-batch 2 x 4 accumulation steps" in v["detail"]
+    assert "micro-batch 3" not in v["detail"]
+
+
+def test_no_remedy_fitting_makes_it_a_card_problem_naming_the_smallest_card():
+    df = pd.DataFrame([_row(run_id="job", fits_cards=["a100-80gb", "h100-80gb", "h200"]),
+                       _row(run_id="ckpt", checkpointing=True, status="oom", fits_cards=["a100-40gb"])])
+    v = verdicts(df).set_index("run_id").loc["job"]
+    assert v["verdict"] == "card problem" and "a100-80gb" in v["detail"] and "headroom" in v["detail"]
+
+
+def test_a_remedy_never_introduces_a_leak():
+    df = pd.DataFrame([_row(run_id="job"), _row(run_id="leaky", checkpointing=True, leak="graph",
+                                                 status="ok", fits_cards=["t4"])])
+    assert verdicts(df).set_index("run_id").loc["job", "verdict"] == "card problem"
+
+
+@pytest.mark.parametrize("leak", ["graph", "cycle"])
+def test_leaks_make_allocated_climb_and_name_their_holder(leak):
+    point = train_point(steps=4)
+    point["workload"]["leak"] = leak
+    m, _ = run_point(point)
+    after = m["step_allocated_bytes"]
+    assert after[1] < after[2] < after[3] and m["retained_bytes"] > 0
+    if leak == "graph":
+        assert "list holding Tensor()(grad_fn=NllLossBackward0)" in m["retained_holder"]
+    else:
+        assert "reference cycle through _StepState" in m["retained_holder"]
+
+
+def test_no_leak_no_climb_no_holder():
+    m, _ = run_point(train_point(steps=4))
+    assert len(set(m["step_allocated_bytes"])) == 1 and m["retained_holder"] is None
+
+
+@pytest.mark.slow
+def test_the_four_kinds_tour_names_each_kind_with_numbers_that_agree(tmp_path):
+    r = run_cli("sweep", "sweeps=four-kinds", f"results_dir={tmp_path}", timeout=900)
+    assert r.returncode == 0, r.stderr
+    df = pd.read_parquet(next((tmp_path / "four-kinds").iterdir()) / "results.parquet")
+    room = df["gpu_memory_bytes"] - df["gpu_non_pytorch_bytes"]
+    assert set(df["kind"]) >= {"static", "activations", "fragmentation", "retained"}
+    static = df[df["kind"] == "static"]
+    assert ((static["params_bytes"] * 2 + static["optimizer_bytes"]) > room[static.index]).all()
+
+    def same(row, **changes):
+        keys = ["precision", "checkpointing", "allocator_conf", "leak"]
+        want = {k: changes.get(k, row[k]) for k in keys}
+        return df[(df[keys] == pd.Series(want)).all(axis=1)].iloc[0]
+
+    for _, row in df[df["kind"] == "activations"].iterrows():
+        assert row["params_bytes"] * 2 + row["optimizer_bytes"] <= room[row.name] < row["peak_allocated_bytes"]
+        fixed = same(row, checkpointing=True, allocator_conf="expandable_segments:True")
+        assert fixed["status"] == "ok"
+    for _, row in df[df["kind"] == "fragmentation"].iterrows():
+        assert row["peak_allocated_bytes"] <= room[row.name] < row["peak_reserved_bytes"]
+        assert same(row, allocator_conf="expandable_segments:True")["status"] == "ok"
+    for _, row in df[df["kind"] == "retained"].iterrows():
+        after = list(row["step_allocated_bytes"])
+        assert all(b > a for a, b in zip(after[1:], after[2:]))
+    assert "Code problem or card problem?" in r.stdout
+    assert set(df.loc[df["status"] == "oom", "verdict"]) <= {"code problem", "card problem"}
