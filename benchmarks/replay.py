@@ -37,7 +37,7 @@ def main() -> None:
         dt = time.perf_counter() - t0
         print(f"synthetic 50,000 events [{conf or 'default'}]: {dt:.3f} s "
               f"(peak reserved {result.peak_reserved_bytes / MiB:.0f} MiB)")
-    shared = Path(__file__).resolve().parents[2] / "shared" / "data" / "snapshots"
+    shared = Path(__file__).resolve().parents[1] / "tests" / "data" / "snapshots"
     for path in sorted(shared.glob("*.pickle")):
         data = snap.load(path)
         t0 = time.perf_counter()

@@ -15,7 +15,7 @@ from harness.allocator.settings import AllocSettings
 from tests.conftest import run_cli
 
 MiB, GiB = 1024**2, 1024**3
-SNAPSHOTS = sorted((Path(__file__).resolve().parents[2] / "shared" / "data" / "snapshots").glob("*.pickle"))
+SNAPSHOTS = sorted((Path(__file__).resolve().parent / "data" / "snapshots").glob("*.pickle"))
 
 
 def allocator(conf: str = "", **device) -> CachingAllocator:
@@ -239,6 +239,9 @@ def test_tried_to_allocate_is_the_segment_size_not_the_tensor():
 
 
 # ---- real snapshots ------------------------------------------------------------------------------
+
+def test_the_real_snapshots_ship_with_the_tests():
+    assert len(SNAPSHOTS) == 3
 
 @pytest.mark.parametrize("path", SNAPSHOTS, ids=lambda p: p.stem)
 def test_real_snapshot_replays_exactly_under_recorded_settings(path):

@@ -10,7 +10,7 @@ from harness.analysis.oom_text import diagnose
 from harness.results import to_frame
 from tests.conftest import run_cli
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED = Path(__file__).resolve().parent / "data"
 GiB, MiB = 1024**3, 1024**2
 
 

@@ -26,6 +26,11 @@ _COST = {
 }
 
 
+def _leak(row) -> str:
+    value = row.get("leak")
+    return value if isinstance(value, str) else "none"  # rows from before leaks were recorded
+
+
 def _fits(row, card_key: str) -> bool:
     listed = row.get("fits_cards")
     return listed is not None and not (isinstance(listed, float) and pd.isna(listed)) and card_key in list(listed)
@@ -34,8 +39,8 @@ def _fits(row, card_key: str) -> bool:
 def _remedy(job, other) -> list[tuple[str, str]]:
     """(kind, description) of each way `other` differs from `job`."""
     out = []
-    if job.get("leak", "none") != "none" and other.get("leak", "none") == "none":
-        out.append(("leak", f"fix the {job['leak']} leak ({job.get('retained_holder') or 'see diagnose'})"))
+    if _leak(job) != "none" and _leak(other) == "none":
+        out.append(("leak", f"fix the {_leak(job)} leak ({job.get('retained_holder') or 'see diagnose'})"))
     if (other.get("allocator_conf") or "") != (job.get("allocator_conf") or ""):
         out.append(("allocator", f"PYTORCH_ALLOC_CONF={other.get('allocator_conf') or '(default)'}"))
     if other["batch_size"] != job["batch_size"]:
@@ -56,7 +61,7 @@ def _comparable(job, other) -> bool:
     same = all(other.get(k) == job.get(k) for k in ("model", "workload", "seq_len"))
     divides = other["batch_size"] <= job["batch_size"] and job["batch_size"] % other["batch_size"] == 0
     # A remedy only removes a mistake or changes a knob; it never introduces a leak.
-    no_new_leak = other.get("leak", "none") in ("none", job.get("leak", "none"))
+    no_new_leak = _leak(other) in ("none", _leak(job))
     return same and divides and no_new_leak
 
 
@@ -88,7 +93,7 @@ def verdicts(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _job(row) -> str:
-    leak = f" leak={row['leak']}" if row.get("leak", "none") != "none" else ""
+    leak = f" leak={_leak(row)}" if _leak(row) != "none" else ""
     alloc = f" alloc={row['allocator_conf']}" if row.get("allocator_conf") else ""
     return (f"{row['model']} {row['workload']} b{row['batch_size']} s{row['seq_len']} {row['precision']} "
             f"ckpt={'yes' if row.get('checkpointing') else 'no'}{alloc}{leak}")

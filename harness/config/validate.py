@@ -54,14 +54,12 @@ def _check_model(cfg) -> None:
 
 
 def resolve_backend(backend: str) -> str:
-    """auto -> cuda when a GPU is visible, else sim. cuda without a GPU is a config error."""
-    if backend == "sim":
+    """auto -> sim until the cuda probe exists (then: cuda when a GPU is visible); cuda without a
+    GPU is a config error, and so is cuda before its probe lands: no sweep of error rows."""
+    if backend in ("sim", "auto"):
         return "sim"
     import torch
 
-    has_gpu = torch.cuda.is_available()
-    if backend == "auto":
-        return "cuda" if has_gpu else "sim"
-    if not has_gpu:
+    if not torch.cuda.is_available():
         raise ConfigError("backend", "cuda asked for, but no GPU is visible (use backend=sim or auto)")
-    return "cuda"
+    raise ConfigError("backend", "the cuda probe is not implemented yet; use backend=sim (the virtual GPU)")
