@@ -7,6 +7,8 @@ OOM killer takes only the child) and lets a timeout become a row instead of a lo
 from __future__ import annotations
 
 import json
+import os
+import select
 import signal
 import subprocess
 import sys
@@ -46,24 +48,71 @@ def run_point(point: dict, run_dir: Path, results_dir: Path | None = None) -> di
     (run_dir / "point.json").write_text(json.dumps(point, indent=1, default=str))
     log = run_dir / "worker.log"
     t0 = time.perf_counter()
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "harness.probe.worker", str(run_dir)],
-                                stdout=out, stderr=subprocess.STDOUT)
-        try:
-            rc = proc.wait(timeout=point["timeout_s"])
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            rec = base_record(point)
-            rec.update(status="timeout", wall_s=time.perf_counter() - t0,
-                       error=f"point did not finish within timeout_s={point['timeout_s']} s")
-            return _write(run_dir, rec)
+    rc = _run_forked(run_dir, point["timeout_s"]) if _zygote_enabled() else _NO_ZYGOTE
+    if rc is _NO_ZYGOTE:
+        rc = _run_subprocess(run_dir, log, point["timeout_s"])
+    if rc is _TIMED_OUT:
+        rec = base_record(point)
+        rec.update(status="timeout", wall_s=time.perf_counter() - t0,
+                   error=f"point did not finish within timeout_s={point['timeout_s']} s")
+        return _write(run_dir, rec)
     result = run_dir / RESULT_FILE
     if rc == 0 and result.exists():
         return json.loads(result.read_text())
     rec = base_record(point)
     rec.update(status="error", wall_s=time.perf_counter() - t0, error=_describe_exit(rc, log))
     return _write(run_dir, rec)
+
+
+_TIMED_OUT, _NO_ZYGOTE, _VANISHED = object(), object(), -int(signal.SIGKILL)
+
+
+def _zygote_enabled() -> bool:
+    return os.environ.get("HARNESS_ZYGOTE", "1") != "0"
+
+
+def _run_subprocess(run_dir: Path, log: Path, timeout_s: float):
+    """A fresh interpreter for the point: exit code, or _TIMED_OUT."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "harness.probe.worker", str(run_dir)],
+                                stdout=out, stderr=subprocess.STDOUT)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return _TIMED_OUT
+
+
+def _run_forked(run_dir: Path, timeout_s: float):
+    """The point in a child forked from the zygote (torch already imported): its exit code,
+    _TIMED_OUT, or _NO_ZYGOTE when none could be had."""
+    from harness.probe import zygote
+
+    conn = zygote.connect()
+    if conn is None:
+        return _NO_ZYGOTE
+    deadline = time.monotonic() + timeout_s
+    with conn:
+        conn.sendall(f"{run_dir}\n".encode())
+        reader = conn.makefile("rb")
+        pid = None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([conn], [], [], remaining)[0]:
+                if pid is not None:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                return _TIMED_OUT
+            line = reader.readline().decode().split()
+            if not line:  # the child died without answering: killed (the host's OOM killer?)
+                return _VANISHED
+            if line[0] == "pid":
+                pid = int(line[1])
+            elif line[0] == "rc":
+                return int(line[1])
 
 
 def _describe_exit(rc: int, log: Path) -> str:

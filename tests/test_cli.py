@@ -92,7 +92,8 @@ def test_point_beyond_the_card_is_an_oom_row_not_a_failure(tmp_path):
 
 
 def test_timeouts_are_rows_and_the_sweep_goes_on(tmp_path):
-    r = run_cli("sweep", "sweeps=smoke", "batch_size=1", "timeout_s=1", f"results_dir={tmp_path}")
+    r = run_cli("sweep", "sweeps=smoke", "model=7b", "batch_size=1", "seq_len=32,64", "timeout_s=1",
+                f"results_dir={tmp_path}")
     assert r.returncode == 1
     df = pd.read_parquet(next((tmp_path / "smoke").iterdir()) / "results.parquet")
     assert len(df) == 2 and set(df["status"]) == {"timeout"}
@@ -103,6 +104,7 @@ def test_a_killed_worker_is_an_error_row(tmp_path, monkeypatch):
     suicide = tmp_path / "python"
     suicide.write_text("#!/bin/sh\nkill -9 $$\n")
     suicide.chmod(suicide.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("HARNESS_ZYGOTE", "0")  # a fresh interpreter per point: the one we replace
     monkeypatch.setattr(runner.sys, "executable", str(suicide))
     point = {**train_point(), "backend": "sim", "timeout_s": 60, "sweep": "t",
              "allocator": {"name": "default", "conf": ""},
@@ -119,3 +121,35 @@ def test_cuda_backend_without_a_gpu_is_exit_2(tmp_path):
         pytest.skip("a GPU is visible: backend=cuda is valid here")
     r = run_cli("run", "model=tiny", "backend=cuda", "seq_len=64", f"results_dir={tmp_path}")
     assert r.returncode == 2 and r.stderr.strip().startswith("harness: error: backend:")
+
+
+def test_a_forked_point_killed_mid_run_is_an_error_row(tmp_path):
+    """The zygote path: a child killed by a signal leaves an error row, not a lost sweep."""
+    import threading
+    import time as _time
+
+    point = {**train_point(model="7b", seq_len=64), "backend": "sim", "timeout_s": 120, "sweep": "t",
+             "allocator": {"name": "default", "conf": ""},
+             "gpu": {"name": "T4", "device_name": "Tesla T4", "memory_bytes": 16 * 1024**3, "non_pytorch_bytes": 0}}
+    run_dir = tmp_path / "run"
+
+    def kill_when_running():
+        for _ in range(600):
+            log = run_dir / "worker.log"
+            if log.exists():
+                import subprocess as sp
+
+                out = sp.run(["pgrep", "-f", "harness.probe.zygote"], capture_output=True, text=True).stdout.split()
+                children = sp.run(["pgrep", "-P", ",".join(out) or "0"], capture_output=True, text=True).stdout.split()
+                if children:
+                    _time.sleep(0.5)
+                    for pid in children:
+                        os.kill(int(pid), 9)
+                    return
+            _time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_when_running)
+    killer.start()
+    rec = runner.run_point(point, run_dir)
+    killer.join()
+    assert rec["status"] == "error" and "SIGKILL" in rec["error"]

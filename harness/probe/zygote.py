@@ -1,0 +1,140 @@
+"""A pre-imported parent that forks one child per point.
+
+Starting Python and importing torch + transformers costs about 4 s per point; a sweep's points fork
+from one process that did it once instead. Each point still runs in a process of its own (allocator
+settings, crashes and the host's OOM killer stay per point). The zygote never runs a tensor op
+before forking, exits after `IDLE_S` without requests, and is keyed by the code it loaded, so an
+edit to harness starts a fresh one.
+
+Protocol on a Unix socket: the client sends the run dir; the forked child answers "pid N", runs
+the point (stdout and stderr to worker.log) and answers "rc N" when done.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import socket
+import socketserver
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+IDLE_S = 90
+START_TIMEOUT_S = 60
+
+
+def _code_key() -> str:
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha1(sys.executable.encode())
+    for path in sorted(root.rglob("*.py")):
+        h.update(f"{path}:{path.stat().st_mtime_ns}".encode())
+    return h.hexdigest()[:12]
+
+
+def socket_path() -> Path:
+    return Path(tempfile.gettempdir()) / f"harness-zygote-{os.getuid()}-{_code_key()}.sock"
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    def handle(self):  # runs in a freshly forked child of the zygote
+        run_dir = Path(self.rfile.readline().decode().strip())
+        self.wfile.write(f"pid {os.getpid()}\n".encode())
+        self.wfile.flush()
+        log = os.open(run_dir / "worker.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        from harness.probe import worker
+
+        try:
+            rc = worker.main(run_dir)
+        except BaseException:  # the worker writes its own error rows; this is a last resort
+            import traceback
+
+            traceback.print_exc()
+            rc = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.wfile.write(f"rc {rc}\n".encode())
+        self.wfile.flush()
+
+
+class _Server(socketserver.ForkingMixIn, socketserver.UnixStreamServer):
+    timeout = 1.0
+    max_children = 256
+
+
+def serve(path: Path) -> None:
+    """Import what a point needs, then fork per request until idle."""
+    import torch  # noqa: F401  (the point of the zygote: imported once)
+    import transformers  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
+    from transformers.models.llama import modeling_llama  # noqa: F401
+
+    from harness.probe import sim, worker  # noqa: F401
+
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    server = _Server(str(tmp), _Handler)
+    os.replace(tmp, path)  # clients see the socket only once it accepts
+    last = time.monotonic()
+    try:
+        while True:
+            server.handle_request()  # returns after one request or `timeout`
+            if server.active_children:
+                last = time.monotonic()
+            elif time.monotonic() - last > IDLE_S:
+                break
+            if server.active_children is not None:
+                server.collect_children()
+    finally:
+        try:
+            if os.path.exists(path) and os.stat(path).st_ino == os.fstat(server.fileno()).st_ino:
+                os.unlink(path)
+        except OSError:
+            pass
+        server.server_close()
+
+
+def _connect(path: Path) -> socket.socket | None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(str(path))
+        return s
+    except OSError:
+        s.close()
+        return None
+
+
+def connect() -> socket.socket | None:
+    """A connection to a running zygote, starting one if needed; None if none can be had."""
+    path = socket_path()
+    conn = _connect(path)
+    if conn is not None:
+        return conn
+    lock = open(str(path) + ".lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        conn = _connect(path)
+        if conn is not None:
+            return conn
+        if path.exists():
+            path.unlink()  # a zygote that died without cleaning up
+        subprocess.Popen([sys.executable, "-m", "harness.probe.zygote", str(path)], start_new_session=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            conn = _connect(path)
+            if conn is not None:
+                return conn
+            time.sleep(0.05)
+        return None
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+
+
+if __name__ == "__main__":
+    serve(Path(sys.argv[1]))
