@@ -44,9 +44,18 @@ def parallelism() -> int:
     return max(1, min(cores, by_memory))
 
 
+def batch_size() -> int:
+    """Points Hydra launches at once. With the zygote running at most `parallelism()` of them, a
+    batch twice that size keeps the cores busy across each batch's slowest point."""
+    zygote = os.environ.get("HARNESS_ZYGOTE", "1") != "0"
+    return 2 * parallelism() if zygote else parallelism()
+
+
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("harness_parallelism"):
         OmegaConf.register_new_resolver("harness_parallelism", parallelism)
+    if not OmegaConf.has_resolver("harness_batch"):
+        OmegaConf.register_new_resolver("harness_batch", batch_size)
 
 
 schema.register()

@@ -39,11 +39,27 @@ def socket_path() -> Path:
     return Path(tempfile.gettempdir()) / f"harness-zygote-{os.getuid()}-{_code_key()}.sock"
 
 
+def _take_slot(slots_dir: Path, n: int):
+    """Wait for one of `n` run slots (flock'd files: a killed child gives its slot back)."""
+    while True:
+        for i in range(n):
+            f = open(slots_dir / f"slot{i}", "w")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return f
+            except OSError:
+                f.close()
+        time.sleep(0.05)
+
+
 class _Handler(socketserver.StreamRequestHandler):
     def handle(self):  # runs in a freshly forked child of the zygote
         run_dir = Path(self.rfile.readline().decode().strip())
         self.wfile.write(f"pid {os.getpid()}\n".encode())
         self.wfile.flush()
+        # Points beyond the cores wait here, so Hydra's batches can be larger than the core count
+        # (no barrier at each batch's slowest point) without oversubscribing the CPU.
+        slot = _take_slot(self.server.slots_dir, self.server.slots)  # noqa: F841 (held until exit)
         log = os.open(run_dir / "worker.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
@@ -76,8 +92,12 @@ def serve(path: Path) -> None:
 
     from harness.probe import sim, worker  # noqa: F401
 
+    from harness.config.compose import parallelism
+
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     server = _Server(str(tmp), _Handler)
+    server.slots = parallelism()
+    server.slots_dir = Path(tempfile.mkdtemp(prefix="harness-zygote-slots-"))
     os.replace(tmp, path)  # clients see the socket only once it accepts
     last = time.monotonic()
     try:
@@ -96,6 +116,9 @@ def serve(path: Path) -> None:
         except OSError:
             pass
         server.server_close()
+        import shutil
+
+        shutil.rmtree(server.slots_dir, ignore_errors=True)
 
 
 def _connect(path: Path) -> socket.socket | None:
