@@ -1,7 +1,8 @@
-"""Run one point in a fresh child process; whatever happens, leave a result.json row.
+"""Run one point in a process of its own; whatever happens, leave a result.json row.
 
-The child isolates each point (allocator settings are read once per process; a crash or the host
-OOM killer takes only the child) and lets a timeout become a row instead of a lost sweep.
+The process is forked from the zygote (torch already imported) or, failing that, a fresh
+interpreter. It isolates each point (allocator settings are read once per process; a crash or the
+host OOM killer takes only that process) and lets a timeout become a row instead of a lost sweep.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def run_point(point: dict, run_dir: Path, results_dir: Path | None = None) -> di
     return _write(run_dir, rec)
 
 
-_TIMED_OUT, _NO_ZYGOTE, _VANISHED = object(), object(), -int(signal.SIGKILL)
+_TIMED_OUT, _NO_ZYGOTE, _VANISHED = object(), object(), object()
 
 
 def _zygote_enabled() -> bool:
@@ -115,7 +116,10 @@ def _run_forked(run_dir: Path, timeout_s: float):
                 return int(line[1])
 
 
-def _describe_exit(rc: int, log: Path) -> str:
+def _describe_exit(rc, log: Path) -> str:
+    if rc is _VANISHED:  # a forked child's status goes to the zygote, not to us
+        return (f"worker died without a result, killed by a signal (the host's OOM killer sends "
+                f"SIGKILL); see {log}")
     if rc < 0:
         name = signal.Signals(-rc).name
         hint = " (the host's OOM killer sends SIGKILL)" if -rc == signal.SIGKILL else ""
