@@ -49,8 +49,7 @@ def _what_if(overrides: dict):
         if "allocator" in overrides or "allocator.conf" in overrides:
             settings = AllocSettings.from_conf(cfg.allocator.conf)
         if "gpu" in overrides:
-            device = Device(capacity=cfg.gpu.memory_bytes - cfg.gpu.non_pytorch_bytes,
-                            total=cfg.gpu.memory_bytes, fraction=fraction)
+            device = Device.for_card(cfg.gpu, fraction)
             card = cfg.gpu.name
     return settings, device, card
 

@@ -363,7 +363,7 @@ def test_a_snapshot_written_from_a_replay_replays_exactly(tmp_path, conf):
 
     trace = []
     settings = AllocSettings.from_conf(conf)
-    result, alloc = replay_events(rows, settings, on_event=lambda a, addr, size, st: trace.append(
+    result, alloc = replay_events(rows, settings, on_event=lambda a, addr, size, st, _tag: trace.append(
         {"action": a, "addr": addr, "size": size, "stream": st, "time_us": len(trace), "frames": []}))
     data = snap.load(snap.write(tmp_path / "s.pickle", alloc, trace))
     again = replay_snapshot(data)

@@ -164,6 +164,12 @@ class Device:
         self.total = total if total is not None else (capacity if capacity is not None else 80 * 1024**3)
         self.allowed = int(fraction * self.total) if fraction is not None else None
 
+    @classmethod
+    def for_card(cls, card, fraction: float | None = None) -> Device:
+        """A catalog card (conf/gpu): what PyTorch gets is its memory less non-PyTorch memory."""
+        return cls(capacity=card["memory_bytes"] - card["non_pytorch_bytes"], total=card["memory_bytes"],
+                   fraction=fraction)
+
 
 class CachingAllocator:
     """Per-device caching allocator. `new_segment_addr(size)` chooses cudaMalloc's addresses."""

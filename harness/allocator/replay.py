@@ -202,15 +202,17 @@ def _recorded_layout(data: dict, device: int) -> set:
 
 def replay_events(events, settings: AllocSettings, device: Device | None = None, on_event=None,
                   stop_at_oom: bool = True) -> tuple[ReplayResult, CachingAllocator]:
-    """Replay a virtual-GPU trace: rows of (action, key, size, tag) with action alloc|free."""
+    """Replay a virtual-GPU trace: rows of (action, key, size, tag) with action alloc|free.
+    `on_event(action, addr, size, stream, tag)` sees each allocator event with the row's tag."""
     alloc = CachingAllocator(settings, device or Device())
-    alloc.on_event = on_event
     result = ReplayResult(settings=settings.conf)
     peaks = _Peaks(alloc)
     live: dict = {}
-    n = 0
+    tag = None
+    if on_event is not None:
+        alloc.on_event = lambda action, addr, size, stream: on_event(action, addr, size, stream, tag)
     for i, (action, key, size, tag) in enumerate(events):
-        n += 1
+        result.requests = i + 1
         if action == "alloc":
             try:
                 b = alloc.malloc(int(size))
@@ -226,7 +228,6 @@ def replay_events(events, settings: AllocSettings, device: Device | None = None,
             b = live.pop(key, None)
             if b is not None:
                 alloc.free(b)
-    result.requests = n
     _finish(result, alloc, peaks)
     return result, alloc
 

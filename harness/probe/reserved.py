@@ -12,10 +12,6 @@ from harness.allocator.replay import replay_events
 from harness.allocator.settings import AllocSettings
 
 
-def card_device(card: dict) -> Device:
-    return Device(capacity=card["memory_bytes"] - card["non_pytorch_bytes"], total=card["memory_bytes"])
-
-
 def fits(rows: list[tuple], settings: AllocSettings, card: dict, unlimited) -> bool:
     """Whether the job runs on `card` without an OOM. Decided by the numbers where they settle it,
     by a replay on the card where the release-and-retry ladder might still save it."""
@@ -24,7 +20,7 @@ def fits(rows: list[tuple], settings: AllocSettings, card: dict, unlimited) -> b
         return True
     if unlimited.peak_allocated_bytes > room:
         return False
-    result, _ = replay_events(rows, settings, card_device(card))
+    result, _ = replay_events(rows, settings, Device.for_card(card))
     return not result.ooms
 
 
@@ -34,16 +30,13 @@ def analyse(rows: list[tuple], settings: AllocSettings, card: dict, catalog: lis
     # Unlimited memory, but the card's size for what depends on it (expandable address ranges).
     unlimited, _ = replay_events(rows, settings, Device(total=card["memory_bytes"]))
     trace: list[dict] = []
-    current = {"tag": None}
 
-    def on_event(action, addr, size, stream):
-        tag = current["tag"]
+    def on_event(action, addr, size, stream, tag):
         frames = [{"name": f"{tag[2] or '<root>'} ({tag[0]}, step {tag[1]})", "filename": tag[3], "line": 0}] if tag else []
         trace.append({"action": action, "addr": addr, "size": size, "stream": stream,
                       "time_us": len(trace), "frames": frames})
 
-    tagged = _tagging(rows, current) if snapshot_path else rows
-    on_card, alloc = replay_events(tagged, settings, card_device(card), on_event if snapshot_path else None)
+    on_card, alloc = replay_events(rows, settings, Device.for_card(card), on_event if snapshot_path else None)
     out = {
         # block sizes, as max_memory_allocated counts them (unsplit remainders included)
         "peak_allocated_bytes": unlimited.peak_allocated_bytes,
@@ -63,10 +56,3 @@ def analyse(rows: list[tuple], settings: AllocSettings, card: dict, catalog: lis
         snap.write(snapshot_path, alloc, trace)
         out["snapshot_path"] = str(snapshot_path)
     return out
-
-
-def _tagging(rows, current):
-    """Rows that, as they are replayed, tell on_event which trace event is being served."""
-    for row in rows:
-        current["tag"] = row[3]
-        yield row

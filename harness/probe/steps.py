@@ -13,12 +13,6 @@ import torch
 from harness.probe.cuda_emulation import autocast_region
 
 
-class NullHooks:
-    def begin_step(self, step): ...
-    def set_phase(self, phase): ...
-    def end_step(self): ...
-
-
 def build_optimizer(name: str, params, opt_kwargs: dict, lr: float):
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, **opt_kwargs)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from harness.probe.tracker import round_request
+from harness.record import point_identity
 
 TRACE_FILE = "trace.parquet"
 MEASUREMENTS_FILE = "measurements.json"
@@ -20,8 +21,9 @@ COLUMNS = ["seq", "action", "key", "size", "kind", "phase", "step", "module"]
 
 def trace_id(point: dict, versions: dict) -> str:
     """Everything that shapes the trace; allocator settings and the card do not."""
-    ident = {k: point[k] for k in ("model", "workload", "batch_size", "seq_len", "precision",
-                                   "optimizer", "checkpointing", "backend")}
+    ident = point_identity(point)
+    for replay_only in ("allocator_conf", "gpu", "gpu_memory_bytes"):
+        del ident[replay_only]
     blob = json.dumps({**ident, **versions}, sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 

@@ -66,7 +66,6 @@ class StorageTracker(TorchDispatchMode):
         self.emulate_cublas_workspace = emulate_cublas_workspace
         self._workspaces: set[str] = set()
         self._next_synthetic = -1
-        self.overall_peak = 0
 
     # ---- phases and steps ------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -89,8 +88,6 @@ class StorageTracker(TorchDispatchMode):
         self.kind_bytes[kind] += alloc
         module = self.module_stack[-1] if self.module_stack else ""
         self.events.append((len(self.events), "alloc", key, nbytes, kind, self.phase, self.step, module))
-        if self.allocated > self.overall_peak:
-            self.overall_peak = self.allocated
         if self.steps:
             s = self.steps[-1]
             if self.allocated > s.peak_allocated_bytes:
@@ -144,9 +141,6 @@ class StorageTracker(TorchDispatchMode):
             if self.events[i][2] == key and self.events[i][1] == "alloc":
                 del self.events[i]
                 break
-
-    def is_tracked(self, t: torch.Tensor) -> bool:
-        return t.untyped_storage()._cdata in self._live
 
     def allocated_bytes_of(self, t: torch.Tensor) -> int:
         """Bytes the allocator holds for t's storage (0 if untracked or on the host)."""
