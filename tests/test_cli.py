@@ -128,6 +128,8 @@ def test_a_forked_point_killed_mid_run_is_an_error_row(tmp_path):
     import threading
     import time as _time
 
+    from harness.probe import zygote
+
     point = {**train_point(model="7b", seq_len=64), "backend": "sim", "timeout_s": 120, "sweep": "t",
              "allocator": {"name": "default", "conf": ""},
              "gpu": {"name": "T4", "device_name": "Tesla T4", "memory_bytes": 16 * 1024**3, "non_pytorch_bytes": 0}}
@@ -139,7 +141,8 @@ def test_a_forked_point_killed_mid_run_is_an_error_row(tmp_path):
             if log.exists():
                 import subprocess as sp
 
-                out = sp.run(["pgrep", "-f", "harness.probe.zygote"], capture_output=True, text=True).stdout.split()
+                # Only this test's zygote (its socket is on its command line): never another sweep's.
+                out = sp.run(["pgrep", "-f", str(zygote.socket_path())], capture_output=True, text=True).stdout.split()
                 children = sp.run(["pgrep", "-P", ",".join(out) or "0"], capture_output=True, text=True).stdout.split()
                 if children:
                     _time.sleep(0.5)
