@@ -21,7 +21,10 @@ USAGE = """usage: python -m harness <verb> [overrides]
 
   run    [overrides]    one point, e.g. run model=7b batch_size=4 seq_len=2048 backend=sim
   sweep  [overrides]    a grid (sweeps/default.yaml unless sweeps=<name>); key=a,b,c sweeps a key
-  report <dir|file>     aggregate a finished, partial or interrupted sweep into results.parquet
+  plan   [overrides]    per card, the largest batch (plan.axis=seq_len: sequence) that fits, found
+                        by search on the virtual GPU, e.g. plan sweeps=finetune-7b plan.margin=0.05
+  report <dir|file>     aggregate a finished, partial or interrupted sweep (or plan) into
+                        results.parquet/.csv, fit.csv, report.md and a self-contained report.html
   diagnose <-|path> [--json]
                         an OOM message on stdin (-): code or card problem; a result.json, sweep dir
                         or snapshot.pickle: the kind of memory behind each peak and its timeline
@@ -128,23 +131,32 @@ def _launch(verb: str, flags: list[str], overrides: list[str]) -> int:
 
 
 def _aggregate(path: Path, expected: int | None = None) -> int:
-    from harness import report, results
+    """Rows -> results.parquet/csv, the verdicts, the tables on the terminal, report.md/.html."""
+    from harness import results
+    from harness.analysis.verdict import verdicts
+    from harness.plan import fit
+    from harness.report import console, document
 
     rows = results.load_rows(path)
     if not rows:
         print(f"harness: error: no result.json under {path}", file=sys.stderr)
         return EXIT_ROW_ERROR
-    from harness.analysis.verdict import verdicts
-
     df = results.to_frame(rows)
     judged = verdicts(df)
     df = df.merge(judged[["run_id", "verdict", "detail"]].rename(columns={"detail": "verdict_detail"}),
                   on="run_id", how="left")
     target = path if path.is_dir() else path.parent
     out = results.write(df, target)
-    report.render(df, title=f"{out}")
-    report.render_verdicts(judged)
+    frontier = results.load_frontier(target)
+    fit_long = fit.fit_table(df)
+    console.render(df, fit_long, title=f"{out}")
+    console.render_verdicts(judged)
+    console.render_frontier(frontier)
+    html = document.write(target, df, fit_long, judged, frontier, title=f"Memory report: {target.name}")
+    print(f"harness: report: {html} (and report.md, results.parquet, results.csv, fit.csv)", file=sys.stderr)
     bad = int(df["status"].isin(["error", "timeout"]).sum())
+    if frontier is not None and not frontier.empty:
+        bad += int((frontier["status"] != "ok").sum())
     missing = (expected - len(df)) if expected is not None else 0
     if missing > 0:
         print(f"harness: {missing} point(s) left no row", file=sys.stderr)
@@ -164,6 +176,10 @@ def entry(argv: list[str]) -> int:
         from harness.replay_cli import main as replay
 
         return replay(rest)
+    if verb == "plan":
+        from harness.plan_cli import main as plan
+
+        return plan(rest)
     if verb == "report":
         if len(rest) != 1:
             return _fail("report takes one path: a sweep dir, a run dir or a result.json")
@@ -172,7 +188,7 @@ def entry(argv: list[str]) -> int:
             return _fail(f"report: no such file or directory: {path}")
         return _aggregate(path)
     if verb not in ("run", "sweep"):
-        return _fail(f"unknown verb '{verb}' (run, sweep, report, replay, diagnose)")
+        return _fail(f"unknown verb '{verb}' (run, sweep, plan, report, replay, diagnose)")
     flags = [a for a in rest if a.startswith("-")]
     overrides = [a for a in rest if not a.startswith("-")]
     if flags:  # --cfg, --info, --help: Hydra's own, nothing runs

@@ -47,3 +47,19 @@ def write(df: pd.DataFrame, sweep_dir: Path) -> Path:
     df.to_parquet(out, index=False)
     df.to_csv(sweep_dir / "results.csv", index=False)
     return out
+
+
+FRONTIER_FILE = "frontier.parquet"
+
+
+def write_frontier(fr: pd.DataFrame, plan_dir: Path) -> Path:
+    out = Path(plan_dir) / FRONTIER_FILE
+    fr.to_parquet(out, index=False)
+    fr.to_csv(out.with_suffix(".csv"), index=False)
+    return out
+
+
+def load_frontier(plan_dir: Path) -> pd.DataFrame | None:
+    """The frontiers of a `plan` run, if `plan_dir` is one."""
+    path = Path(plan_dir) / FRONTIER_FILE
+    return pd.read_parquet(path) if path.exists() else None

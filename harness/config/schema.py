@@ -61,6 +61,22 @@ class GpuConf:
     slurm: SlurmConf = field(default_factory=SlurmConf)
 
 
+PLAN_AXES = ("batch_size", "seq_len")
+
+
+@dataclass
+class PlanConf:
+    """`python -m harness plan`: per card, the largest `axis` value that fits (searched, not swept)."""
+    axis: str = "batch_size"  # batch_size | seq_len
+    lo: int = 1  # the smallest value tried
+    hi: int = 0  # the largest; 0: 256 for batch_size, the model's max_position_embeddings for seq_len
+    step: int = 0  # granularity; 0: 1 for batch_size, 128 for seq_len
+    margin: float = 0.0  # share of the card's total memory kept free, beyond non-PyTorch memory
+    cards: list[str] = field(default_factory=list)  # catalog keys (conf/gpu); empty: every card
+    block_size: int = 16  # serving (workload=infer): vLLM's KV block, tokens
+    max_num_batched_tokens: int = 8192  # serving: vLLM's profile-run tokens
+
+
 @dataclass
 class HarnessConf:
     model: ModelConf = field(default_factory=ModelConf)
@@ -77,6 +93,7 @@ class HarnessConf:
     sweep: str = "adhoc"  # the sweep's name: results go to results_dir/<sweep>/<stamp>/
     timeout_s: int = 1800  # per point; past it the row is `timeout`
     snapshot: bool = False  # write a memory_viz snapshot next to each result.json
+    plan: PlanConf = field(default_factory=PlanConf)
 
 
 def register() -> None:

@@ -40,6 +40,29 @@ def validate(cfg) -> None:
         raise ConfigError("timeout_s", f"must be > 0, got {cfg.timeout_s}")
     alloc_conf.parse(cfg.allocator.conf)
     _check_model(cfg)
+    _check_plan(cfg.plan)
+
+
+def _check_plan(plan) -> None:
+    _one_of("plan.axis", plan.axis, schema.PLAN_AXES)
+    if plan.lo < 1:
+        raise ConfigError("plan.lo", f"must be >= 1, got {plan.lo}")
+    if plan.hi and plan.hi < plan.lo:
+        raise ConfigError("plan.hi", f"must be >= plan.lo ({plan.lo}), got {plan.hi}")
+    if plan.step < 0:
+        raise ConfigError("plan.step", f"must be >= 0 (0: the axis's default), got {plan.step}")
+    if not 0 <= plan.margin < 1:
+        raise ConfigError("plan.margin", f"must be in [0, 1) (a share of the card's memory), got {plan.margin}")
+    if plan.block_size < 1:
+        raise ConfigError("plan.block_size", f"must be >= 1, got {plan.block_size}")
+    if plan.max_num_batched_tokens < 2:
+        raise ConfigError("plan.max_num_batched_tokens", f"must be >= 2, got {plan.max_num_batched_tokens}")
+    if plan.cards:
+        from harness import catalog
+
+        known = [c["key"] for c in catalog.cards()]
+        for key in plan.cards:
+            _one_of("plan.cards", key, known)
 
 
 def _check_model(cfg) -> None:

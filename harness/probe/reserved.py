@@ -12,16 +12,26 @@ from harness.allocator.replay import replay_events
 from harness.allocator.settings import AllocSettings
 
 
-def fits(rows: list[tuple], settings: AllocSettings, card: dict, unlimited) -> bool:
-    """Whether the job runs on `card` without an OOM. Decided by the numbers where they settle it,
-    by a replay on the card where the release-and-retry ladder might still save it."""
+def fits_by_numbers(card: dict, peak_reserved_bytes: int, peak_allocated_bytes: int) -> bool | None:
+    """True/False where the unlimited replay's peaks settle whether the job fits `card`; None where
+    only a replay on the card can tell (the release-and-retry ladder might still save it)."""
     room = card["memory_bytes"] - card["non_pytorch_bytes"]
-    if unlimited.peak_reserved_bytes <= room:
+    if peak_reserved_bytes <= room:
         return True
-    if unlimited.peak_allocated_bytes > room:
+    if peak_allocated_bytes > room:
         return False
+    return None
+
+
+def fits_by_replay(rows: list[tuple], settings: AllocSettings, card: dict) -> bool:
     result, _ = replay_events(rows, settings, Device.for_card(card))
     return not result.ooms
+
+
+def fits(rows: list[tuple], settings: AllocSettings, card: dict, unlimited) -> bool:
+    """Whether the job runs on `card` without an OOM."""
+    known = fits_by_numbers(card, unlimited.peak_reserved_bytes, unlimited.peak_allocated_bytes)
+    return known if known is not None else fits_by_replay(rows, settings, card)
 
 
 def analyse(rows: list[tuple], settings: AllocSettings, card: dict, catalog: list[dict],

@@ -1,0 +1,1 @@
+"""Capacity planning: fit tables, frontiers found by search, serving (KV cache) tables."""

@@ -1,0 +1,80 @@
+"""Does a run fit a card, with a margin; and the config x card table (fits / OOM, headroom)."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from harness import catalog
+
+
+def with_margin(card: dict, margin: float) -> dict:
+    """The card as the plan sees it: `margin` x its memory kept free, counted as if outside PyTorch."""
+    if not margin:
+        return card
+    return {**card, "non_pytorch_bytes": card["non_pytorch_bytes"] + int(margin * card["memory_bytes"])}
+
+
+def room(card: dict, margin: float = 0.0) -> int:
+    """Bytes PyTorch's allocator may reserve on `card` with `margin` kept free."""
+    c = with_margin(card, margin)
+    return c["memory_bytes"] - c["non_pytorch_bytes"]
+
+
+def _missing(v) -> bool:
+    return v is None or (isinstance(v, float) and pd.isna(v))
+
+
+def fits(row: dict, card: dict, margin: float = 0.0) -> bool | None:
+    """Whether the run of `row` fits `card` with `margin` kept free: the allocator model's verdict
+    (a replay of the run's trace on the card where the peaks alone do not settle it); None when
+    the row has no numbers (an error)."""
+    from harness.probe import reserved
+
+    listed = row.get("fits_cards")
+    if not margin and not _missing(listed):
+        return card["key"] in list(listed)
+    alloc = row.get("peak_allocated_bytes")
+    if _missing(alloc):
+        return None
+    res = row.get("peak_reserved_bytes")
+    res = alloc if _missing(res) else res
+    c = with_margin(card, margin)
+    known = reserved.fits_by_numbers(c, int(res), int(alloc))
+    if known is not None:
+        return known
+    if _missing(row.get("trace_path")):
+        return False  # the peaks say it does not fit without a cache flush; no trace to check that
+    return _fits_by_trace(row, c)
+
+
+def _fits_by_trace(row: dict, card: dict) -> bool:
+    from harness.allocator.settings import AllocSettings
+    from harness.probe import reserved, trace_store
+
+    df = pd.read_parquet(row["trace_path"])
+    settings = AllocSettings.from_conf(row.get("allocator_conf") or "")
+    return reserved.fits_by_replay(trace_store.replay_rows(df), settings, card)
+
+
+def headroom_bytes(row: dict, card: dict, margin: float = 0.0) -> int | None:
+    """Room left on `card` at the run's peak reserved bytes (allocated where reserved is unknown)."""
+    peak = row.get("peak_reserved_bytes")
+    if _missing(peak):
+        peak = row.get("peak_allocated_bytes")
+    return None if _missing(peak) else room(card, margin) - int(peak)
+
+
+def fit_table(df: pd.DataFrame, margin: float = 0.0, cards: list[dict] | None = None) -> pd.DataFrame:
+    """One row per (run, card): fits, headroom in bytes and as a share of the card's memory."""
+    cards = cards or catalog.cards()
+    out = []
+    for row in df.to_dict("records"):
+        for card in cards:
+            head = headroom_bytes(row, card, margin)
+            out.append({
+                "run_id": row["run_id"], "card": card["key"], "card_memory_bytes": card["memory_bytes"],
+                "fits": fits(row, card, margin), "headroom_bytes": head,
+                "headroom_pct": None if head is None else 100.0 * head / card["memory_bytes"],
+                "margin": margin,
+            })
+    return pd.DataFrame(out)

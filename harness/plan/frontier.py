@@ -1,0 +1,179 @@
+"""Frontiers on the virtual GPU: per group (the grid less the searched axis) and card, the largest
+value that fits, each probe a real point of the sweep (a row under runs/, like any other)."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness import catalog
+from harness.errors import ConfigError
+from harness.plan import fit, search, serving
+
+GIB = 1024**3
+DEFAULT_HI = {"batch_size": 256}
+DEFAULT_STEP = {"batch_size": 1, "seq_len": 128}
+
+
+class ProbeFailed(RuntimeError):
+    def __init__(self, row: dict):
+        super().__init__(f"probe {row.get('run_id')} ({row.get('status')}): {row.get('error')}")
+        self.row = row
+
+
+@dataclass
+class Group:
+    overrides: list[str]  # the grid point without the searched axis
+    cfg: object  # its composed config
+    values: list[int]  # the axis values searched
+
+
+def axis_values(cfg) -> list[int]:
+    """lo..hi by step for the plan's axis, defaults filled from the axis and the model."""
+    plan = cfg.plan
+    step = plan.step or DEFAULT_STEP[plan.axis]
+    hi = plan.hi or DEFAULT_HI.get(plan.axis)
+    if hi is None:  # seq_len: as far as the model's positions go
+        from harness.models import hf_config, max_positions
+
+        hi = max_positions(hf_config(cfg.model)) or 32768
+    values = search.grid(plan.lo, hi, step)
+    if not values:
+        raise ConfigError("plan.hi", f"no value between plan.lo={plan.lo} and plan.hi={hi}")
+    return values
+
+
+class Planner:
+    """Runs the probes (through the same runner as a sweep) and the searches, groups in parallel."""
+
+    def __init__(self, out: Path, results_dir: Path, compose, to_point):
+        self.out, self.results_dir = out, results_dir
+        self._compose, self._to_point = compose, to_point
+        self._lock = threading.Lock()  # Hydra's compose is process-global
+        self._n = itertools.count()
+
+    def say(self, line: str) -> None:
+        """Progress on stderr, a line per probe (searches run for minutes at 7B)."""
+        with self._lock:
+            print(f"harness: plan: {line}", file=sys.stderr, flush=True)
+
+    def groups(self, points: list[list[str]]) -> list[Group]:
+        """The grid's points without the plan axis, each validated at both ends of its range."""
+        from harness.config.validate import validate
+
+        seen, groups = set(), []
+        for p in points:
+            cfg = self.compose(p)
+            axis = cfg.plan.axis
+            rest = [o for o in p if o.split("=", 1)[0].lstrip("+~") != axis]
+            if tuple(rest) in seen:
+                continue
+            seen.add(tuple(rest))
+            values = axis_values(cfg)
+            for v in (values[0], values[-1]):
+                try:
+                    validate(self.compose([*rest, f"{axis}={v}"]))
+                except ConfigError as e:
+                    raise ConfigError(e.key, f"{e.message} (plan point: {' '.join(rest)} {axis}={v})")
+            groups.append(Group(rest, cfg, values))
+        return groups
+
+    def compose(self, overrides: list[str]):
+        with self._lock:
+            return self._compose(overrides)
+
+    def run(self, overrides: list[str]) -> dict:
+        """One probe: a point run (or reused) like any sweep point; its row."""
+        from harness.runner import run_point
+
+        cfg = self.compose(overrides)
+        point = self._to_point(cfg, overrides)
+        point["trace_cache"] = str(self.results_dir / ".traces")
+        row = run_point(point, self.out / "runs" / str(next(self._n)), self.results_dir)
+        if row.get("status") not in ("ok", "oom"):
+            raise ProbeFailed(row)
+        return row
+
+    def plan(self, groups: list[Group], workers: int) -> list[dict]:
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            return [r for rows in pool.map(self.plan_group, groups) for r in rows]
+
+    @staticmethod
+    def cards(g: Group) -> list[dict]:
+        return [c for c in catalog.cards() if not g.cfg.plan.cards or c["key"] in g.cfg.plan.cards]
+
+    def plan_group(self, g: Group) -> list[dict]:
+        cfg = g.cfg
+        plan, axis = cfg.plan, cfg.plan.axis
+        by_key = {c["key"]: c for c in self.cards(g)}
+        rows_by_value: dict[int, dict] = {}
+
+        def probe(v: int) -> search.Probe:
+            row = self.run([*g.overrides, f"{axis}={v}"])
+            rows_by_value[v] = row
+            peak = row.get("peak_reserved_bytes") or row["peak_allocated_bytes"]
+            self.say(f"{' '.join(g.overrides)} {axis}={v}: {peak / GIB:.2f} GiB reserved "
+                     f"(probe {len(rows_by_value)})")
+            return search.Probe(v, int(peak), {k: bool(fit.fits(row, c, plan.margin)) for k, c in by_key.items()})
+
+        ident = _group_columns(cfg, axis)
+        try:
+            s = search.search(probe, {k: fit.room(c, plan.margin) for k, c in by_key.items()}, g.values)
+            serve = self._serving(g) if cfg.workload.name == "infer" else None
+        except ProbeFailed as e:
+            return [{**ident, "card": k, "status": "error", "error": str(e)} for k in by_key]
+        out = []
+        for key, f in s.frontiers.items():
+            card = by_key[key]
+            row = rows_by_value.get(f.largest) if f.largest is not None else None
+            rec = {**ident, "card": key, "card_memory_bytes": card["memory_bytes"], "status": "ok",
+                   "error": None, "largest": f.largest, "first_oom": f.first_oom,
+                   "monotone": f.monotone, "probes": len(s.probes), "grid_points": len(g.values),
+                   "lo": g.values[0], "hi": g.values[-1], "step": _step(g.values),
+                   "peak_reserved_bytes": row.get("peak_reserved_bytes") if row else None,
+                   "peak_allocated_bytes": row.get("peak_allocated_bytes") if row else None,
+                   "headroom_bytes": fit.headroom_bytes(row, card, plan.margin) if row else None,
+                   "peak_phase": row.get("peak_phase") if row else None,
+                   "peak_module": row.get("peak_module") if row else None,
+                   "activations_bytes": row.get("activations_bytes") if row else None,
+                   "run_id": row.get("run_id") if row else None}
+            if serve is not None:
+                rec.update(serving.compare(card, cfg, serve, f.largest, row))
+            out.append(rec)
+        return sorted(out, key=lambda r: r["card_memory_bytes"])
+
+    def _serving(self, g: Group) -> dict:
+        """What vLLM's profile run would measure: one prefill of max_num_batched_tokens (capped by
+        the model's positions), run on the virtual GPU; weights and KV bytes per token."""
+        from harness.models import hf_config, max_positions
+
+        cfg = g.cfg
+        limit = max_positions(hf_config(cfg.model)) or cfg.plan.max_num_batched_tokens
+        tokens = min(cfg.plan.max_num_batched_tokens, limit)
+        keep = [o for o in g.overrides if o.split("=", 1)[0].lstrip("+~") not in
+                ("batch_size", "seq_len", "workload.new_tokens")]
+        row = self.run([*keep, "batch_size=1", f"seq_len={tokens}", "workload.new_tokens=1"])
+        kv = serving.kv_bytes_per_token(cfg.model, cfg.precision)
+        prompt = tokens - 1
+        # The prefill's peak less the weights and the prompt's own KV (vLLM profiles without a cache).
+        act = int(row["step_peak_bytes"][0]) - int(row["params_bytes"]) - kv * prompt
+        return {"profile_tokens": prompt, "weights_bytes": int(row["params_bytes"]),
+                "activation_peak_bytes": max(0, act), "kv_bytes_per_token": kv,
+                "profile_run_id": row["run_id"]}
+
+
+def _step(values: list[int]) -> int:
+    return values[1] - values[0] if len(values) > 1 else 1
+
+
+def _group_columns(cfg, axis: str) -> dict:
+    cols = {"model": cfg.model.name, "workload": cfg.workload.name, "precision": cfg.precision,
+            "checkpointing": bool(cfg.checkpointing), "optimizer": cfg.optimizer.name,
+            "allocator_conf": cfg.allocator.conf, "leak": cfg.workload.leak, "axis": axis,
+            "batch_size": cfg.batch_size if axis != "batch_size" else None,
+            "seq_len": cfg.seq_len if axis != "seq_len" else None, "margin": float(cfg.plan.margin)}
+    return cols

@@ -1,0 +1,110 @@
+"""The largest value of a monotone knob that fits each card, found with few probes.
+
+Peak memory grows with batch and sequence, so "fits" flips once along the axis. One probe (a run
+on the virtual GPU) answers for every card at once; the search interpolates the bytes it measured
+to guess each card's boundary, and stops only when a fitting value and the next one up, which
+does not fit, have both been probed: every frontier is checked at its boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass
+class Probe:
+    value: int
+    bytes: int  # what the boundary is interpolated on (peak reserved)
+    fits: dict[str, bool]  # card key -> fits
+
+
+@dataclass
+class Frontier:
+    card: str
+    largest: int | None  # None: not even the smallest value fits
+    first_oom: int | None  # the next value up, probed and not fitting; None: the top of the range fits
+    monotone: bool = True  # False: some value above `largest` fitted again (reported, not hidden)
+
+
+@dataclass
+class Search:
+    values: list[int]  # the grid searched
+    probes: dict[int, Probe] = field(default_factory=dict)
+    frontiers: dict[str, Frontier] = field(default_factory=dict)
+
+
+def grid(lo: int, hi: int, step: int) -> list[int]:
+    return list(range(lo, hi + 1, step))
+
+
+def search(probe: Callable[[int], Probe], rooms: dict[str, int], values: list[int]) -> Search:
+    """Frontier per card. `rooms`: card key -> the bytes the run may use on it (the interpolation
+    target); `probe(v)` runs value v. Probes are shared across cards, largest room first."""
+    s = Search(values)
+
+    def run(i: int) -> Probe:
+        v = values[i]
+        if v not in s.probes:
+            s.probes[v] = probe(v)
+        return s.probes[v]
+
+    run(0)
+    for card in sorted(rooms, key=rooms.get, reverse=True):
+        bisect_next = False
+        while True:
+            lo, hi = _bracket(s, values, card)
+            top = len(values)  # index past the end: "nothing above fails"
+            h = top if hi is None else hi
+            if lo is None or h - lo <= 1:
+                break
+            guess = lo + (h - lo) // 2 if bisect_next else _interpolate(s, values, card, rooms[card], lo, hi)
+            guess = min(max(guess, lo + 1), h - 1)
+            width = h - lo
+            run(guess)
+            lo2, hi2 = _bracket(s, values, card)
+            # Safeguard: when a guess did not halve the bracket, bisect once.
+            bisect_next = ((top if hi2 is None else hi2) - lo2) * 2 > width if lo2 is not None else False
+        s.frontiers[card] = _frontier(s, values, card)
+    return s
+
+
+def _bracket(s: Search, values: list[int], card: str) -> tuple[int | None, int | None]:
+    """(index of the largest probed value that fits below the first failure, index of the first
+    probed failure) for `card`."""
+    probed = sorted(values.index(v) for v in s.probes)
+    fails = [i for i in probed if not s.probes[values[i]].fits[card]]
+    hi = fails[0] if fails else None
+    fits = [i for i in probed if s.probes[values[i]].fits[card] and (hi is None or i < hi)]
+    return (fits[-1] if fits else None), hi
+
+
+def _interpolate(s: Search, values: list[int], card: str, room: int, lo: int, hi: int | None) -> int:
+    """Index where the bytes, linear in the value between two probes, reach `room` (floor)."""
+    a = s.probes[values[lo]]
+    if hi is not None:
+        b = s.probes[values[hi]]
+    else:  # extrapolate from the two largest probes below, or double
+        below = [values.index(v) for v in s.probes if values.index(v) < lo]
+        if not below:
+            return _index_at_or_below(values, 2 * values[lo])
+        b, a = a, s.probes[values[max(below)]]
+    if b.bytes == a.bytes:
+        return lo + 1 if hi is None else (lo + hi) // 2
+    target = a.value + (room - a.bytes) * (b.value - a.value) / (b.bytes - a.bytes)
+    return _index_at_or_below(values, int(target))
+
+
+def _index_at_or_below(values: list[int], v: int) -> int:
+    if v < values[0]:
+        return 0
+    step = values[1] - values[0] if len(values) > 1 else 1
+    return min((v - values[0]) // step, len(values) - 1)
+
+
+def _frontier(s: Search, values: list[int], card: str) -> Frontier:
+    lo, hi = _bracket(s, values, card)
+    largest = values[lo] if lo is not None else None
+    first_oom = values[hi] if hi is not None else None
+    above = [v for v, p in s.probes.items() if first_oom is not None and v > first_oom and p.fits[card]]
+    return Frontier(card, largest, first_oom, monotone=not above)

@@ -1,0 +1,79 @@
+"""Serving arithmetic: KV-cache bytes per token, and the KV capacity vLLM's startup would compute.
+
+vLLM V1 (`gpu_worker.determine_available_memory`): the budget is `gpu_memory_utilization x total`;
+weights, the profile run's activation peak and non-PyTorch memory come off it; the rest becomes KV
+blocks of `block_size` tokens, each sequence taking ceil(context / block_size) of them.
+"""
+
+from __future__ import annotations
+
+import math
+
+# Bytes per element of the KV cache: under autocast the k/v projections produce the autocast dtype.
+_KV_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "amp_bf16": 2, "amp_fp16": 2}
+
+
+def kv_shape(model_cfg) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a model config group (grouped-query attention included)."""
+    from harness.models import hf_config
+
+    c = hf_config(model_cfg)
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return c.num_hidden_layers, kv_heads, head_dim
+
+
+def kv_bytes_per_token(model_cfg, precision: str) -> int:
+    """K and V, every layer: 2 x layers x kv_heads x head_dim x element bytes."""
+    layers, kv_heads, head_dim = kv_shape(model_cfg)
+    return 2 * layers * kv_heads * head_dim * _KV_ELEMENT_BYTES[precision]
+
+
+def vllm_capacity(card: dict, utilization: float, weights_bytes: int, activation_peak_bytes: int,
+                  kv_per_token: int, block_size: int, context: int) -> dict:
+    """What vLLM's startup arithmetic gives on `card`: KV bytes, blocks, sequences of `context`."""
+    budget = int(card["memory_bytes"] * utilization)
+    kv_bytes = budget - weights_bytes - activation_peak_bytes - card["non_pytorch_bytes"]
+    blocks = max(0, kv_bytes // (block_size * kv_per_token))
+    return {
+        "vllm_budget_bytes": budget,
+        "vllm_kv_bytes": kv_bytes,
+        "vllm_blocks": blocks,
+        "vllm_max_seqs": blocks // math.ceil(context / block_size),
+    }
+
+
+def compare(card: dict, cfg, serve: dict, largest: int | None, row: dict | None) -> dict:
+    """The harness's frontier for this card beside vLLM's arithmetic, and why they differ."""
+    plan, axis = cfg.plan, cfg.plan.axis
+    utilization = 1.0 - plan.margin
+    kv = serve["kv_bytes_per_token"]
+    batch, context = cfg.batch_size, cfg.seq_len
+    v = vllm_capacity(card, utilization, serve["weights_bytes"], serve["activation_peak_bytes"], kv,
+                      plan.block_size, context)
+    if axis == "seq_len":  # the longest context each of `batch` sequences can have
+        v["vllm_largest"] = (v["vllm_blocks"] // batch) * plan.block_size
+    else:
+        v["vllm_largest"] = v["vllm_max_seqs"]
+    out = {**v, **serve, "gpu_memory_utilization": utilization, "block_size": plan.block_size}
+    out["why"] = _why(card, out, axis, largest, row, batch, context)
+    return out
+
+
+def _why(card, s: dict, axis: str, largest, row, batch: int, context: int) -> str:
+    gib = 1024**3
+    head = (f"vLLM: {s['gpu_memory_utilization']:.2f} x {card['memory_bytes'] / gib:.1f} GiB less weights "
+            f"{s['weights_bytes'] / gib:.2f}, profiled activations {s['activation_peak_bytes'] / gib:.2f} "
+            f"({s['profile_tokens']} tokens) and non-PyTorch {card['non_pytorch_bytes'] / gib:.2f} GiB leaves "
+            f"{max(0, s['vllm_kv_bytes']) / gib:.2f} GiB = {s['vllm_blocks']} blocks of {s['block_size']} "
+            f"tokens for the KV cache")
+    if largest is None or row is None:
+        return head + "; the harness's run (HF generate) does not fit even at the smallest value."
+    n_b, n_s = (largest, context) if axis == "batch_size" else (batch, largest)
+    cache = n_b * n_s * s["kv_bytes_per_token"]
+    return (head + f". The harness runs HF generate: all {n_b} x {n_s} tokens prefilled at once into a "
+            f"DynamicCache ({cache / gib:.2f} GiB at full context, grown by concatenation); its peak is in "
+            f"{row.get('peak_phase')} at {row.get('peak_module')} with {(row.get('activations_bytes') or 0) / gib:.2f} "
+            f"GiB of activations and cache, where vLLM chunks prefill to {s['profile_tokens'] + 1} tokens and "
+            f"preallocates its paged cache.")

@@ -1,0 +1,48 @@
+"""`python -m harness plan [overrides]`: per card, the largest batch (or sequence) that fits.
+
+The grid (sweeps=<name>, key=a,b sweeps) names the groups; `plan.axis` is searched, not swept.
+Every probe is a point run like a sweep's, with its row under runs/; the frontiers go to
+frontier.parquet/.csv and into the report.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import sys
+from pathlib import Path
+
+from harness.errors import EXIT_USAGE, ConfigError
+
+
+def main(overrides: list[str]) -> int:
+    import pandas as pd
+
+    from harness import results
+    from harness.cli import _aggregate, to_point
+    from harness.config.compose import compose, expand_grid, parallelism
+    from harness.config.validate import resolve_backend
+    from harness.plan.frontier import Planner
+
+    flags = [a for a in overrides if a.startswith("-")]
+    if flags:
+        print(f"harness: error: {flags[0]}: unknown flag (plan takes overrides only)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        base = compose(overrides)
+        if resolve_backend(base.backend) != "sim":
+            raise ConfigError("backend", "plans search on the virtual GPU: use backend=sim")
+        results_dir = Path(base.results_dir).expanduser().resolve()
+        out = results_dir / base.sweep / dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        planner = Planner(out, results_dir, compose, to_point)
+        groups = planner.groups(expand_grid(overrides))
+    except ConfigError as e:
+        print(f"harness: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    total = sum(len(g.values) for g in groups)
+    print(f"harness: plan: {len(groups)} group(s) x {len(planner.cards(groups[0]))} card(s), "
+          f"searching {groups[0].cfg.plan.axis} ({total} grid points in all) on the virtual GPU -> {out}",
+          file=sys.stderr)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = planner.plan(groups, parallelism())
+    results.write_frontier(pd.DataFrame(rows), out)
+    return _aggregate(out)

@@ -1,0 +1,74 @@
+"""The tables on the terminal, with rich."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from harness.report import tables
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(width=max(200, Console().width))  # 10 cards: keep every column whole
+
+
+def _print(table: tables.Table, title: str, caption: str | None = None, right_from: int = 99,
+           wrap: tuple[str, ...] = ()) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    header, rows = table
+    t = Table(title=title, caption=caption)
+    for i, h in enumerate(header):
+        t.add_column(h, justify="right" if i >= right_from else "left", no_wrap=h not in wrap,
+                     overflow="fold")
+    for row in rows:
+        t.add_row(*[_style(escape(c)) for c in row])
+    _console().print(t)
+
+
+def _style(cell: str) -> str:
+    if cell.startswith("fits"):
+        return f"[green]{cell}[/]"
+    if cell in ("OOM", "card problem", "error", "none"):
+        return f"[red]{cell}[/]"
+    if cell == "code problem":
+        return f"[green]{cell}[/]"
+    return cell
+
+
+FITS_CAPTION = ("fits +N%: the allocator model replays the run on the card without an OOM; N = headroom "
+                "left at the peak reserved bytes (after non-PyTorch memory), % of the card; GiB = 1024^3 B")
+
+
+def render(df: pd.DataFrame, fit_long: pd.DataFrame, title: str) -> None:
+    """The fit table, the row counts and the failures."""
+    from rich.markup import escape
+
+    table, same = tables.fold_constant(tables.fits_table(df, fit_long), columns=7)
+    first_number = table[0].index("alloc GiB")
+    _print(table, f"{title}\n{same}" if same else title, FITS_CAPTION, right_from=first_number)
+    console = _console()
+    counts = df["status"].value_counts().to_dict()
+    console.print("rows: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    for r in df[df["status"].isin(["error", "timeout"])].itertuples(index=False):
+        console.print(f"[red]{r.status}[/] {r.run_id}: {escape(str(r.error))}")
+
+
+def render_verdicts(judged: pd.DataFrame) -> None:
+    """Code problem or card problem, for each point that does not fit its card."""
+    if not judged.empty:
+        _print(tables.verdict_table(judged), "Code problem or card problem? (each point that OOMs on its card)",
+               wrap=("job", "what fits"))
+
+
+def render_frontier(fr: pd.DataFrame) -> None:
+    if fr is None or fr.empty:
+        return
+    _print(tables.frontier_table(fr), "Frontiers: the largest value that fits each card (searched, "
+           "each checked at its boundary)", right_from=4)
+    header, rows = tables.serving_table(fr)
+    if rows:
+        _print((header, rows), "Serving: concurrency x context per card, the harness beside vLLM's arithmetic",
+               wrap=("why they differ",))

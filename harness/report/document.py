@@ -1,0 +1,151 @@
+"""report.md (with PNGs beside it) and a self-contained report.html (PNGs inlined), plus the
+tables as CSV and Parquet."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from harness import catalog
+from harness.report import figures, tables
+
+FIG_DIR = "report_files"
+
+
+@dataclass
+class Section:
+    title: str
+    text: str = ""
+    table: tables.Table | None = None
+    figure: str | None = None  # name of a PNG in FIG_DIR
+
+
+def _png(fig) -> bytes:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def build(df: pd.DataFrame, fit_long: pd.DataFrame, judged: pd.DataFrame, fr: pd.DataFrame | None,
+          title: str) -> tuple[list[Section], dict[str, bytes]]:
+    """The report's sections and its pictures (name -> PNG bytes)."""
+    pngs: dict[str, bytes] = {}
+
+    def figure(name, fig):
+        if fig is None:
+            return None
+        pngs[name] = _png(fig)
+        return name
+
+    counts = df["status"].value_counts().to_dict()
+    summary = (f"{len(df)} runs: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+               + ". Bytes are measured raw; GiB = 1024^3 bytes. `fits +N%`: the allocator model replays the run on "
+               "the card without an OOM, with N% of the card's memory left at the peak reserved bytes (after the "
+               "memory outside PyTorch).")
+    sections = [Section(title, summary)]
+    if fr is not None and not fr.empty:
+        margin = float(fr["margin"].iloc[0])
+        sections.append(Section(
+            "Frontiers", f"The largest value of the searched axis that fits each card with {margin:.0%} of its "
+            "memory kept free, found by interpolation and bisection on the virtual GPU and checked at the "
+            "boundary (the value and the next one up both run); probes / grid says what the search cost "
+            "against sweeping every value.", tables.frontier_table(fr), figure("frontiers.png", figures.frontiers(fr))))
+        header, rows = tables.serving_table(fr)
+        if rows:
+            sections.append(Section(
+                "Serving: the harness beside vLLM's arithmetic",
+                "KV-cache bytes per token = 2 x layers x kv_heads x head_dim x element bytes. vLLM's column is its "
+                "startup arithmetic (gpu_memory_utilization x total, less weights, the profile run's activation "
+                "peak and non-PyTorch memory, the rest in KV blocks); the harness's column is the largest value "
+                "whose run on the virtual GPU fits under the same fraction.", (header, rows)))
+    sections.append(Section("Peak memory vs batch", "Each card's line is its memory less what lives outside "
+                            "PyTorch.", figure=figure("peak_vs_batch.png", figures.peak_vs_batch(df, catalog.cards()))))
+    sections.append(Section("Allocated after each step", "The timeline's shape: a plateau is state, a staircase "
+                            "is memory the loop keeps.", figure=figure("timeline.png", figures.step_timeline(df))))
+    sections.append(Section("The breakdown at the peak", "Parameters, gradients, optimizer state, activations, "
+                            "temporaries, and what the allocator reserves beyond them (fragmentation).",
+                            figure=figure("breakdown.png", figures.breakdown(df))))
+    if not judged.empty:
+        sections.append(Section("Code problem or card problem?", "Each point that does not fit its card: "
+                                "a code problem when a remedy in the sweep fits it, a card problem when none does.",
+                                tables.verdict_table(judged)))
+    table, same = tables.fold_constant(tables.fits_table(df, fit_long), columns=7)
+    sections.append(Section("Fit table", f"Every run on every card of the catalog{'; ' + same if same else ''}.",
+                            table))
+    return sections, pngs
+
+
+def _md_cell(s: str) -> str:
+    return s.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(sections: list[Section]) -> str:
+    out = []
+    for i, s in enumerate(sections):
+        out.append(f"{'#' if i == 0 else '##'} {s.title}\n")
+        if s.text:
+            out.append(s.text + "\n")
+        if s.figure:
+            out.append(f"![{s.title}]({FIG_DIR}/{s.figure})\n")
+        if s.table and s.table[1]:
+            header, rows = s.table
+            out.append("| " + " | ".join(map(_md_cell, header)) + " |")
+            out.append("|" + "---|" * len(header))
+            out += ["| " + " | ".join(map(_md_cell, r)) + " |" for r in rows]
+            out.append("")
+    return "\n".join(out) + "\n"
+
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;
+font-size:12px;margin:1em 0}th,td{border:1px solid #ccc;padding:3px 6px;text-align:left;vertical-align:top}
+th{background:#f3f3f3}td.fits{color:#176c2b}td.oom{color:#b3261e;font-weight:600}img{max-width:100%;
+border:1px solid #eee}"""
+
+
+def _td(cell: str) -> str:
+    cls = " class=fits" if cell.startswith("fits") or cell == "code problem" else \
+        " class=oom" if cell in ("OOM", "card problem", "error") else ""
+    return f"<td{cls}>{html.escape(cell)}</td>"
+
+
+def to_html(sections: list[Section], pngs: dict[str, bytes]) -> str:
+    out = [f"<!doctype html><html><head><meta charset=utf-8><title>{html.escape(sections[0].title)}</title>"
+           f"<style>{_CSS}</style></head><body>"]
+    for i, s in enumerate(sections):
+        out.append(f"<h{1 if i == 0 else 2}>{html.escape(s.title)}</h{1 if i == 0 else 2}>")
+        if s.text:
+            out.append(f"<p>{html.escape(s.text)}</p>")
+        if s.figure:
+            data = base64.b64encode(pngs[s.figure]).decode()
+            out.append(f'<img alt="{html.escape(s.title)}" src="data:image/png;base64,{data}">')
+        if s.table and s.table[1]:
+            header, rows = s.table
+            out.append("<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")
+            out += ["<tr>" + "".join(_td(c) for c in r) + "</tr>" for r in rows]
+            out.append("</table>")
+    out.append("</body></html>")
+    return "\n".join(out)
+
+
+def write(target: Path, df: pd.DataFrame, fit_long: pd.DataFrame, judged: pd.DataFrame,
+          fr: pd.DataFrame | None, title: str) -> Path:
+    """report.md, report_files/*.png, report.html and fit.{csv,parquet} in `target`; returns the HTML."""
+    sections, pngs = build(df, fit_long, judged, fr, title)
+    figs = target / FIG_DIR
+    figs.mkdir(exist_ok=True)
+    for name, data in pngs.items():
+        (figs / name).write_bytes(data)
+    (target / "report.md").write_text(markdown(sections))
+    out = target / "report.html"
+    out.write_text(to_html(sections, pngs))
+    fit_long.to_csv(target / "fit.csv", index=False)
+    fit_long.to_parquet(target / "fit.parquet", index=False)
+    return out

@@ -1,0 +1,95 @@
+"""The report's tables as (header, rows) of strings, shared by the terminal, Markdown and HTML."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+GIB = 1024**3
+Table = tuple[list[str], list[list[str]]]
+
+
+def gib(nbytes) -> str:
+    return "-" if nbytes is None or pd.isna(nbytes) else f"{nbytes / GIB:.2f}"
+
+
+def _ckpt(v) -> str:
+    return "yes" if bool(v) else "no"
+
+
+def _cell(fits, pct) -> str:
+    if fits is None or pd.isna(fits):
+        return "-"
+    head = "" if pct is None or pd.isna(pct) else f" {pct:+.0f}%"
+    return f"fits{head}" if fits else "OOM"
+
+
+def fits_table(df: pd.DataFrame, fit_long: pd.DataFrame) -> Table:
+    """Config x card: fits with the headroom left (% of the card's memory) or OOM."""
+    cards = list(dict.fromkeys(fit_long["card"])) if not fit_long.empty else []
+    cell = {(r.run_id, r.card): _cell(r.fits, r.headroom_pct) for r in fit_long.itertuples(index=False)}
+    header = ["model", "workload", "batch", "seq", "precision", "ckpt", "allocator", "status",
+              "alloc GiB", "reserved GiB", *cards]
+    rows = [[str(r.model), str(r.workload), str(r.batch_size), str(r.seq_len), str(r.precision),
+             _ckpt(r.checkpointing), str(r.allocator_conf or "default"), str(r.status),
+             gib(r.peak_allocated_bytes), gib(r.peak_reserved_bytes),
+             *[cell.get((r.run_id, c), "-") for c in cards]]
+            for r in df.itertuples(index=False)]
+    return header, rows
+
+
+def fold_constant(table: Table, columns: int) -> tuple[Table, str]:
+    """Move the first `columns` columns that hold one value in every row into a caption."""
+    header, rows = table
+    if len(rows) < 2:
+        return table, ""
+    same = [i for i in range(columns) if len({r[i] for r in rows}) == 1 and header[i] != "status"]
+    caption = ", ".join(f"{header[i]} {rows[0][i]}" for i in same)
+    keep = [i for i in range(len(header)) if i not in same]
+    return ([header[i] for i in keep], [[r[i] for i in keep] for r in rows]), caption
+
+
+def verdict_table(judged: pd.DataFrame) -> Table:
+    header = ["job", "card", "kind", "verdict", "what fits"]
+    return header, [[str(r.job), str(r.card), str(r.kind), str(r.verdict), str(r.detail)]
+                    for r in judged.itertuples(index=False)]
+
+
+def _group(r) -> str:
+    fixed = f"seq {r.seq_len}" if r.axis == "batch_size" else f"batch {r.batch_size}"
+    alloc = f", {r.allocator_conf}" if r.allocator_conf else ""
+    return f"{r.model} {r.workload} {r.precision}{' ckpt' if r.checkpointing else ''}, {fixed}{alloc}"
+
+
+def frontier_table(fr: pd.DataFrame) -> Table:
+    """Group x card: the largest value that fits, and what it cost to find."""
+    header = ["group", "axis", "margin", "card", "largest that fits", "first OOM", "peak reserved GiB",
+              "headroom GiB", "probes / grid"]
+    rows = []
+    for r in fr.itertuples(index=False):
+        if r.status != "ok":
+            rows.append([_group(r), r.axis, f"{r.margin:.0%}", r.card, "error", str(r.error), "-", "-", "-"])
+            continue
+        largest = "none" if pd.isna(r.largest) else f"{int(r.largest)}"
+        if not pd.isna(r.largest) and pd.isna(r.first_oom):
+            largest = f">= {int(r.largest)} (top of range)"
+        first = "-" if pd.isna(r.first_oom) else str(int(r.first_oom))
+        if not r.monotone:
+            first += " (not monotone above)"
+        rows.append([_group(r), r.axis, f"{r.margin:.0%}", r.card, largest, first, gib(r.peak_reserved_bytes),
+                     gib(r.headroom_bytes), f"{int(r.probes)} / {int(r.grid_points)}"])
+    return header, rows
+
+
+def serving_table(fr: pd.DataFrame) -> Table:
+    """Serving groups: the harness's frontier beside vLLM's startup arithmetic."""
+    if "vllm_largest" not in fr.columns:
+        return [], []
+    sv = fr[fr["vllm_largest"].notna()]
+    header = ["group", "card", "KV B/token", "gpu_memory_utilization", "harness (HF generate)",
+              "vLLM arithmetic", "vLLM KV GiB", "why they differ"]
+    rows = []
+    for r in sv.itertuples(index=False):
+        ours = "none" if pd.isna(r.largest) else str(int(r.largest))
+        rows.append([_group(r), r.card, f"{int(r.kv_bytes_per_token):,}", f"{r.gpu_memory_utilization:.2f}",
+                     ours, str(int(r.vllm_largest)), gib(max(0, r.vllm_kv_bytes)), str(r.why)])
+    return header, rows

@@ -1,0 +1,79 @@
+import random
+
+import pytest
+
+from harness.plan.search import Probe, grid, search
+
+
+def linear_job(base: int, per_unit: int, rooms: dict[str, int], noise=lambda v: 0):
+    """A job whose bytes are base + per_unit x value (+ noise), fitting where bytes <= room."""
+    calls = []
+
+    def probe(v: int) -> Probe:
+        calls.append(v)
+        b = base + per_unit * v + noise(v)
+        return Probe(v, b, {k: b <= r for k, r in rooms.items()})
+
+    return probe, calls
+
+
+def exhaustive(probe, values, cards):
+    out = {}
+    for card in cards:
+        fitting = [v for v in values if probe(v).fits[card]]
+        out[card] = max(fitting) if fitting else None
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_frontier_agrees_with_exhaustive_sweep_at_a_fraction_of_the_probes(seed):
+    rng = random.Random(seed)
+    rooms = {f"card{i}": rng.randrange(10, 200) * 2**30 for i in range(6)}
+    base, per = rng.randrange(1, 40) * 2**30, rng.randrange(1, 4 * 2**30)
+    # Not quite linear (the allocator rounds, segments come in sizes), but still increasing.
+    wobble = lambda v: (v * 7919 % 13) * per // 26  # noqa: E731
+    probe, calls = linear_job(base, per, rooms, wobble)
+    values = grid(1, 512, 1)
+    s = search(probe, rooms, values)
+    expected = exhaustive(lambda v: linear_job(base, per, rooms, wobble)[0](v), values, rooms)
+    assert {k: f.largest for k, f in s.frontiers.items()} == expected
+    assert len(set(calls)) == len(calls) and len(calls) <= 4 * len(rooms) + 2  # 512 values exhaustively
+
+
+def test_every_frontier_is_probed_on_both_sides_of_its_boundary():
+    rooms = {"small": 20 * 2**30, "big": 80 * 2**30}
+    probe, calls = linear_job(10 * 2**30, 2**30, rooms)
+    s = search(probe, rooms, grid(1, 256, 1))
+    assert s.frontiers["small"].largest == 10 and s.frontiers["small"].first_oom == 11
+    assert s.frontiers["big"].largest == 70 and s.frontiers["big"].first_oom == 71
+    assert {10, 11, 70, 71} <= set(calls)
+
+
+def test_nothing_fits_and_everything_fits_are_reported_as_such():
+    rooms = {"tiny": 2**30, "huge": 2**50}
+    probe, calls = linear_job(2 * 2**30, 2**20, rooms)
+    s = search(probe, rooms, grid(8, 64, 8))
+    assert s.frontiers["tiny"].largest is None and s.frontiers["tiny"].first_oom == 8
+    assert s.frontiers["huge"].largest == 64 and s.frontiers["huge"].first_oom is None
+    assert calls[0] == 8 and 64 in calls
+
+
+def test_step_granularity_is_respected():
+    rooms = {"c": 40 * 2**30}
+    probe, calls = linear_job(0, 2**20, rooms)  # 1 MiB per token: boundary at 40960 tokens
+    s = search(probe, rooms, grid(128, 65536, 128))
+    assert s.frontiers["c"].largest == 40960 and all(v % 128 == 0 for v in calls)
+
+
+def test_a_non_monotone_card_is_flagged_not_hidden():
+    fits = {1: True, 2: True, 3: False, 4: True, 5: False}
+
+    def probe(v):
+        return Probe(v, v * 10, {"c": fits[v]})
+
+    from harness.plan.search import Search, _frontier
+
+    s = Search([1, 2, 3, 4, 5], probes={v: probe(v) for v in fits})
+
+    f = _frontier(s, [1, 2, 3, 4, 5], "c")
+    assert f.largest == 2 and f.first_oom == 3 and not f.monotone
