@@ -122,8 +122,14 @@ def _launch(verb: str, flags: list[str], overrides: list[str]) -> int:
                   else ["--multirun", *overrides, f"{dir_key}={out}", *extra])
     print(f"harness: {verb}: {len(points)} point(s) on backend={backend} -> {out}", file=sys.stderr)
     sys.argv = [sys.argv[0], *flags, *hydra_args]
+    from harness.progress import SweepProgress
+
     try:
-        main()
+        if verb == "sweep":
+            with SweepProgress(out, len(points)):
+                main()
+        else:
+            main()
     except SystemExit as e:
         if e.code not in (0, None):
             print(f"harness: Hydra stopped with code {e.code}; rows written so far are kept", file=sys.stderr)

@@ -19,7 +19,7 @@ def main(overrides: list[str]) -> int:
 
     from harness import results
     from harness.cli import _aggregate, to_point
-    from harness.config.compose import compose, expand_grid, parallelism
+    from harness.config.compose import compose, expand_grid, parallelism, split_overrides
     from harness.config.validate import resolve_backend
     from harness.plan.frontier import Planner
 
@@ -28,7 +28,7 @@ def main(overrides: list[str]) -> int:
         print(f"harness: error: {flags[0]}: unknown flag (plan takes overrides only)", file=sys.stderr)
         return EXIT_USAGE
     try:
-        base = compose(overrides)
+        base = compose(split_overrides(overrides)[0])
         if resolve_backend(base.backend) != "sim":
             raise ConfigError("backend", "plans search on the virtual GPU: use backend=sim")
         results_dir = Path(base.results_dir).expanduser().resolve()

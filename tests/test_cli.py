@@ -38,7 +38,10 @@ def test_sweep_writes_one_row_per_point_and_a_parquet(smoke_sweep):
     assert (sweep_dir / "results.csv").exists()
     for run in (sweep_dir / "runs").iterdir():
         assert (run / "trace.parquet").exists()
-    assert "peak alloc GiB" in r.stdout and "h100-80gb" in r.stdout
+    assert "alloc GiB" in r.stdout and "h100-80gb" in r.stdout and "fits +" in r.stdout
+    for name in ("report.md", "report.html", "fit.csv", "fit.parquet"):
+        assert (sweep_dir / name).exists(), name
+    assert "4/4 points done (ok 4, oom 0, failed 0)" in r.stderr
 
 
 def test_rerunning_a_sweep_skips_points_already_done(smoke_sweep):

@@ -20,6 +20,7 @@ _COST = {
     "leak": (0, "no cost once the holder is fixed"),
     "allocator": (1, "no compute cost"),
     "accumulation": (2, "same effective batch; more, smaller steps"),
+    "waves": (2, "the same sequences, fewer at a time; less throughput"),
     "checkpointing": (3, "about 20-33% more compute (one more forward per layer)"),
     "optimizer": (4, "changes the optimizer's behaviour"),
     "precision": (5, "changes numerics"),
@@ -45,7 +46,10 @@ def _remedy(job, other) -> list[tuple[str, str]]:
         out.append(("allocator", f"PYTORCH_ALLOC_CONF={other.get('allocator_conf') or '(default)'}"))
     if other["batch_size"] != job["batch_size"]:
         steps = job["batch_size"] // other["batch_size"]
-        out.append(("accumulation", f"micro-batch {other['batch_size']} x {steps} accumulation steps"))
+        if job.get("workload") == "infer":  # no gradients to accumulate: serve in waves
+            out.append(("waves", f"{other['batch_size']} concurrent sequences x {steps} waves"))
+        else:
+            out.append(("accumulation", f"micro-batch {other['batch_size']} x {steps} accumulation steps"))
     if bool(other.get("checkpointing")) and not bool(job.get("checkpointing")):
         out.append(("checkpointing", "activation checkpointing"))
     if other.get("optimizer") != job.get("optimizer") or other.get("optimizer_impl") != job.get("optimizer_impl"):

@@ -124,7 +124,8 @@ def expand_grid(overrides: list[str]) -> list[list[str]]:
 
     plain, cli_sweeps = split_overrides(overrides)
     hydra_cfg = compose(plain, with_hydra=True).hydra
-    params = dict(OmegaConf.to_container(hydra_cfg.sweeper.params or {}, resolve=False))
+    params = hydra_cfg.sweeper.params  # None for a grid file that only sets values (a plan's)
+    params = dict(OmegaConf.to_container(params, resolve=False)) if params else {}
     parser = OverridesParser.create()
     axes: dict[str, list[str]] = {}
     for key, value in params.items():

@@ -68,6 +68,7 @@ class Planner:
         seen, groups = set(), []
         for p in points:
             cfg = self.compose(p)
+            validate(cfg)
             axis = cfg.plan.axis
             rest = [o for o in p if o.split("=", 1)[0].lstrip("+~") != axis]
             if tuple(rest) in seen:

@@ -63,8 +63,8 @@ def search(probe: Callable[[int], Probe], rooms: dict[str, int], values: list[in
             width = h - lo
             run(guess)
             lo2, hi2 = _bracket(s, values, card)
-            # Safeguard: when a guess did not halve the bracket, bisect once.
-            bisect_next = ((top if hi2 is None else hi2) - lo2) * 2 > width if lo2 is not None else False
+            # Safeguard: when a guess did not halve a closed bracket, bisect once.
+            bisect_next = hi is not None and lo2 is not None and hi2 is not None and (hi2 - lo2) * 2 > width
         s.frontiers[card] = _frontier(s, values, card)
     return s
 

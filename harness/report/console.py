@@ -68,6 +68,10 @@ def render_frontier(fr: pd.DataFrame) -> None:
         return
     _print(tables.frontier_table(fr), "Frontiers: the largest value that fits each card (searched, "
            "each checked at its boundary)", right_from=4)
+    from rich.markup import escape
+
+    for err in dict.fromkeys(fr.loc[fr["status"] != "ok", "error"]):
+        _console().print(f"[red]plan error[/] {escape(str(err))}")
     header, rows = tables.serving_table(fr)
     if rows:
         _print((header, rows), "Serving: concurrency x context per card, the harness beside vLLM's arithmetic",

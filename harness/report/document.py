@@ -53,11 +53,13 @@ def build(df: pd.DataFrame, fit_long: pd.DataFrame, judged: pd.DataFrame, fr: pd
     sections = [Section(title, summary)]
     if fr is not None and not fr.empty:
         margin = float(fr["margin"].iloc[0])
+        errors = list(dict.fromkeys(fr.loc[fr["status"] != "ok", "error"].astype(str)))
         sections.append(Section(
             "Frontiers", f"The largest value of the searched axis that fits each card with {margin:.0%} of its "
             "memory kept free, found by interpolation and bisection on the virtual GPU and checked at the "
             "boundary (the value and the next one up both run); probes / grid says what the search cost "
-            "against sweeping every value.", tables.frontier_table(fr), figure("frontiers.png", figures.frontiers(fr))))
+            "against sweeping every value." + "".join(f" Search stopped: {e}." for e in errors),
+            tables.frontier_table(fr), figure("frontiers.png", figures.frontiers(fr))))
         header, rows = tables.serving_table(fr)
         if rows:
             sections.append(Section(

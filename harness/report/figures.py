@@ -65,7 +65,6 @@ def peak_vs_batch(df: pd.DataFrame, cards: list[dict]) -> plt.Figure | None:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    fig.suptitle("Peak memory vs batch; dashed lines: what each card leaves PyTorch", fontsize=11)
     fig.tight_layout()
     return fig
 
@@ -105,6 +104,8 @@ def step_timeline(df: pd.DataFrame, limit: int = 12) -> plt.Figure | None:
     ax.set_ylabel("allocated after the step, GiB")
     ax.set_title("Allocated after each step: flat is healthy, a staircase is memory kept by the loop", fontsize=10)
     ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_ylim(bottom=0)  # from zero: a flat line must look flat, not like a cliff in the 5th digit
+    ax.ticklabel_format(axis="y", useOffset=False, style="plain")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()

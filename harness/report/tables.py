@@ -64,10 +64,12 @@ def frontier_table(fr: pd.DataFrame) -> Table:
     """Group x card: the largest value that fits, and what it cost to find."""
     header = ["group", "axis", "margin", "card", "largest that fits", "first OOM", "peak reserved GiB",
               "headroom GiB", "probes / grid"]
-    rows = []
+    rows, failed = [], set()
     for r in fr.itertuples(index=False):
-        if r.status != "ok":
-            rows.append([_group(r), r.axis, f"{r.margin:.0%}", r.card, "error", str(r.error), "-", "-", "-"])
+        if r.status != "ok":  # one line per group: the search stopped at a probe that failed
+            if _group(r) not in failed:
+                failed.add(_group(r))
+                rows.append([_group(r), r.axis, f"{r.margin:.0%}", "all", "error", "-", "-", "-", "-"])
             continue
         largest = "none" if pd.isna(r.largest) else f"{int(r.largest)}"
         if not pd.isna(r.largest) and pd.isna(r.first_oom):
