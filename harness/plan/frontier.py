@@ -100,6 +100,10 @@ class Planner:
         return row
 
     def plan(self, groups: list[Group], workers: int) -> list[dict]:
+        # transformers imports its classes lazily, and two threads importing at once can see a
+        # half-initialised module ("cannot import name 'AutoConfig'"): import them here, once.
+        from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             return [r for rows in pool.map(self.plan_group, groups) for r in rows]
 

@@ -46,7 +46,7 @@ def render(df: pd.DataFrame, fit_long: pd.DataFrame, title: str) -> None:
     """The fit table, the row counts and the failures."""
     from rich.markup import escape
 
-    table, same = tables.fold_constant(tables.fits_table(df, fit_long), columns=7)
+    table, same = tables.fold_constant(tables.fits_table(df, fit_long), columns=8)
     first_number = table[0].index("alloc GiB")
     _print(table, f"{title}\n{same}" if same else title, FITS_CAPTION, right_from=first_number)
     console = _console()

@@ -70,10 +70,12 @@ def peak_vs_batch(df: pd.DataFrame, cards: list[dict]) -> plt.Figure | None:
 
 
 def _cards_near(cards: list[dict], top_gib: float) -> list[dict]:
-    """The cards below the plot's top, and the first one above it (the card that would hold it all)."""
+    """The cards below the plot's top, and the first one above it (the card that would hold it
+    all) unless it is so far above that the runs would shrink to a line at the bottom."""
     rooms = sorted(cards, key=lambda c: c["memory_bytes"])
     below = [c for c in rooms if (c["memory_bytes"] - c["non_pytorch_bytes"]) / GIB <= top_gib * 1.05]
     above = [c for c in rooms if c not in below][:1]
+    above = [c for c in above if (c["memory_bytes"] - c["non_pytorch_bytes"]) / GIB <= top_gib * 3]
     return below + above
 
 
@@ -134,7 +136,7 @@ def breakdown(df: pd.DataFrame, limit: int = 40) -> plt.Figure | None:
     ax.set_xlabel("GiB at the peak")
     ax.tick_params(axis="y", labelsize=7)
     ax.set_title("The breakdown at the peak", fontsize=10)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     return fig

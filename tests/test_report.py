@@ -1,0 +1,100 @@
+"""The report: report.md with its pictures, a self-contained report.html that a real browser renders."""
+
+import base64
+import re
+import shutil
+
+import pandas as pd
+import pytest
+
+from harness.progress import SweepProgress, Tally, line
+from tests.conftest import REPO, run_cli
+
+ARTIFACTS = REPO / "test-artifacts"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def sweep_dir(tmp_path_factory):
+    results = tmp_path_factory.mktemp("results")
+    r = run_cli("sweep", "sweeps=smoke", "workload.leak=none,graph", f"results_dir={results}")
+    assert r.returncode == 0, r.stderr
+    [d] = list((results / "smoke").iterdir())
+    return d
+
+
+def test_report_md_links_every_picture_it_names(sweep_dir):
+    md = (sweep_dir / "report.md").read_text()
+    for title in ("Peak memory vs batch", "Allocated after each step", "The breakdown at the peak", "Fit table"):
+        assert f"## {title}" in md
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md)
+    assert len(links) == 3
+    for link in links:
+        assert (sweep_dir / link).read_bytes().startswith(PNG)
+    assert "| h100-80gb |" in md.splitlines()[md.splitlines().index("## Fit table") + 3] or "h100-80gb" in md
+
+
+def test_report_html_is_self_contained(sweep_dir):
+    page = (sweep_dir / "report.html").read_text()
+    srcs = re.findall(r'<img[^>]* src="([^"]+)"', page)
+    assert len(srcs) == 3
+    for src in srcs:
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1]).startswith(PNG)
+    assert not re.search(r'(src|href)="(?!data:)', page)  # nothing fetched from anywhere
+    assert "fits +" in page and "retained" in page  # the leak's kind, in the tables
+
+
+def test_report_verb_rewrites_the_report_of_a_sweep_dir(sweep_dir):
+    (sweep_dir / "report.html").unlink()
+    r = run_cli("report", str(sweep_dir))
+    assert r.returncode == 0, r.stderr
+    assert (sweep_dir / "report.html").exists()
+    fit = pd.read_csv(sweep_dir / "fit.csv")
+    assert len(fit) == 8 * 10 and set(fit.columns) >= {"run_id", "card", "fits", "headroom_bytes", "headroom_pct"}
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def test_report_opens_in_headless_chromium_with_every_image_loaded(sweep_dir):
+    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is a dev dependency")
+    exe = _chromium()
+    if exe is None:
+        pytest.skip("no Chromium on this machine (.ci/run installs Debian's chromium package)")
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "report.png"
+    flags = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync"]
+    with playwright.sync_playwright() as p:
+        try:
+            browser = p.chromium.launch(executable_path=exe, args=flags)
+        except Exception as e:  # noqa: BLE001 - whatever stops the browser, say it and skip
+            pytest.skip(f"Chromium at {exe} would not start: {str(e).splitlines()[0]}")
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto((sweep_dir / "report.html").as_uri(), wait_until="load")
+        images = page.evaluate("Array.from(document.images).map(i => [i.complete, i.naturalWidth, i.naturalHeight])")
+        page.screenshot(path=str(shot), full_page=True)
+        browser.close()
+    assert len(images) == 3
+    assert all(done and w > 100 and h > 100 for done, w, h in images), images
+    assert shot.read_bytes().startswith(PNG)
+
+
+def test_progress_counts_rows_as_they_land(tmp_path):
+    import io
+    import json
+
+    tally = Tally(tmp_path)
+    assert sum(tally().values()) == 0
+    for i, status in enumerate(["ok", "oom", "error"]):
+        (tmp_path / "runs" / str(i)).mkdir(parents=True)
+        (tmp_path / "runs" / str(i) / "result.json").write_text(json.dumps({"status": status}))
+    (tmp_path / "runs" / "3").mkdir()
+    (tmp_path / "runs" / "3" / "result.json").write_text('{"status": "o')  # still being written
+    assert line(tally(), 5) == "3/5 points done (ok 1, oom 1, failed 1)"
+    out = io.StringIO()
+    with SweepProgress(tmp_path, 5, stream=out, interval_s=0.01):
+        pass
+    assert out.getvalue().strip().splitlines()[-1] == "harness: sweep: 3/5 points done (ok 1, oom 1, failed 1)"
