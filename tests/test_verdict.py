@@ -30,6 +30,14 @@ def test_a_remedy_that_fits_the_card_makes_it_a_code_problem():
     assert "micro-batch 3" not in v["detail"]
 
 
+def test_inference_is_served_in_waves_not_accumulated():
+    df = pd.DataFrame([_row(run_id="job", workload="infer"),
+                       _row(run_id="fewer", workload="infer", batch_size=4, status="ok", fits_cards=["t4"])])
+    v = verdicts(df).set_index("run_id").loc["job"]
+    assert v["verdict"] == "code problem" and "4 concurrent sequences x 2 waves" in v["detail"]
+    assert "accumulation" not in v["detail"]
+
+
 def test_no_remedy_fitting_makes_it_a_card_problem_naming_the_smallest_card():
     df = pd.DataFrame([_row(run_id="job", fits_cards=["a100-80gb", "h100-80gb", "h200"]),
                        _row(run_id="ckpt", checkpointing=True, status="oom", fits_cards=["a100-40gb"])])

@@ -47,13 +47,30 @@ def fits(row: dict, card: dict, margin: float = 0.0) -> bool | None:
     return _fits_by_trace(row, c)
 
 
-def _fits_by_trace(row: dict, card: dict) -> bool:
+def _replay(row: dict, card: dict):
     from harness.allocator.settings import AllocSettings
     from harness.probe import reserved, trace_store
 
     df = pd.read_parquet(row["trace_path"])
     settings = AllocSettings.from_conf(row.get("allocator_conf") or "")
-    return reserved.fits_by_replay(trace_store.replay_rows(df), settings, card)
+    return reserved.replay_on(trace_store.replay_rows(df), settings, card)
+
+
+def _fits_by_trace(row: dict, card: dict) -> bool:
+    return not _replay(row, card).ooms
+
+
+def cache_flushes(row: dict, card: dict, margin: float = 0.0) -> int | None:
+    """How often the run's allocator must free its cache and retry on `card` (num_alloc_retries;
+    each a device synchronization): 0 when its reserved peak fits; None when unknown."""
+    res = row.get("peak_reserved_bytes")
+    if _missing(res):
+        return None
+    if int(res) <= room(card, margin):
+        return 0
+    if _missing(row.get("trace_path")):
+        return None
+    return _replay(row, with_margin(card, margin)).num_alloc_retries
 
 
 def headroom_bytes(row: dict, card: dict, margin: float = 0.0) -> int | None:

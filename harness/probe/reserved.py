@@ -23,9 +23,13 @@ def fits_by_numbers(card: dict, peak_reserved_bytes: int, peak_allocated_bytes: 
     return None
 
 
+def replay_on(rows: list[tuple], settings: AllocSettings, card: dict):
+    """The replay on `card`: its OOMs and the cache flushes (num_alloc_retries) it took."""
+    return replay_events(rows, settings, Device.for_card(card))[0]
+
+
 def fits_by_replay(rows: list[tuple], settings: AllocSettings, card: dict) -> bool:
-    result, _ = replay_events(rows, settings, Device.for_card(card))
-    return not result.ooms
+    return not replay_on(rows, settings, card).ooms
 
 
 def fits(rows: list[tuple], settings: AllocSettings, card: dict, unlimited) -> bool:

@@ -42,6 +42,11 @@ FITS_CAPTION = ("fits +N%: the allocator model replays the run on the card witho
                 "left at the peak reserved bytes (after non-PyTorch memory), % of the card; GiB = 1024^3 B")
 
 
+FRONTIER_CAPTION = ("peak reserved: without a limit; negative headroom with cache flushes > 0: on the card the "
+                    "allocator frees its cache and retries (num_alloc_retries, a device synchronization each) "
+                    "and the run still fits")
+
+
 def render(df: pd.DataFrame, fit_long: pd.DataFrame, title: str) -> None:
     """The fit table, the row counts and the failures."""
     from rich.markup import escape
@@ -67,7 +72,7 @@ def render_frontier(fr: pd.DataFrame) -> None:
     if fr is None or fr.empty:
         return
     _print(tables.frontier_table(fr), "Frontiers: the largest value that fits each card (searched, "
-           "each checked at its boundary)", right_from=4)
+           "each checked at its boundary)", FRONTIER_CAPTION, right_from=4)
     from rich.markup import escape
 
     for err in dict.fromkeys(fr.loc[fr["status"] != "ok", "error"]):

@@ -58,7 +58,9 @@ def build(df: pd.DataFrame, fit_long: pd.DataFrame, judged: pd.DataFrame, fr: pd
             "Frontiers", f"The largest value of the searched axis that fits each card with {margin:.0%} of its "
             "memory kept free, found by interpolation and bisection on the virtual GPU and checked at the "
             "boundary (the value and the next one up both run); probes / grid says what the search cost "
-            "against sweeping every value." + "".join(f" Search stopped: {e}." for e in errors),
+            "against sweeping every value. Peak reserved is without a limit; a negative headroom with cache "
+            "flushes means that on the card the allocator frees its cache and retries (num_alloc_retries, a "
+            "device synchronization each) and the run still fits." + "".join(f" Search stopped: {e}." for e in errors),
             tables.frontier_table(fr), figure("frontiers.png", figures.frontiers(fr))))
         header, rows = tables.serving_table(fr)
         if rows:

@@ -52,7 +52,13 @@ def peak_vs_batch(df: pd.DataFrame, cards: list[dict]) -> plt.Figure | None:
             ax.plot(v["batch_size"], res, "-o", color=color, label=variant, ms=4)
             ax.plot(v["batch_size"], v["peak_allocated_bytes"] / GIB, ":", color=color, lw=1)
             top = max(top, float(res.max()))
-        for card in _cards_near(cards, top):
+        near = _cards_near(cards, top)
+        if not any(c["memory_bytes"] - c["non_pytorch_bytes"] > top * GIB for c in near):
+            smallest = min(cards, key=lambda c: c["memory_bytes"])
+            ax.text(0.02, 0.7, f"every card holds these runs\n(smallest: {smallest['key']}, "
+                    f"{(smallest['memory_bytes'] - smallest['non_pytorch_bytes']) / GIB:.1f} GiB)",
+                    transform=ax.transAxes, fontsize=7, color="0.3")
+        for card in near:
             room = (card["memory_bytes"] - card["non_pytorch_bytes"]) / GIB
             ax.axhline(room, color="0.5", lw=0.8, ls="--")
             ax.annotate(card["key"], (1.0, room), xycoords=("axes fraction", "data"), fontsize=7,

@@ -64,13 +64,13 @@ def _group(r) -> str:
 def frontier_table(fr: pd.DataFrame) -> Table:
     """Group x card: the largest value that fits, and what it cost to find."""
     header = ["group", "axis", "margin", "card", "largest that fits", "first OOM", "peak reserved GiB",
-              "headroom GiB", "probes / grid"]
+              "headroom GiB", "cache flushes", "probes / grid"]
     rows, failed = [], set()
     for r in fr.itertuples(index=False):
         if r.status != "ok":  # one line per group: the search stopped at a probe that failed
             if _group(r) not in failed:
                 failed.add(_group(r))
-                rows.append([_group(r), r.axis, f"{r.margin:.0%}", "all", "error", "-", "-", "-", "-"])
+                rows.append([_group(r), r.axis, f"{r.margin:.0%}", "all", "error", "-", "-", "-", "-", "-"])
             continue
         largest = "none" if pd.isna(r.largest) else f"{int(r.largest)}"
         if not pd.isna(r.largest) and pd.isna(r.first_oom):
@@ -78,8 +78,9 @@ def frontier_table(fr: pd.DataFrame) -> Table:
         first = "-" if pd.isna(r.first_oom) else str(int(r.first_oom))
         if not r.monotone:
             first += " (not monotone above)"
+        flushes = "-" if pd.isna(r.cache_flushes) else str(int(r.cache_flushes))
         rows.append([_group(r), r.axis, f"{r.margin:.0%}", r.card, largest, first, gib(r.peak_reserved_bytes),
-                     gib(r.headroom_bytes), f"{int(r.probes)} / {int(r.grid_points)}"])
+                     gib(r.headroom_bytes), flushes, f"{int(r.probes)} / {int(r.grid_points)}"])
     return header, rows
 
 
