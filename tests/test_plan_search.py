@@ -25,8 +25,9 @@ def exhaustive(probe, values, cards):
     return out
 
 
+@pytest.mark.parametrize("width", [1, 3])
 @pytest.mark.parametrize("seed", range(40))
-def test_frontier_agrees_with_exhaustive_sweep_at_a_fraction_of_the_probes(seed):
+def test_frontier_agrees_with_exhaustive_sweep_at_a_fraction_of_the_probes(seed, width):
     rng = random.Random(seed)
     rooms = {f"card{i}": rng.randrange(10, 200) * 2**30 for i in range(6)}
     base, per = rng.randrange(1, 40) * 2**30, rng.randrange(1, 4 * 2**30)
@@ -34,10 +35,18 @@ def test_frontier_agrees_with_exhaustive_sweep_at_a_fraction_of_the_probes(seed)
     wobble = lambda v: (v * 7919 % 13) * per // 26  # noqa: E731
     probe, calls = linear_job(base, per, rooms, wobble)
     values = grid(1, 512, 1)
-    s = search(probe, rooms, values)
+    rounds = []
+
+    def probe_many(vs):
+        rounds.append(vs)
+        return [probe(v) for v in vs]
+
+    s = search(probe, rooms, values, width=width, probe_many=probe_many)
     expected = exhaustive(lambda v: linear_job(base, per, rooms, wobble)[0](v), values, rooms)
     assert {k: f.largest for k, f in s.frontiers.items()} == expected
-    assert len(set(calls)) == len(calls) and len(calls) <= 4 * len(rooms) + 2  # 512 values exhaustively
+    assert len(set(calls)) == len(calls)  # no value probed twice
+    assert len(calls) <= (4 if width == 1 else 6) * len(rooms) + 2  # of 512 values
+    assert all(len(r) <= width for r in rounds)
 
 
 def test_every_frontier_is_probed_on_both_sides_of_its_boundary():

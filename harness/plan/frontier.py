@@ -55,6 +55,7 @@ class Planner:
         self._compose, self._to_point = compose, to_point
         self._lock = threading.Lock()  # Hydra's compose is process-global
         self._n = itertools.count()
+        self.width = 1  # values of one group probed at once (set by plan())
 
     def say(self, line: str) -> None:
         """Progress on stderr, a line per probe (searches run for minutes at 7B)."""
@@ -104,7 +105,10 @@ class Planner:
         # half-initialised module ("cannot import name 'AutoConfig'"): import them here, once.
         from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
 
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        workers = max(1, workers)
+        # Groups run side by side; cores left over go to probing several values of a group at once.
+        self.width = max(1, workers // min(len(groups), workers))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
             return [r for rows in pool.map(self.plan_group, groups) for r in rows]
 
     @staticmethod
@@ -127,7 +131,8 @@ class Planner:
 
         ident = _group_columns(cfg, axis)
         try:
-            s = search.search(probe, {k: fit.room(c, plan.margin) for k, c in by_key.items()}, g.values)
+            s = search.search(probe, {k: fit.room(c, plan.margin) for k, c in by_key.items()}, g.values,
+                              self.width, lambda vs: _together(probe, vs))
             serve = self._serving(g) if cfg.workload.name == "infer" else None
         except ProbeFailed as e:
             return [{**ident, "card": k, "status": "error", "error": str(e)} for k in by_key]
@@ -170,6 +175,13 @@ class Planner:
         return {"profile_tokens": prompt, "weights_bytes": int(row["params_bytes"]),
                 "activation_peak_bytes": max(0, act), "kv_bytes_per_token": kv,
                 "profile_run_id": row["run_id"]}
+
+
+def _together(probe, values: list[int]) -> list:
+    if len(values) == 1:
+        return [probe(values[0])]
+    with ThreadPoolExecutor(max_workers=len(values)) as pool:
+        return list(pool.map(probe, values))
 
 
 def _step(values: list[int]) -> int:

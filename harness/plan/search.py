@@ -38,33 +38,41 @@ def grid(lo: int, hi: int, step: int) -> list[int]:
     return list(range(lo, hi + 1, step))
 
 
-def search(probe: Callable[[int], Probe], rooms: dict[str, int], values: list[int]) -> Search:
+def search(probe: Callable[[int], Probe], rooms: dict[str, int], values: list[int],
+           width: int = 1, probe_many: Callable[[list[int]], list[Probe]] | None = None) -> Search:
     """Frontier per card. `rooms`: card key -> the bytes the run may use on it (the interpolation
-    target); `probe(v)` runs value v. Probes are shared across cards, largest room first."""
+    target); `probe(v)` runs value v. Probes are shared across cards, largest room first.
+
+    With `width` > 1, each round guesses for up to `width` cards whose brackets are still open
+    and runs those probes together (`probe_many`): fewer rounds, sometimes a probe more."""
     s = Search(values)
-
-    def run(i: int) -> Probe:
-        v = values[i]
-        if v not in s.probes:
-            s.probes[v] = probe(v)
-        return s.probes[v]
-
-    run(0)
-    for card in sorted(rooms, key=rooms.get, reverse=True):
-        bisect_next = False
-        while True:
+    probe_many = probe_many or (lambda vs: [probe(v) for v in vs])
+    s.probes[values[0]] = probe(values[0])
+    cards = sorted(rooms, key=rooms.get, reverse=True)
+    bisect_next = dict.fromkeys(cards, False)
+    while True:
+        guesses: dict[int, list] = {}  # index -> [(card, closed bracket width)]
+        for card in cards:
             lo, hi = _bracket(s, values, card)
-            top = len(values)  # index past the end: "nothing above fails"
-            h = top if hi is None else hi
+            h = len(values) if hi is None else hi  # past the end: "nothing above fails"
             if lo is None or h - lo <= 1:
-                break
-            guess = lo + (h - lo) // 2 if bisect_next else _interpolate(s, values, card, rooms[card], lo, hi)
+                continue
+            guess = lo + (h - lo) // 2 if bisect_next[card] else _interpolate(s, values, card, rooms[card], lo, hi)
             guess = min(max(guess, lo + 1), h - 1)
-            width = h - lo
-            run(guess)
-            lo2, hi2 = _bracket(s, values, card)
-            # Safeguard: when a guess did not halve a closed bracket, bisect once.
-            bisect_next = hi is not None and lo2 is not None and hi2 is not None and (hi2 - lo2) * 2 > width
+            guesses.setdefault(guess, []).append((card, None if hi is None else h - lo))
+            if len(guesses) == width:
+                break
+        if not guesses:
+            break
+        order = sorted(guesses)
+        for i, p in zip(order, probe_many([values[i] for i in order])):
+            s.probes[values[i]] = p
+        for entries in guesses.values():
+            for card, was in entries:
+                lo2, hi2 = _bracket(s, values, card)
+                # Safeguard: when a guess did not halve a closed bracket, bisect once.
+                bisect_next[card] = was is not None and lo2 is not None and hi2 is not None and (hi2 - lo2) * 2 > was
+    for card in cards:
         s.frontiers[card] = _frontier(s, values, card)
     return s
 
