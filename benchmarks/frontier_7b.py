@@ -21,7 +21,7 @@ GRID = ["sweeps=smoke", "model=7b", "seq_len=2048", "precision=bf16", "checkpoin
 
 def _run(verb: str, args: list[str]) -> tuple[float, int]:
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "harness", verb, *args], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "harness", verb, *args], capture_output=True, text=True, check=False)
     return time.perf_counter() - t0, r.returncode
 
 
@@ -42,7 +42,7 @@ def main(overrides: list[str]) -> None:
         best = max(fitting) if fitting else None
         largest = None if pd.isna(f.largest) else int(f.largest)
         agree += largest == best
-        print(f"{f.card:<10} {str(largest):>8} {str(best):>10}")
+        print(f"{f.card:<10} {largest!s:>8} {best!s:>10}")
     print(f"exit codes       plan {rc_plan}, sweep {rc_sweep}")
     print(f"agreement        {agree}/{len(fr)} cards")
     print(f"plan             {int(fr['probes'].iloc[0])} probes of {int(fr['grid_points'].iloc[0])} grid points, "

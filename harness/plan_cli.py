@@ -19,7 +19,12 @@ def main(overrides: list[str]) -> int:
 
     from harness import results
     from harness.cli import _aggregate, to_point
-    from harness.config.compose import compose, expand_grid, parallelism, split_overrides
+    from harness.config.compose import (
+        compose,
+        expand_grid,
+        parallelism,
+        split_overrides,
+    )
     from harness.config.validate import resolve_backend
     from harness.plan.frontier import Planner
 

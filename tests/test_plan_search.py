@@ -32,7 +32,7 @@ def test_frontier_agrees_with_exhaustive_sweep_at_a_fraction_of_the_probes(seed,
     rooms = {f"card{i}": rng.randrange(10, 200) * 2**30 for i in range(6)}
     base, per = rng.randrange(1, 40) * 2**30, rng.randrange(1, 4 * 2**30)
     # Not quite linear (the allocator rounds, segments come in sizes), but still increasing.
-    wobble = lambda v: (v * 7919 % 13) * per // 26  # noqa: E731
+    wobble = lambda v: (v * 7919 % 13) * per // 26
     probe, calls = linear_job(base, per, rooms, wobble)
     values = grid(1, 512, 1)
     rounds = []

@@ -8,8 +8,8 @@ does not fit, have both been probed: every frontier is checked at its boundary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 
 @dataclass

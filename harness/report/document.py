@@ -121,8 +121,8 @@ def _td(cell: str) -> str:
 
 
 def to_html(sections: list[Section], pngs: dict[str, bytes]) -> str:
-    out = [f"<!doctype html><html><head><meta charset=utf-8><title>{html.escape(sections[0].title)}</title>"
-           f"<style>{_CSS}</style></head><body>"]
+    out = [(f"<!doctype html><html><head><meta charset=utf-8><title>{html.escape(sections[0].title)}</title>"
+            f"<style>{_CSS}</style></head><body>")]
     for i, s in enumerate(sections):
         out.append(f"<h{1 if i == 0 else 2}>{html.escape(s.title)}</h{1 if i == 0 else 2}>")
         if s.text:

@@ -6,8 +6,8 @@ import matplotlib
 
 matplotlib.use("Agg")  # no screen: render to files only
 
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import pandas as pd
 
 GIB = 1024**3
 # The breakdown at the peak, in the allocator's order of permanence.
