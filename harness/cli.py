@@ -7,6 +7,7 @@ or missing; 2 usage or config error (nothing was run, nothing already written is
 from __future__ import annotations
 
 import datetime as dt
+import os
 import sys
 from pathlib import Path
 
@@ -36,11 +37,16 @@ exit codes: 0 every point produced a row (OOM rows count); 1 some row is an erro
 missing; 2 usage or config error."""
 
 
-def to_point(cfg, overrides: list[str]) -> dict:
+def to_point(cfg, overrides: list[str], cwd: str | None = None) -> dict:
     point = OmegaConf.to_container(cfg, resolve=True)
     point.pop("hydra", None)
     point["backend"] = resolve_backend(point["backend"])
     point["overrides"] = " ".join(overrides)
+    point["cwd"] = cwd or os.getcwd()  # where the user ran us: their workload module is found from here
+    if point["workload"]["name"] == "custom":
+        from harness.probe.custom import source_sha
+
+        point["workload"]["source_sha"] = source_sha(point["workload"]["target"], point["cwd"])
     return point
 
 
@@ -57,9 +63,11 @@ def main(cfg) -> str:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     overrides = list(hc.overrides.task)
+    if hc.runtime.cwd not in sys.path:  # a user's workload module lives where they ran us
+        sys.path.insert(0, hc.runtime.cwd)
     try:
         validate(cfg)
-        point = to_point(cfg, overrides)
+        point = to_point(cfg, overrides, hc.runtime.cwd)
     except ConfigError as e:  # validated up front; a worker composing differently still leaves a row
         point = OmegaConf.to_container(cfg, resolve=True)
         point.pop("hydra", None)

@@ -18,19 +18,25 @@ COLUMNS = (
     "peak_inactive_split_bytes", "fragmentation_bytes", "fits_cards", "retained_bytes", "retained_holder",
     "num_alloc_retries", "num_ooms", "oom_phase", "oom_step", "oom_module", "oom_tried_bytes", "oom_message",
     "step_time_s", "tokens_per_s", "wall_s", "torch_version", "transformers_version",
-    "harness_version", "trace_path", "trace_reused", "snapshot_path", "reused_from", "overrides",
+    "harness_version", "workload_target", "workload_args",
+    "trace_path", "trace_reused", "snapshot_path", "reused_from", "overrides",
 )
 
 
 def point_identity(point: dict) -> dict:
     """What defines a run: everything that can change its numbers or its status."""
-    return {
+    ident = {
         "model": point["model"], "workload": point["workload"], "batch_size": point["batch_size"],
         "seq_len": point["seq_len"], "precision": point["precision"], "optimizer": point["optimizer"],
         "checkpointing": point["checkpointing"], "allocator_conf": point["allocator"]["conf"],
         "backend": point["backend"], "gpu": point["gpu"]["name"],
         "gpu_memory_bytes": point["gpu"]["memory_bytes"],
     }
+    if point["workload"]["name"] == "custom":  # the user's job is its build function and its keys
+        ident["target"] = point["workload"]["target"]
+        ident["args"] = point["workload"].get("args") or {}
+        ident["source_sha"] = point["workload"].get("source_sha")
+    return ident
 
 
 def run_id(point: dict) -> str:
@@ -54,4 +60,10 @@ def base_record(point: dict) -> dict:
         allocator_conf=point["allocator"]["conf"], harness_version=harness.__version__,
         overrides=point.get("overrides"),
     )
+    if point["workload"]["name"] == "custom":
+        rec["model"] = point["workload"]["target"]  # until the job names itself (Job.name or its class)
+        rec["workload_target"] = point["workload"]["target"]
+        rec["workload_args"] = json.dumps(point["workload"].get("args") or {}, sort_keys=True, default=str)
+        for key, value in (point["workload"].get("args") or {}).items():
+            rec.setdefault(key, value)  # the user's keys become columns (never over ours)
     return rec

@@ -43,10 +43,15 @@ def shape(after_step: list[int], step_peaks: list[int], train: bool) -> tuple[st
     return "plateau", f"the peak is within {rise / 2**30:.2f} GiB of the resting {min(after) / 2**30:.2f} GiB"
 
 
+def trains(rec: dict) -> bool:
+    """A training step: the train preset, or a user's job with an optimizer."""
+    return rec.get("workload") == "train" or (rec.get("workload") == "custom" and bool(rec.get("optimizer")))
+
+
 def static_bytes(rec: dict) -> int:
     """Weights, their gradients and the optimizer state: what a training step holds at rest."""
     params = _num(rec.get("params_bytes"))
-    if rec.get("workload") == "train":
+    if trains(rec):
         return params + params + _num(rec.get("optimizer_bytes"))  # gradients match the weights
     return params
 
@@ -56,7 +61,7 @@ def kind(rec: dict) -> tuple[str, str]:
     room = _num(rec.get("gpu_memory_bytes")) - _num(rec.get("gpu_non_pytorch_bytes"))
     g = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
     after = list(rec.get("step_allocated_bytes") or [])
-    train = rec.get("workload") == "train"
+    train = trains(rec)
     if rec.get("status") not in ("ok", "oom"):
         return "unknown", f"status {rec.get('status')}"
     if train and climbing(after):

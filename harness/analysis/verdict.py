@@ -59,10 +59,14 @@ def _remedy(job, other) -> list[tuple[str, str]]:
     return out
 
 
+def _val(v):
+    return None if isinstance(v, float) and pd.isna(v) else v  # a missing value reads back as NaN
+
+
 def _comparable(job, other) -> bool:
     if other is job or other.get("status") not in ("ok", "oom"):
         return False
-    same = all(other.get(k) == job.get(k) for k in ("model", "workload", "seq_len"))
+    same = all(_val(other.get(k)) == _val(job.get(k)) for k in ("model", "workload", "seq_len", "workload_args"))
     divides = other["batch_size"] <= job["batch_size"] and job["batch_size"] % other["batch_size"] == 0
     # A remedy only removes a mistake or changes a knob; it never introduces a leak.
     no_new_leak = _leak(other) in ("none", _leak(job))

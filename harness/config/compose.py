@@ -130,16 +130,19 @@ def expand_grid(overrides: list[str]) -> list[list[str]]:
     axes: dict[str, list[str]] = {}
     for key, value in params.items():
         axes[key] = _values(parser, f"{key}={value}")
+    spelled = {key: key for key in axes}  # how each point writes the key (`+` adds a new one)
     for text in cli_sweeps:  # a command-line sweep of the same key wins
-        key = text.split("=", 1)[0].lstrip("+~")
+        written = text.split("=", 1)[0]
+        key = written.lstrip("+~")
         axes[key] = _values(parser, text)
+        spelled[key] = written
     for text in plain:  # a plain command-line value pins that axis
         key = text.split("=", 1)[0].lstrip("+~")
         if key in axes:
             axes[key] = [text.split("=", 1)[1]]
     fixed = [t for t in plain if t.split("=", 1)[0].lstrip("+~") not in axes]
     keys = list(axes)
-    return [fixed + [f"{k}={v}" for k, v in zip(keys, combo)]
+    return [fixed + [f"{spelled[k]}={v}" for k, v in zip(keys, combo)]
             for combo in itertools.product(*(axes[k] for k in keys))]
 
 

@@ -11,7 +11,7 @@ PRECISIONS = ("fp32", "bf16", "fp16", "amp_bf16", "amp_fp16")
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused", "forloop")
 BACKENDS = ("auto", "sim", "cuda")
-WORKLOADS = ("train", "infer")
+WORKLOADS = ("train", "infer", "custom")
 LEAKS = ("none", "graph", "cycle")
 
 
@@ -29,6 +29,8 @@ class WorkloadConf:
     steps: int = 3  # train: steps run; the peak is read from step 2 on (step 1 creates optimizer state)
     new_tokens: int = 16  # infer: tokens decoded after the prefill; prompt = seq_len - new_tokens
     leak: str = "none"  # train: none | graph (a loss kept with its graph) | cycle (a reference cycle)
+    target: Optional[str] = None  # custom: the user's build function, 'module:function' (harness.workload)
+    args: dict[str, Any] = field(default_factory=dict)  # custom: the user's own keys, passed to build
 
 
 @dataclass

@@ -29,7 +29,7 @@ def validate(cfg) -> None:
         raise ConfigError("optimizer.impl", "torch.optim.Adafactor has no fused implementation")
     if cfg.optimizer.lr <= 0:
         raise ConfigError("optimizer.lr", f"must be > 0, got {cfg.optimizer.lr}")
-    if cfg.workload.name == "train" and cfg.workload.steps < 2:
+    if cfg.workload.name in ("train", "custom") and cfg.workload.steps < 2:
         raise ConfigError("workload.steps", f"must be >= 2 (the peak is read from step 2 on), got {cfg.workload.steps}")
     if cfg.workload.name == "infer" and not 1 <= cfg.workload.new_tokens < cfg.seq_len:
         raise ConfigError("workload.new_tokens",
@@ -39,8 +39,20 @@ def validate(cfg) -> None:
     if cfg.timeout_s <= 0:
         raise ConfigError("timeout_s", f"must be > 0, got {cfg.timeout_s}")
     alloc_conf.parse(cfg.allocator.conf)
-    _check_model(cfg)
+    if cfg.workload.name == "custom":  # the user's build function is the model
+        _check_target(cfg.workload)
+    else:
+        _check_model(cfg)
     _check_plan(cfg.plan)
+
+
+def _check_target(workload) -> None:
+    if not workload.target:
+        raise ConfigError("workload.target", "workload=custom needs workload.target=module:function "
+                          "(a build function, see harness/workload.py)")
+    from harness.probe.custom import load_target
+
+    load_target(workload.target)
 
 
 def _check_plan(plan) -> None:

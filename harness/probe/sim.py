@@ -50,6 +50,10 @@ def run_point(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tupl
     `fake=False` runs the same steps on real CPU tensors under the same tracker (used to check
     the fake trace against real execution for small models).
     """
+    if point["workload"]["name"] == "custom":
+        from harness.probe.custom import run_custom
+
+        return run_custom(point, emulate_cuda, fake)
     from transformers import AutoModelForCausalLM
 
     from harness.models import hf_config

@@ -66,6 +66,8 @@ class StorageTracker(TorchDispatchMode):
         self.emulate_cublas_workspace = emulate_cublas_workspace
         self._workspaces: set[str] = set()
         self._next_synthetic = -1
+        # A user's step has no phase marks: count what runs inside autograd's engine as backward.
+        self.auto_backward = False
 
     # ---- phases and steps ------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -79,6 +81,11 @@ class StorageTracker(TorchDispatchMode):
     def set_phase(self, phase: str) -> None:
         self.phase = phase
 
+    def _phase(self) -> str:
+        if self.auto_backward and self.phase == "forward" and torch._C._current_graph_task_id() != -1:
+            return "backward"
+        return self.phase
+
     # ---- bookkeeping -----------------------------------------------------------------
     def _record_alloc(self, key: int, nbytes: int, kind: str) -> None:
         alloc = round_request(nbytes)
@@ -87,13 +94,14 @@ class StorageTracker(TorchDispatchMode):
         self.requested += nbytes
         self.kind_bytes[kind] += alloc
         module = self.module_stack[-1] if self.module_stack else ""
-        self.events.append((len(self.events), "alloc", key, nbytes, kind, self.phase, self.step, module))
+        phase = self._phase()
+        self.events.append((len(self.events), "alloc", key, nbytes, kind, phase, self.step, module))
         if self.steps:
             s = self.steps[-1]
             if self.allocated > s.peak_allocated_bytes:
                 s.peak_allocated_bytes = self.allocated
                 s.peak_breakdown = dict(self.kind_bytes)
-                s.peak_phase = self.phase
+                s.peak_phase = phase
                 s.peak_module = module
             s.peak_requested_bytes = max(s.peak_requested_bytes, self.requested)
 
@@ -109,7 +117,7 @@ class StorageTracker(TorchDispatchMode):
     def _record_free(self, key: int) -> None:
         entry = self._forget(key)
         if entry is not None:
-            self.events.append((len(self.events), "free", key, entry[0], entry[2], self.phase, self.step, ""))
+            self.events.append((len(self.events), "free", key, entry[0], entry[2], self._phase(), self.step, ""))
 
     def track(self, t: torch.Tensor, kind: str) -> None:
         """Start tracking a tensor's storage (idempotent); `kind` applies if it is new."""
@@ -148,18 +156,19 @@ class StorageTracker(TorchDispatchMode):
         return entry[1] if entry else 0
 
     def _default_kind(self) -> str:
-        if self.phase in ("forward", "prefill", "decode"):
+        phase = self._phase()
+        if phase in ("forward", "prefill", "decode"):
             return "activation"
-        if self.phase == "setup":
+        if phase == "setup":
             return "parameter"
-        if self.phase == "input":
+        if phase == "input":
             return "input"
         return "temporary"  # backward, optimizer: retagged when they become grads / state
 
     def _workspace(self, func) -> None:
         # One workspace per CPU thread that issues GEMMs: the caller's thread for forward and
         # the autograd engine's device thread for backward (including checkpoint recompute).
-        thread = "backward" if self.phase == "backward" else "forward"
+        thread = "backward" if self._phase() == "backward" else "forward"
         if thread in self._workspaces:
             return
         self._workspaces.add(thread)

@@ -41,7 +41,7 @@ def fits_table(df: pd.DataFrame, fit_long: pd.DataFrame) -> Table:
 def fold_constant(table: Table, columns: int) -> tuple[Table, str]:
     """Move the first `columns` columns that hold one value in every row into a caption."""
     header, rows = table
-    if len(rows) < 2:
+    if not rows:
         return table, ""
     same = [i for i in range(columns) if len({r[i] for r in rows}) == 1 and header[i] != "status"]
     caption = ", ".join(f"{header[i]} {rows[0][i]}" for i in same)

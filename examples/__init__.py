@@ -1,0 +1,1 @@
+"""Example user jobs for `workload=custom` (see harness/workload.py and the README)."""

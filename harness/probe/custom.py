@@ -1,0 +1,196 @@
+"""A user's job (harness.workload) on the virtual GPU: their build function and step under the
+same tracker and CUDA emulations as the presets.
+
+Phases come from the job's own execution: forward until autograd's engine runs (backward), the
+optimizer's step hooks (optimizer); so a user's step needs no instrumentation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
+from torch.utils._pytree import tree_leaves
+
+from harness.analysis.holders import collect_cycles, old_tensors
+from harness.errors import ConfigError
+from harness.probe import cuda_emulation as cu
+from harness.probe.tracker import StorageTracker
+from harness.workload import Job, Knobs, checkpoint_blocks, default_step
+
+_VALUE_READS = (DataDependentOutputException, DynamicOutputShapeException)
+
+
+class UserCodeError(RuntimeError):
+    """The user's code did something the virtual GPU cannot measure; names their file and line."""
+
+
+def load_target(target: str, cwd: str | None = None):
+    """`pkg.module:function` -> the function (ConfigError naming workload.target if it is not one).
+    Modules are found on sys.path and in `cwd` (where the user ran the harness)."""
+    module_name, _, attr = (target or "").partition(":")
+    if not module_name or not attr:
+        raise ConfigError("workload.target", f"'{target}' is not 'module:function' (e.g. my_pkg.memjob:build)")
+    cwd = cwd or os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # an ImportError, or whatever the module raises while importing
+        raise ConfigError("workload.target", f"cannot import {module_name}: {type(e).__name__}: {e}") from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError("workload.target", f"{module_name} has no function '{attr}'")
+    return fn
+
+
+def source_sha(target: str, cwd: str | None = None) -> str | None:
+    """A hash of the target module's file, so that an edited job is traced again, not reused."""
+    import hashlib
+
+    fn = load_target(target, cwd)
+    path = getattr(sys.modules.get(fn.__module__), "__file__", None)
+    return hashlib.sha1(Path(path).read_bytes()).hexdigest()[:12] if path else None
+
+
+def knobs(point: dict) -> Knobs:
+    return Knobs(batch_size=point["batch_size"], seq_len=point["seq_len"], precision=point["precision"],
+                 checkpointing=bool(point["checkpointing"]), args=dict(point["workload"].get("args") or {}))
+
+
+def _user_frame(tb) -> traceback.FrameSummary | None:
+    """The innermost frame of the user's code: not torch, not the harness, not an installed package."""
+    skip = [str(Path(torch.__file__).parent), str(Path(__file__).parents[1]), sys.prefix, sys.base_prefix]
+    frames = [f for f in traceback.extract_tb(tb) if not any(f.filename.startswith(s) for s in skip)]
+    return frames[-1] if frames else None
+
+
+def _explain(e: Exception, where: str) -> UserCodeError:
+    frame = _user_frame(e.__traceback__)
+    at = f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`" if frame else "in the job"
+    op = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return UserCodeError(
+        f"{at} reads tensor values {where} ({op}): the virtual GPU has shapes, not values. Keep value "
+        "reads (.item(), bool(t), if t > 0, .tolist(), nonzero) out of the measured step - log them outside "
+        "the harness's steps, or run this job with backend=cuda")
+
+
+@contextlib.contextmanager
+def _module_conversion_on_fake_tensors():
+    """Let `model.to(dtype)` work on fake parameters, as it does on real ones.
+
+    nn.Module._apply converts FakeTensor parameters with torch.utils.swap_tensors, which refuses a
+    tensor that has a weakref, and FakeTensorMode's own memo keeps weakrefs to the fake tensors it
+    made: `.to(torch.bfloat16)` on a model built under FakeTensorMode raises "Couldn't swap". For
+    fake tensors, move the converted data into the parameter instead (what _apply does for real
+    tensors): the parameter object stays, its storage is the converted one."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    original = torch.utils.swap_tensors
+
+    def swap(t1, t2):
+        if not isinstance(t1, FakeTensor):
+            return original(t1, t2)
+        with torch.no_grad():
+            t1.data = t2.data
+        return None
+
+    torch.utils.swap_tensors = swap
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original
+
+
+def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tuple[dict, StorageTracker]:
+    """Trace the user's job: (measurements, tracker), like sim.run_point."""
+    from harness.probe.sim import _measurements, _retag_state
+
+    build = load_target(point["workload"]["target"], point.get("cwd"))
+    k = knobs(point)
+    autocast_mode = cu.CudaAutocast(k.autocast_dtype) if k.autocast_dtype is not None else None
+    tracker = StorageTracker(emulate_cublas_workspace=emulate_cuda)
+    tracker.auto_backward = True
+    n_steps = point["workload"]["steps"]
+    torch.manual_seed(0)
+    # unpacked_sequences: transformers models read position_ids values (see cuda_emulation)
+    with FakeTensorMode() if fake else contextlib.nullcontext(), cu.unpacked_sequences(), \
+            cu.cuda_kernels() if emulate_cuda else contextlib.nullcontext(), tracker:
+        tracker.set_phase("setup")
+        try:
+            with _module_conversion_on_fake_tensors() if fake else contextlib.nullcontext():
+                job = build(k)
+        except _VALUE_READS as e:
+            raise _explain(e, "while building the job") from e
+        if not isinstance(job, Job):
+            raise UserCodeError(f"{point['workload']['target']} returned {type(job).__name__}, not a harness.workload.Job")
+        for t in tree_leaves(job.batch):
+            if isinstance(t, torch.Tensor):
+                tracker.retag(t, "input")
+        tracker.attach_modules(job.model)
+        if k.checkpointing and job.blocks is not None and checkpoint_blocks(job.model, job.blocks) == 0:
+            raise UserCodeError(f"checkpointing=true but the model has no {job.blocks} module to checkpoint")
+        opt = job.optimizer
+        if opt is not None:
+            _prepare_optimizer(opt, point["optimizer"]["impl"], emulate_cuda)
+            for p in job.model.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "gradient"))
+            host_steps = not any(g.get("fused") for g in opt.param_groups) or not emulate_cuda
+            opt.register_step_pre_hook(lambda *_: tracker.set_phase("optimizer"))
+            # After the optimizer step, whatever the user's step still runs is forward work again.
+            opt.register_step_post_hook(lambda o, *_: (_retag_state(tracker, o, host_steps),
+                                                       tracker.set_phase("forward")))
+        step = default_step(job)
+        for i in range(n_steps):
+            tracker.begin_step(i)
+            tracker.set_phase("forward")
+            try:
+                with cu.autocast_region(autocast_mode):
+                    step()
+            except _VALUE_READS as e:
+                raise _explain(e, "inside the measured step") from e
+            gc.collect()
+            tracker.end_step()
+        after = [s.allocated_after_bytes for s in tracker.steps]
+        holders = old_tensors(tracker, n_steps - 1) if len(after) > 2 and after[-1] > after[1] else []
+        if holders:
+            holders += collect_cycles(tracker)[0]
+        tracker.findings = {"retained_holder": "; ".join(holders) or None}
+        params = list(job.model.parameters())
+        state = opt.state.values() if opt is not None else []
+        state_bytes = sum(tracker.allocated_bytes_of(v) for s in state for v in s.values()
+                          if isinstance(v, torch.Tensor))
+        m = _measurements(tracker, {"name": "train" if opt is not None else "infer"},
+                          sum(p.numel() for p in params), sum(tracker.allocated_bytes_of(p) for p in params),
+                          state_bytes)
+        m["model"] = job.name or type(job.model).__name__
+        m["optimizer"] = type(opt).__name__ if opt is not None else None
+    return m, tracker
+
+
+def _prepare_optimizer(opt, impl: str, emulate_cuda: bool) -> None:
+    """On CUDA, torch.optim picks foreach when the user left it unset; on fake CPU tensors it would
+    take the for-loop (different temporaries). optimizer.impl other than auto overrides the user."""
+    if not emulate_cuda:
+        return
+    kwargs = cu.optimizer_kwargs(impl)
+    for group in opt.param_groups:
+        if impl == "auto":
+            if group.get("foreach") is None and not group.get("fused"):
+                group["foreach"] = True
+        else:
+            group["foreach"] = kwargs.get("foreach", False)
+            if "fused" in group:
+                group["fused"] = kwargs.get("fused", False)

@@ -1,0 +1,109 @@
+"""Bring your own job: the contract between your code and the harness.
+
+Write a build function and point the harness at it:
+
+    python -m harness sweep workload=custom workload.target=my_pkg.memjob:build \\
+        batch_size=8,16 +workload.args.image_size=224,320
+
+    def build(knobs: harness.workload.Knobs) -> harness.workload.Job:
+        model = MyModel().to(knobs.dtype)
+        opt = torch.optim.AdamW(model.parameters())
+        batch = (torch.randn(knobs.batch_size, 3, knobs.args["image_size"], ...), labels)
+        return Job(model, opt, batch, loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+                   blocks=MyBlock)
+
+The harness calls `build` inside its measurement (on the virtual GPU: under FakeTensorMode, so
+nothing is allocated and no arithmetic is done), then runs `workload.steps` steps: your `step`
+if you give one, else forward + `loss` + backward + `optimizer.step()` + `zero_grad`. Inside the
+measured step the code must not read tensor values (`.item()`, `bool(t)`, `if t > 0:`): the virtual
+GPU has none; the harness names the line if it does.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """What the sweep varies, for your build function."""
+    batch_size: int
+    seq_len: int
+    precision: str  # fp32 | bf16 | fp16 | amp_bf16 | amp_fp16
+    checkpointing: bool  # applied per block when Job.blocks names the block class
+    args: dict[str, Any] = field(default_factory=dict)  # your own keys: +workload.args.<key>=...
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype to build the model in (fp32 for the amp_* precisions: master weights)."""
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The autocast dtype for amp_* (the harness enters autocast around your step), else None."""
+        return {"amp_bf16": torch.bfloat16, "amp_fp16": torch.float16}.get(self.precision)
+
+
+@dataclass
+class Job:
+    """Your model, optimizer and batch, and how a step runs.
+
+    `loss(model, batch) -> scalar tensor`, or `step(model, optimizer, batch)` for a whole training
+    step of your own (a plain script's step function as it is). Neither: forward only, as in
+    inference (`model(batch)` under torch.no_grad). `blocks`: the module class to checkpoint one
+    by one when the sweep sets checkpointing=true. `name`: the row's `model` column."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    batch: Any
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None
+    step: Callable[[torch.nn.Module, Any, Any], Any] | None = None
+    blocks: type | tuple[type, ...] | None = None
+    name: str | None = None
+
+
+def checkpoint_blocks(model: torch.nn.Module, block_cls) -> int:
+    """Activation checkpointing (non-reentrant) around every submodule of class `block_cls`;
+    returns how many were wrapped."""
+    from torch.utils.checkpoint import checkpoint
+
+    n = 0
+    for module in model.modules():
+        if isinstance(module, block_cls):
+            module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+            n += 1
+    return n
+
+
+def hf_model(class_name: str, dtype: torch.dtype = torch.float32, **config) -> torch.nn.Module:
+    """A transformers model by class name from its config keyword arguments, without weights:
+    hf_model("LlamaForCausalLM", hidden_size=512, num_hidden_layers=4, ...)."""
+    import transformers
+
+    cls = getattr(transformers, class_name)
+    cfg = cls.config_class(**config)
+    cfg._attn_implementation = "sdpa"
+    return cls(cfg).to(dtype)
+
+
+def default_step(job: Job) -> Callable[[], Any]:
+    """The step the harness runs when the job brings none."""
+    if job.step is not None:
+        return lambda: job.step(job.model, job.optimizer, job.batch)
+    if job.loss is None:
+        def forward_only():
+            with torch.no_grad():
+                return job.model(job.batch)
+        return forward_only
+
+    def train_step():
+        loss = job.loss(job.model, job.batch)
+        loss.backward()
+        del loss
+        if job.optimizer is not None:
+            job.optimizer.step()
+            job.optimizer.zero_grad(set_to_none=True)
+    return train_step

@@ -1,0 +1,2 @@
+def build(k):
+    return {"model": None}

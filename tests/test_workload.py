@@ -1,0 +1,109 @@
+"""Your own job (harness.workload): the examples measured on the virtual GPU equal the same steps
+on real CPU tensors; value reads in the step are refused with the user's line; sweeps of user jobs."""
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from harness.probe.custom import UserCodeError
+from harness.probe.sim import run_point
+from tests.conftest import REPO, run_cli, train_point
+
+
+def custom_point(target: str, args: dict | None = None, **kw) -> dict:
+    point = train_point(**kw)
+    point["workload"] = dict(name="custom", steps=3, target=target, args=args or {}, leak="none", new_tokens=16)
+    point["cwd"] = str(REPO)
+    return point
+
+
+SMALL = {
+    "examples.gpt:build": {"layers": 2, "d_model": 64, "vocab": 512},
+    "examples.resnet:build": {"image_size": 32},
+    "examples.leaky:build": {"width": 64},
+    "tests.jobs.hf_llama:build": {},
+}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("target", list(SMALL))
+def test_a_user_job_on_the_virtual_gpu_equals_its_steps_on_real_cpu_tensors(target, checkpointing):
+    point = custom_point(target, SMALL[target], batch_size=2, seq_len=64, precision="bf16",
+                         checkpointing=checkpointing)
+    fake, _ = run_point(point, emulate_cuda=False, fake=True)
+    real, _ = run_point(point, emulate_cuda=False, fake=False)
+    assert fake["peak_allocated_bytes"] == real["peak_allocated_bytes"] > 0
+    assert fake["step_allocated_bytes"] == real["step_allocated_bytes"]
+    assert fake["step_peak_bytes"] == real["step_peak_bytes"]
+    assert fake["peak_breakdown"] == real["peak_breakdown"]
+    assert fake["peak_phase"] in ("forward", "backward", "optimizer")
+
+
+def test_checkpointing_the_named_blocks_lowers_the_peak():
+    args = {"layers": 4, "d_model": 128, "vocab": 512}
+    plain, _ = run_point(custom_point("examples.gpt:build", args, batch_size=4, seq_len=256))
+    ckpt, _ = run_point(custom_point("examples.gpt:build", args, batch_size=4, seq_len=256, checkpointing=True))
+    assert ckpt["activations_bytes"] < plain["activations_bytes"]
+
+
+def test_the_cuda_emulations_apply_to_a_users_optimizer():
+    # torch.optim picks foreach on CUDA when the user leaves it unset: its temporaries show.
+    point = custom_point("examples.gpt:build", {"layers": 2, "d_model": 128, "vocab": 512}, batch_size=1, seq_len=32)
+    on_cuda, _ = run_point(point, emulate_cuda=True)
+    point["optimizer"]["impl"] = "forloop"
+    forloop, _ = run_point(point, emulate_cuda=True)
+    assert on_cuda["peak_allocated_bytes"] > forloop["peak_allocated_bytes"]
+
+
+def test_the_leaky_example_is_retained_and_names_its_holder():
+    m, _ = run_point(custom_point("examples.leaky:build", {"width": 128}, batch_size=4, seq_len=64, steps=4))
+    after = m["step_allocated_bytes"]
+    assert all(b > a for a, b in zip(after[1:], after[2:]))
+    assert m["retained_bytes"] > 0 and "a list holding Tensor()(grad_fn=MeanBackward0)" in m["retained_holder"]
+
+
+@pytest.mark.parametrize("target,line", [("tests.jobs.item_in_step:build", "losses.append(loss.item())"),
+                                         ("tests.jobs.branch_in_step:build", "if out.mean() > 0:")])
+def test_reading_values_in_the_step_names_the_users_file_and_line(target, line):
+    with pytest.raises(UserCodeError) as e:
+        run_point(custom_point(target))
+    module = REPO / "tests" / "jobs" / f"{target.split('.')[2].split(':')[0]}.py"
+    lineno = module.read_text().splitlines().index(next(s for s in module.read_text().splitlines() if line in s)) + 1
+    assert f"{module}:{lineno}: `{line}" in str(e.value)
+    assert "out of the measured step" in str(e.value)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["workload=custom"], "workload.target: workload=custom needs workload.target=module:function"),
+    (["workload=custom", "workload.target=nope.nothing:build"], "workload.target: cannot import nope.nothing"),
+    (["workload=custom", "workload.target=examples.gpt"], "workload.target: 'examples.gpt' is not 'module:function'"),
+    (["workload=custom", "workload.target=examples.gpt:nothing"], "workload.target: examples.gpt has no function 'nothing'"),
+])
+def test_a_bad_target_is_a_one_line_config_error(args, message, tmp_path):
+    r = run_cli("run", *args, f"results_dir={tmp_path}")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == f"harness: error: {message}" or message in r.stderr
+
+
+@pytest.mark.slow
+def test_a_sweep_of_a_user_job_has_its_keys_as_columns_and_the_usual_outputs(tmp_path):
+    r = run_cli("sweep", "sweeps=smoke", "workload=custom", "workload.target=examples.resnet:build",
+                "batch_size=4", "seq_len=32", "+workload.args.image_size=32,48", f"results_dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    [sweep_dir] = list((tmp_path / "smoke").iterdir())
+    df = pd.read_parquet(sweep_dir / "results.parquet")
+    assert sorted(df["image_size"]) == [32, 48]
+    assert set(df["model"]) == {"resnet-32px", "resnet-48px"} and set(df["workload"]) == {"custom"}
+    assert df["run_id"].nunique() == 2 and (df["status"] == "ok").all()
+    assert set(df["kind"]) == {"fits"} and (df["peak_reserved_bytes"] > df["peak_allocated_bytes"] * 0.9).all()
+    assert (sweep_dir / "report.html").exists()
+
+
+@pytest.mark.slow
+def test_a_value_read_in_a_users_step_is_an_error_row_with_the_line(tmp_path):
+    r = run_cli("run", "workload=custom", "workload.target=tests.jobs.item_in_step:build", f"results_dir={tmp_path}")
+    assert r.returncode == 1
+    [result] = list(Path(tmp_path).glob("runs/*/runs/*/result.json")) or list(Path(tmp_path).glob("runs/*/result.json"))
+    row = pd.read_json(result, typ="series")
+    assert row["status"] == "error" and "item_in_step.py:13" in row["error"]
