@@ -13,7 +13,8 @@ from tests.conftest import REPO, run_cli, train_point
 
 def custom_point(target: str, args: dict | None = None, **kw) -> dict:
     point = train_point(**kw)
-    point["workload"] = dict(name="custom", steps=3, target=target, args=args or {}, leak="none", new_tokens=16)
+    point["workload"] = {"name": "custom", "steps": 3, "target": target, "args": args or {}, "leak": "none",
+                         "new_tokens": 16}
     point["cwd"] = str(REPO)
     return point
 
