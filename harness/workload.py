@@ -16,7 +16,9 @@ The harness calls `build` inside its measurement (on the virtual GPU: under Fake
 nothing is allocated and no arithmetic is done), then runs `workload.steps` steps: your `step`
 if you give one, else forward + `loss` + backward + `optimizer.step()` + `zero_grad`. Inside the
 measured step the code must not read tensor values (`.item()`, `bool(t)`, `if t > 0:`): the virtual
-GPU has none; the harness names the line if it does.
+GPU has none; the harness names the line if it does. Code written for a GPU runs as it is: on the
+virtual GPU, "cuda" devices, `.cuda()`, `torch.autocast("cuda")` and `torch.cuda.synchronize()`
+are mapped onto the trace (harness/probe/cuda_script.py).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class Knobs:
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
-        """The autocast dtype for amp_* (the harness enters autocast around your step), else None."""
+        """The autocast dtype for amp_* (the harness enters CUDA autocast around forward + loss, or
+        around your whole step), else None."""
         return {"amp_bf16": torch.bfloat16, "amp_fp16": torch.float16}.get(self.precision)
 
 
@@ -88,23 +91,3 @@ def hf_model(class_name: str, dtype: torch.dtype = torch.float32, **config) -> t
     cfg = cls.config_class(**config)
     cfg._attn_implementation = "sdpa"
     return cls(cfg).to(dtype)
-
-
-def default_step(job: Job) -> Callable[[], Any]:
-    """The step the harness runs when the job brings none."""
-    if job.step is not None:
-        return lambda: job.step(job.model, job.optimizer, job.batch)
-    if job.loss is None:
-        def forward_only():
-            with torch.no_grad():
-                return job.model(job.batch)
-        return forward_only
-
-    def train_step():
-        loss = job.loss(job.model, job.batch)
-        loss.backward()
-        del loss
-        if job.optimizer is not None:
-            job.optimizer.step()
-            job.optimizer.zero_grad(set_to_none=True)
-    return train_step

@@ -24,6 +24,7 @@ SMALL = {
     "examples.resnet:build": {"image_size": 32},
     "examples.leaky:build": {"width": 64},
     "tests.jobs.hf_llama:build": {},
+    "tests.jobs.vit_init:build": {},  # torch.nn.init.trunc_normal_ reads values in torch 2.13
 }
 
 
@@ -108,3 +109,21 @@ def test_a_value_read_in_a_users_step_is_an_error_row_with_the_line(tmp_path):
     [result] = list(Path(tmp_path).glob("runs/*/runs/*/result.json")) or list(Path(tmp_path).glob("runs/*/result.json"))
     row = pd.read_json(result, typ="series")
     assert row["status"] == "error" and "item_in_step.py:13" in row["error"]
+
+
+def test_a_script_written_for_a_gpu_runs_as_it_is_on_the_virtual_gpu():
+    # device="cuda", .cuda(), .to(device), torch.autocast("cuda", bf16), torch.cuda.synchronize()
+    point = custom_point("tests.jobs.cuda_script:build", batch_size=2, seq_len=64, precision="fp32")
+    fake, _ = run_point(point, emulate_cuda=False, fake=True)
+    real, _ = run_point(point, emulate_cuda=False, fake=False)
+    assert fake["peak_allocated_bytes"] == real["peak_allocated_bytes"]
+    assert fake["step_allocated_bytes"] == real["step_allocated_bytes"]
+    # Its own autocast took effect: bf16 activations, below the same job without autocast.
+    plain, _ = run_point(custom_point("tests.jobs.cuda_script:build_portable", batch_size=2, seq_len=64,
+                                      precision="fp32"), emulate_cuda=False)
+    assert fake["activations_bytes"] < plain["activations_bytes"]
+    # And equals the same script with those habits removed by hand, event for event.
+    ref, tr = run_point(custom_point("tests.jobs.cuda_script:build_reference", batch_size=2, seq_len=64,
+                                     precision="fp32"), emulate_cuda=False)
+    assert fake["peak_allocated_bytes"] == ref["peak_allocated_bytes"]
+    assert fake["step_peak_bytes"] == ref["step_peak_bytes"]

@@ -4,6 +4,7 @@ value that fits, each probe a real point of the sweep (a row under runs/, like a
 from __future__ import annotations
 
 import itertools
+import json
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -189,9 +190,13 @@ def _step(values: list[int]) -> int:
 
 
 def _group_columns(cfg, axis: str) -> dict:
-    cols = {"model": cfg.model.name, "workload": cfg.workload.name, "precision": cfg.precision,
+    custom = cfg.workload.name == "custom"  # a user's job: named by its build function
+    cols = {"model": cfg.workload.target if custom else cfg.model.name, "workload": cfg.workload.name,
+            "precision": cfg.precision,
             "checkpointing": bool(cfg.checkpointing), "optimizer": cfg.optimizer.name,
             "allocator_conf": cfg.allocator.conf, "leak": cfg.workload.leak, "axis": axis,
             "batch_size": cfg.batch_size if axis != "batch_size" else None,
             "seq_len": cfg.seq_len if axis != "seq_len" else None, "margin": float(cfg.plan.margin)}
+    if custom:
+        cols["workload_args"] = json.dumps(dict(cfg.workload.args or {}), sort_keys=True, default=str)
     return cols

@@ -154,7 +154,8 @@ def _respect_autocast_disabled(mode: CudaAutocast):
     orig_enter, orig_exit = cls.__enter__, cls.__exit__
 
     def enter(self):
-        self._harness_off = not self._enabled
+        # A user's torch.autocast("cuda") is the emulation itself (cuda_script), not a disabling.
+        self._harness_off = not self._enabled and not getattr(self, "_harness_cuda", False)
         if self._harness_off:
             mode._disabled += 1
         return orig_enter(self)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import math
 import os
 import sys
 import traceback
@@ -26,8 +27,9 @@ from torch.utils._pytree import tree_leaves
 from harness.analysis.holders import collect_cycles, old_tensors
 from harness.errors import ConfigError
 from harness.probe import cuda_emulation as cu
+from harness.probe.cuda_script import cuda_script_on_cpu
 from harness.probe.tracker import StorageTracker
-from harness.workload import Job, Knobs, checkpoint_blocks, default_step
+from harness.workload import Job, Knobs, checkpoint_blocks
 
 _VALUE_READS = (DataDependentOutputException, DynamicOutputShapeException)
 
@@ -113,6 +115,30 @@ def _module_conversion_on_fake_tensors():
         torch.utils.swap_tensors = original
 
 
+@contextlib.contextmanager
+def _shape_only_init():
+    """Initialisers that read values, replaced by ones that don't: an initial value never changes
+    memory. torch's trunc_normal_ resamples until `mask.any()` is false (a value read: it raises
+    under fake tensors); the classic in-place version (uniform_, erfinv_, clamp_) allocates nothing."""
+    original = torch.nn.init.trunc_normal_
+
+    def trunc_normal_(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):
+        def cdf(x):
+            return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
+
+        with torch.no_grad():
+            lo, hi = cdf((a - mean) / std), cdf((b - mean) / std)
+            tensor.uniform_(2 * lo - 1, 2 * hi - 1, generator=generator)
+            tensor.erfinv_().mul_(std * math.sqrt(2.0)).add_(mean).clamp_(min=a, max=b)
+        return tensor
+
+    torch.nn.init.trunc_normal_ = trunc_normal_
+    try:
+        yield
+    finally:
+        torch.nn.init.trunc_normal_ = original
+
+
 def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tuple[dict, StorageTracker]:
     """Trace the user's job: (measurements, tracker), like sim.run_point."""
     from harness.probe.sim import _measurements, _retag_state
@@ -124,12 +150,13 @@ def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tup
     tracker.auto_backward = True
     n_steps = point["workload"]["steps"]
     torch.manual_seed(0)
-    # unpacked_sequences: transformers models read position_ids values (see cuda_emulation)
+    # unpacked_sequences: transformers models read position_ids values (see cuda_emulation);
+    # cuda_script_on_cpu: a script's "cuda" devices, autocast and synchronize, on the trace's CPU.
     with FakeTensorMode() if fake else contextlib.nullcontext(), cu.unpacked_sequences(), \
-            cu.cuda_kernels() if emulate_cuda else contextlib.nullcontext(), tracker:
+            cu.cuda_kernels() if emulate_cuda else contextlib.nullcontext(), cuda_script_on_cpu(), tracker:
         tracker.set_phase("setup")
         try:
-            with _module_conversion_on_fake_tensors() if fake else contextlib.nullcontext():
+            with _module_conversion_on_fake_tensors() if fake else contextlib.nullcontext(), _shape_only_init():
                 job = build(k)
         except _VALUE_READS as e:
             raise _explain(e, "while building the job") from e
@@ -152,13 +179,12 @@ def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tup
             # After the optimizer step, whatever the user's step still runs is forward work again.
             opt.register_step_post_hook(lambda o, *_: (_retag_state(tracker, o, host_steps),
                                                        tracker.set_phase("forward")))
-        step = default_step(job)
+        step = _step(job, autocast_mode)
         for i in range(n_steps):
             tracker.begin_step(i)
             tracker.set_phase("forward")
             try:
-                with cu.autocast_region(autocast_mode):
-                    step()
+                step()
             except _VALUE_READS as e:
                 raise _explain(e, "inside the measured step") from e
             gc.collect()
@@ -178,6 +204,33 @@ def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tup
         m["model"] = job.name or type(job.model).__name__
         m["optimizer"] = type(opt).__name__ if opt is not None else None
     return m, tracker
+
+
+def _step(job: Job, autocast_mode):
+    """One step of the job. For amp_* precisions autocast covers the forward and the loss, as
+    training code writes it (`with autocast(): loss = ...` then `loss.backward()`); around a step of
+    the user's own it covers the whole step (better: the step enters torch.autocast("cuda") itself)."""
+    region = lambda: cu.autocast_region(autocast_mode)  # noqa: E731
+    if job.step is not None:
+        def own():
+            with region():
+                job.step(job.model, job.optimizer, job.batch)
+        return own
+    if job.loss is None:
+        def forward_only():
+            with torch.no_grad(), region():
+                job.model(job.batch)
+        return forward_only
+
+    def train():
+        with region():
+            loss = job.loss(job.model, job.batch)
+        loss.backward()
+        del loss
+        if job.optimizer is not None:
+            job.optimizer.step()
+            job.optimizer.zero_grad(set_to_none=True)
+    return train
 
 
 def _prepare_optimizer(opt, impl: str, emulate_cuda: bool) -> None:
