@@ -4,6 +4,7 @@ torch.autocast("cuda"), torch.cuda.synchronize(). The build function is the only
 import torch
 import torch.nn.functional as F
 
+from examples import gpt
 from examples.gpt import GPT, Block
 from harness.workload import Job, Knobs
 
@@ -35,16 +36,8 @@ def build_portable(k: Knobs) -> Job:
     model = GPT(512, 64, 2, 4, context=k.seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     x = torch.randint(0, 512, (k.batch_size, k.seq_len))
-
-    def step(model, optimizer, batch):
-        x, y = batch
-        logits = model(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return Job(model, optimizer, (x, torch.randint(0, 512, (k.batch_size, k.seq_len))), step=step, blocks=Block)
+    return Job(model, optimizer, (x, torch.randint(0, 512, (k.batch_size, k.seq_len))), step=gpt.train_step,
+               blocks=Block)
 
 
 def build_reference(k: Knobs) -> Job:
