@@ -159,3 +159,15 @@ def test_a_serving_plan_puts_the_harness_beside_vllms_arithmetic(tmp_path):
                               if json.loads(p.read_text())["run_id"] == row["profile_run_id"]).read_text())
     assert profile["batch_size"] == 1 and profile["seq_len"] == 2048
     assert "Serving" in (plan_dir / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_sequence_frontier_searches_multiples_of_the_step(tmp_path):
+    r = run_cli("plan", "sweeps=smoke", "batch_size=2", "plan.axis=seq_len", "plan.cards=[t4,l4]",
+                "plan.margin=0.96", f"results_dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    fr = pd.read_parquet(_only_dir(tmp_path) / "frontier.parquet").set_index("card")
+    assert fr.loc["t4", "largest"] % 128 == 0 and fr.loc["t4", "first_oom"] == fr.loc["t4", "largest"] + 128
+    assert fr.loc["l4", "largest"] > fr.loc["t4", "largest"] and fr.loc["t4", "lo"] == 128
+    rows = pd.read_parquet(_only_dir(tmp_path) / "results.parquet")
+    assert (rows["seq_len"] % 128 == 0).all() and (rows["batch_size"] == 2).all()

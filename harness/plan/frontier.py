@@ -42,7 +42,8 @@ def axis_values(cfg) -> list[int]:
         from harness.models import hf_config, max_positions
 
         hi = max_positions(hf_config(cfg.model)) or 32768
-    values = search.grid(plan.lo, hi, step)
+    first = -(-plan.lo // step) * step if step > 1 else plan.lo  # multiples of the step: 128, 256, ...
+    values = search.grid(first, hi, step)
     if not values:
         raise ConfigError("plan.hi", f"no value between plan.lo={plan.lo} and plan.hi={hi}")
     return values
