@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 from harness.probe.custom import UserCodeError
 from harness.probe.sim import run_point
@@ -123,7 +124,22 @@ def test_a_script_written_for_a_gpu_runs_as_it_is_on_the_virtual_gpu():
                                       precision="fp32"), emulate_cuda=False)
     assert fake["activations_bytes"] < plain["activations_bytes"]
     # And equals the same script with those habits removed by hand, event for event.
-    ref, tr = run_point(custom_point("tests.jobs.cuda_script:build_reference", batch_size=2, seq_len=64,
+    ref, _ = run_point(custom_point("tests.jobs.cuda_script:build_reference", batch_size=2, seq_len=64,
                                      precision="fp32"), emulate_cuda=False)
     assert fake["peak_allocated_bytes"] == ref["peak_allocated_bytes"]
     assert fake["step_peak_bytes"] == ref["step_peak_bytes"]
+
+
+def test_a_scripts_autocast_regions_nest_as_on_cuda():
+    from harness.probe.cuda_script import script_autocast
+
+    a = torch.randn(4, 4)
+    with script_autocast():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert (a @ a).dtype == torch.bfloat16
+            with torch.autocast("cuda", enabled=False):
+                assert (a @ a).dtype == torch.float32
+            assert (a @ a).dtype == torch.bfloat16
+        assert (a @ a).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # untouched once the script is done
+        assert (a @ a).dtype == torch.bfloat16

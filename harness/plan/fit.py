@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pandas as pd
 
 from harness import catalog
@@ -47,13 +49,20 @@ def fits(row: dict, card: dict, margin: float = 0.0) -> bool | None:
     return _fits_by_trace(row, c)
 
 
+@functools.lru_cache(maxsize=4)
+def _trace_rows(path: str) -> list[tuple]:
+    """A run's trace as replay rows, read once for all the cards a probe is checked against."""
+    from harness.probe import trace_store
+
+    return trace_store.replay_rows(pd.read_parquet(path))
+
+
 def _replay(row: dict, card: dict):
     from harness.allocator.settings import AllocSettings
-    from harness.probe import reserved, trace_store
+    from harness.probe import reserved
 
-    df = pd.read_parquet(row["trace_path"])
     settings = AllocSettings.from_conf(row.get("allocator_conf") or "")
-    return reserved.replay_on(trace_store.replay_rows(df), settings, card)
+    return reserved.replay_on(_trace_rows(str(row["trace_path"])), settings, card)
 
 
 def _fits_by_trace(row: dict, card: dict) -> bool:
@@ -81,9 +90,9 @@ def headroom_bytes(row: dict, card: dict, margin: float = 0.0) -> int | None:
     return None if _missing(peak) else room(card, margin) - int(peak)
 
 
-def fit_table(df: pd.DataFrame, margin: float = 0.0, cards: list[dict] | None = None) -> pd.DataFrame:
+def fit_table(df: pd.DataFrame, margin: float = 0.0) -> pd.DataFrame:
     """One row per (run, card): fits, headroom in bytes and as a share of the card's memory."""
-    cards = cards or catalog.cards()
+    cards = catalog.cards()
     out = []
     for row in df.to_dict("records"):
         for card in cards:

@@ -23,7 +23,6 @@ DEFAULT_STEP = {"batch_size": 1, "seq_len": 128}
 class ProbeFailed(RuntimeError):
     def __init__(self, row: dict):
         super().__init__(f"probe {row.get('run_id')} ({row.get('status')}): {row.get('error')}")
-        self.row = row
 
 
 @dataclass

@@ -154,8 +154,7 @@ def _respect_autocast_disabled(mode: CudaAutocast):
     orig_enter, orig_exit = cls.__enter__, cls.__exit__
 
     def enter(self):
-        # A user's torch.autocast("cuda") is the emulation itself (cuda_script), not a disabling.
-        self._harness_off = not self._enabled and not getattr(self, "_harness_cuda", False)
+        self._harness_off = not self._enabled
         if self._harness_off:
             mode._disabled += 1
         return orig_enter(self)

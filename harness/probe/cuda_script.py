@@ -46,33 +46,25 @@ class CudaDevicesOnCpu(TorchFunctionMode):
 
 @contextlib.contextmanager
 def script_autocast():
-    """`torch.autocast("cuda", ...)` in the user's code enters the CUDA autocast emulation
-    (the real one would disable itself: no CUDA here); `enabled=False` pauses an active one."""
+    """`torch.autocast("cuda", ...)` in the user's code enters the CUDA autocast emulation (the real
+    one would disable itself: no CUDA here). Its `enabled` flag is kept, so an `enabled=False` region
+    pauses the emulation as cuda_emulation's autocast regions already arrange."""
     cls = torch.amp.autocast_mode.autocast
     orig_init, orig_enter, orig_exit = cls.__init__, cls.__enter__, cls.__exit__
-    active: list[cu.CudaAutocast] = []
 
     def init(self, device_type, dtype=None, enabled=True, cache_enabled=None):
         self._harness_cuda = device_type == "cuda"
         if not self._harness_cuda:
             return orig_init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
-        self._harness_enabled, self._harness_dtype = enabled, dtype or torch.float16
-        self._enabled, self.device, self.fast_dtype = False, "cuda", self._harness_dtype
+        self._enabled, self.device, self.fast_dtype = enabled, "cuda", dtype or torch.float16
         return None
 
     def enter(self):
         if not getattr(self, "_harness_cuda", False):
             return orig_enter(self)
         self._harness_stack = contextlib.ExitStack()
-        if self._harness_enabled:
-            mode = cu.CudaAutocast(self._harness_dtype)
-            active.append(mode)
-            self._harness_stack.callback(active.pop)
-            self._harness_stack.enter_context(cu.autocast_region(mode))
-        else:
-            for mode in active:
-                mode._disabled += 1
-                self._harness_stack.callback(lambda m=mode: setattr(m, "_disabled", m._disabled - 1))
+        if self._enabled:
+            self._harness_stack.enter_context(cu.autocast_region(cu.CudaAutocast(self.fast_dtype)))
         return self
 
     def exit(self, *exc):

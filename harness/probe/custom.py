@@ -24,7 +24,6 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._pytree import tree_leaves
 
-from harness.analysis.holders import collect_cycles, old_tensors
 from harness.errors import ConfigError
 from harness.probe import cuda_emulation as cu
 from harness.probe.cuda_script import cuda_script_on_cpu
@@ -141,7 +140,12 @@ def _shape_only_init():
 
 def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tuple[dict, StorageTracker]:
     """Trace the user's job: (measurements, tracker), like sim.run_point."""
-    from harness.probe.sim import _measurements, _retag_state
+    from harness.probe.sim import (
+        _measurements,
+        find_holders,
+        optimizer_state_bytes,
+        watch_training,
+    )
 
     build = load_target(point["workload"]["target"], point.get("cwd"))
     k = knobs(point)
@@ -171,14 +175,11 @@ def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tup
         opt = job.optimizer
         if opt is not None:
             _prepare_optimizer(opt, point["optimizer"]["impl"], emulate_cuda)
-            for p in job.model.parameters():
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "gradient"))
             host_steps = not any(g.get("fused") for g in opt.param_groups) or not emulate_cuda
+            watch_training(tracker, job.model, opt, host_steps)
             opt.register_step_pre_hook(lambda *_: tracker.set_phase("optimizer"))
             # After the optimizer step, whatever the user's step still runs is forward work again.
-            opt.register_step_post_hook(lambda o, *_: (_retag_state(tracker, o, host_steps),
-                                                       tracker.set_phase("forward")))
+            opt.register_step_post_hook(lambda *_: tracker.set_phase("forward"))
         step = _step(job, autocast_mode)
         for i in range(n_steps):
             tracker.begin_step(i)
@@ -189,18 +190,11 @@ def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tup
                 raise _explain(e, "inside the measured step") from e
             gc.collect()
             tracker.end_step()
-        after = [s.allocated_after_bytes for s in tracker.steps]
-        holders = old_tensors(tracker, n_steps - 1) if len(after) > 2 and after[-1] > after[1] else []
-        if holders:
-            holders += collect_cycles(tracker)[0]
-        tracker.findings = {"retained_holder": "; ".join(holders) or None}
+        tracker.findings = {"retained_holder": find_holders(tracker, n_steps)}
         params = list(job.model.parameters())
-        state = opt.state.values() if opt is not None else []
-        state_bytes = sum(tracker.allocated_bytes_of(v) for s in state for v in s.values()
-                          if isinstance(v, torch.Tensor))
         m = _measurements(tracker, {"name": "train" if opt is not None else "infer"},
                           sum(p.numel() for p in params), sum(tracker.allocated_bytes_of(p) for p in params),
-                          state_bytes)
+                          optimizer_state_bytes(tracker, opt) if opt is not None else 0)
         m["model"] = job.name or type(job.model).__name__
         m["optimizer"] = type(opt).__name__ if opt is not None else None
     return m, tracker
@@ -210,7 +204,7 @@ def _step(job: Job, autocast_mode):
     """One step of the job. For amp_* precisions autocast covers the forward and the loss, as
     training code writes it (`with autocast(): loss = ...` then `loss.backward()`); around a step of
     the user's own it covers the whole step (better: the step enters torch.autocast("cuda") itself)."""
-    region = lambda: cu.autocast_region(autocast_mode)  # noqa: E731
+    region = lambda: cu.autocast_region(autocast_mode)
     if job.step is not None:
         def own():
             with region():

@@ -96,30 +96,44 @@ def _trace_train(point, model, input_ids, tracker, autocast_mode, emulate_cuda) 
     opt = point["optimizer"]
     opt_kwargs = cu.optimizer_kwargs(opt["impl"]) if emulate_cuda else {}
     optimizer = steps.build_optimizer(opt["name"], model.parameters(), opt_kwargs, opt["lr"])
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "gradient"))
     host_steps = opt["impl"] != "fused" or not emulate_cuda
-    optimizer.register_step_post_hook(lambda o, *_: _retag_state(tracker, o, host_steps))
+    watch_training(tracker, model, optimizer, host_steps)
     leak = point["workload"].get("leak", "none")
     n_steps = point["workload"]["steps"]
     if leak == "cycle":
         gc.disable()  # the cycle lives until the GC gets round to it; here, not during the steps
-    holders: list[str] = []
     try:
         kept = steps.train(model, optimizer, input_ids, n_steps, _Hooks(tracker, collect=leak != "cycle"),
                            autocast_mode, leak)
-        # Looking for holders walks every Python object (about 1 s at 7B): only when something
-        # outlived its step (the same test as the record's retained_bytes).
-        after = [s.allocated_after_bytes for s in tracker.steps]
-        retained = len(after) > 2 and after[-1] > after[1]
-        if retained:
-            holders = old_tensors(tracker, n_steps - 1)
+        tracker.findings = {"retained_holder": find_holders(tracker, n_steps)}
         del kept
     finally:
         gc.enable()
-    if retained:
-        holders += collect_cycles(tracker)[0]
-    tracker.findings = {"retained_holder": "; ".join(holders) or None}
+    return optimizer_state_bytes(tracker, optimizer)
+
+
+def watch_training(tracker: StorageTracker, model, optimizer, host_steps: bool) -> None:
+    """Tag gradients as they land and optimizer state after each step (`host_steps`: step counts
+    stay on the host, as torch.optim keeps them on CUDA unless fused)."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "gradient"))
+    optimizer.register_step_post_hook(lambda o, *_: _retag_state(tracker, o, host_steps))
+
+
+def find_holders(tracker: StorageTracker, n_steps: int) -> str | None:
+    """What keeps memory that outlived its step: Python containers holding old steps' tensors, and
+    reference cycles (call while the loop's leftovers are still alive). Looking walks every Python
+    object (about 1 s at 7B), so only when something outlived its step - the same test as the
+    record's retained_bytes."""
+    after = [s.allocated_after_bytes for s in tracker.steps]
+    if not (len(after) > 2 and after[-1] > after[1]):
+        return None
+    holders = old_tensors(tracker, n_steps - 1) + collect_cycles(tracker)[0]
+    return "; ".join(holders) or None
+
+
+def optimizer_state_bytes(tracker: StorageTracker, optimizer) -> int:
     return sum(tracker.allocated_bytes_of(v) for state in optimizer.state.values()
                for v in state.values() if isinstance(v, torch.Tensor))
 

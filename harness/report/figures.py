@@ -9,6 +9,8 @@ matplotlib.use("Agg")  # no screen: render to files only
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from harness.report.tables import group_label
+
 GIB = 1024**3
 # The breakdown at the peak, in the allocator's order of permanence.
 PARTS = [("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer state"),
@@ -153,9 +155,7 @@ def frontiers(fr: pd.DataFrame) -> plt.Figure | None:
     ok = fr[(fr["status"] == "ok")] if fr is not None and not fr.empty else None
     if ok is None or ok.empty:
         return None
-    ok = ok.assign(_group=ok.apply(lambda r: f"{r.model} {r.workload} {_variant(r)}"
-                                   + (f", seq {int(r.seq_len)}" if r.axis == "batch_size" else f", batch {int(r.batch_size)}"),
-                                   axis=1))
+    ok = ok.assign(_group=ok.apply(group_label, axis=1))
     cards = list(dict.fromkeys(ok.sort_values("card_memory_bytes")["card"]))
     groups = list(dict.fromkeys(ok["_group"]))
     fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(cards) + 2), 4.5))

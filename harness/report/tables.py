@@ -55,8 +55,9 @@ def verdict_table(judged: pd.DataFrame) -> Table:
                     for r in judged.itertuples(index=False)]
 
 
-def _group(r) -> str:
-    fixed = f"seq {r.seq_len}" if r.axis == "batch_size" else f"batch {r.batch_size}"
+def group_label(r) -> str:
+    """A plan group in words: what is fixed while its axis is searched."""
+    fixed = f"seq {int(r.seq_len)}" if r.axis == "batch_size" else f"batch {int(r.batch_size)}"
     alloc = f", {r.allocator_conf}" if r.allocator_conf else ""
     return f"{r.model} {r.workload} {r.precision}{' ckpt' if r.checkpointing else ''}, {fixed}{alloc}"
 
@@ -68,9 +69,9 @@ def frontier_table(fr: pd.DataFrame) -> Table:
     rows, failed = [], set()
     for r in fr.itertuples(index=False):
         if r.status != "ok":  # one line per group: the search stopped at a probe that failed
-            if _group(r) not in failed:
-                failed.add(_group(r))
-                rows.append([_group(r), r.axis, f"{r.margin:.0%}", "all", "error", "-", "-", "-", "-", "-"])
+            if group_label(r) not in failed:
+                failed.add(group_label(r))
+                rows.append([group_label(r), r.axis, f"{r.margin:.0%}", "all", "error", "-", "-", "-", "-", "-"])
             continue
         largest = "none" if pd.isna(r.largest) else f"{int(r.largest)}"
         if not pd.isna(r.largest) and pd.isna(r.first_oom):
@@ -79,7 +80,7 @@ def frontier_table(fr: pd.DataFrame) -> Table:
         if not r.monotone:
             first += " (not monotone above)"
         flushes = "-" if pd.isna(r.cache_flushes) else str(int(r.cache_flushes))
-        rows.append([_group(r), r.axis, f"{r.margin:.0%}", r.card, largest, first, gib(r.peak_reserved_bytes),
+        rows.append([group_label(r), r.axis, f"{r.margin:.0%}", r.card, largest, first, gib(r.peak_reserved_bytes),
                      gib(r.headroom_bytes), flushes, f"{int(r.probes)} / {int(r.grid_points)}"])
     return header, rows
 
@@ -94,6 +95,6 @@ def serving_table(fr: pd.DataFrame) -> Table:
     rows = []
     for r in sv.itertuples(index=False):
         ours = "none" if pd.isna(r.largest) else str(int(r.largest))
-        rows.append([_group(r), r.card, f"{int(r.kv_bytes_per_token):,}", f"{r.gpu_memory_utilization:.2f}",
+        rows.append([group_label(r), r.card, f"{int(r.kv_bytes_per_token):,}", f"{r.gpu_memory_utilization:.2f}",
                      ours, str(int(r.vllm_largest)), gib(max(0, r.vllm_kv_bytes)), str(r.why)])
     return header, rows
