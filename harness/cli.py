@@ -24,6 +24,8 @@ USAGE = """usage: python -m harness <verb> [overrides]
   sweep  [overrides]    a grid (sweeps/default.yaml unless sweeps=<name>); key=a,b,c sweeps a key
   plan   [overrides]    per card, the largest batch (plan.axis=seq_len: sequence) that fits, found
                         by search on the virtual GPU, e.g. plan sweeps=finetune-7b plan.margin=0.05
+  calibrate [overrides] the same points on the virtual GPU and on this machine's GPU: predicted vs
+                        measured allocated and reserved peaks per point (needs a GPU)
   report <dir|file>     aggregate a finished, partial or interrupted sweep (or plan) into
                         results.parquet/.csv, fit.csv, report.md and a self-contained report.html
   diagnose <-|path> [--json]
@@ -85,36 +87,59 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
-def _prepare(verb: str, overrides: list[str]) -> tuple[list[list[str]], object]:
-    """Every point composed and validated; returns (points, the base config with hydra)."""
+def _prepare(verb: str, overrides: list[str]) -> tuple[list[list[str]], object, list[dict]]:
+    """Every point composed and validated; returns (points, the base config with hydra, the cards
+    the points ask for)."""
     points = expand_grid(overrides) if verb == "sweep" else [overrides]
-    seen = set()
+    seen, cards = set(), {}
     for p in points:
         key = tuple(p)
         if key in seen:
             continue
         seen.add(key)
         try:
-            validate(compose(p))
+            cfg = compose(p)
+            validate(cfg)
         except ConfigError as e:
             if len(points) > 1:
                 raise ConfigError(e.key, f"{e.message} (point: {' '.join(p)})")
             raise
+        card = OmegaConf.to_container(cfg.gpu, resolve=True)
+        cards[card["name"], card["memory_bytes"]] = card
     from harness.config.compose import split_overrides
 
     plain, _ = split_overrides(overrides)
-    return points, compose(plain, with_hydra=True)
+    return points, compose(plain, with_hydra=True), list(cards.values())
+
+
+def _gpu_launch(base, cards: list[dict], multirun: bool) -> list[str]:
+    """For cuda points on this machine: every card asked for must fit the devices; the devices go
+    to the points (GPU_DEVICES_ENV), one point per card at a time, as many at once as cards."""
+    from harness.config.validate import check_cards
+    from harness.probe import gpus
+    from harness.runner import GPU_DEVICES_ENV
+
+    if "LocalLauncher" not in str(base.hydra.launcher.get("_target_", "")):
+        return []  # a cluster: each job brings its own allocation
+    devices = gpus.visible_devices()
+    check_cards(cards, gpus.describe(devices))
+    os.environ[GPU_DEVICES_ENV] = ",".join(devices)
+    # submitit_local hides GPUs from jobs unless they ask for them; points beyond the cards wait
+    # for one (gpus.take), so a batch of twice the cards keeps every card busy across a batch.
+    extra = [f"hydra.launcher.gpus_per_node={len(devices)}"]
+    return [*extra, f"hydra.sweeper.max_batch_size={2 * len(devices)}"] if multirun else extra
 
 
 def _launch(verb: str, flags: list[str], overrides: list[str]) -> int:
     try:
-        points, base = _prepare(verb, overrides)
+        points, base, cards = _prepare(verb, overrides)
         backend = resolve_backend(base.backend)
+        gpu_extra = _gpu_launch(base, cards, verb == "sweep") if backend == "cuda" else []
     except ConfigError as e:
         return _fail(str(e))
     results_dir = Path(base.results_dir).expanduser().resolve()
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-    extra = [SEARCHPATH_OVERRIDE, f"results_dir={results_dir}"]
+    extra = [SEARCHPATH_OVERRIDE, f"results_dir={results_dir}", *gpu_extra]
     if not any(o.split("=", 1)[0] == "backend" for o in overrides):
         extra.append(f"backend={backend}")  # resolved once, so run_ids don't depend on the host
     dir_key = "hydra.sweep.dir" if verb == "sweep" else "hydra.run.dir"
@@ -194,6 +219,10 @@ def entry(argv: list[str]) -> int:
         from harness.plan_cli import main as plan
 
         return plan(rest)
+    if verb == "calibrate":
+        from harness.calibrate_cli import main as calibrate
+
+        return calibrate(rest)
     if verb == "report":
         if len(rest) != 1:
             return _fail("report takes one path: a sweep dir, a run dir or a result.json")
@@ -202,7 +231,7 @@ def entry(argv: list[str]) -> int:
             return _fail(f"report: no such file or directory: {path}")
         return _aggregate(path)
     if verb not in ("run", "sweep"):
-        return _fail(f"unknown verb '{verb}' (run, sweep, plan, report, replay, diagnose)")
+        return _fail(f"unknown verb '{verb}' (run, sweep, plan, calibrate, report, replay, diagnose)")
     flags = [a for a in rest if a.startswith("-")]
     overrides = [a for a in rest if not a.startswith("-")]
     if flags:  # --cfg, --info, --help: Hydra's own, nothing runs

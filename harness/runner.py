@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from harness.probe import gpus
 from harness.record import base_record, run_id
 
 RESULT_FILE = "result.json"
@@ -48,10 +49,16 @@ def run_point(point: dict, run_dir: Path, results_dir: Path | None = None) -> di
             return _write(run_dir, rec)
     (run_dir / "point.json").write_text(json.dumps(point, indent=1, default=str))
     log = run_dir / "worker.log"
-    t0 = time.perf_counter()
-    rc = _run_forked(run_dir, point["timeout_s"]) if _zygote_enabled() else _NO_ZYGOTE
-    if rc is _NO_ZYGOTE:
-        rc = _run_subprocess(run_dir, log, point["timeout_s"])
+    if point["backend"] == "cuda":
+        device, lock = _take_gpu()
+        with lock:
+            t0 = time.perf_counter()
+            rc = _run_subprocess(run_dir, log, point["timeout_s"], gpus.worker_env(device, point["allocator"]["conf"]))
+    else:
+        t0 = time.perf_counter()
+        rc = _run_forked(run_dir, point["timeout_s"]) if _zygote_enabled() else _NO_ZYGOTE
+        if rc is _NO_ZYGOTE:
+            rc = _run_subprocess(run_dir, log, point["timeout_s"])
     if rc is _TIMED_OUT:
         rec = base_record(point)
         rec.update(status="timeout", wall_s=time.perf_counter() - t0,
@@ -72,11 +79,25 @@ def _zygote_enabled() -> bool:
     return os.environ.get("HARNESS_ZYGOTE", "1") != "0"
 
 
-def _run_subprocess(run_dir: Path, log: Path, timeout_s: float):
-    """A fresh interpreter for the point: exit code, or _TIMED_OUT."""
+# The launcher's devices (a local sweep): submitit_local renumbers CUDA_VISIBLE_DEVICES from 0 for
+# every job, so the launcher passes the real list down. Absent on a cluster, where the job's own
+# allocation (CUDA_VISIBLE_DEVICES) is the list.
+GPU_DEVICES_ENV = "HARNESS_GPU_DEVICES"
+
+
+def _take_gpu():
+    """A card of our own for a cuda point (waits while every card runs another point)."""
+    listed = os.environ.get(GPU_DEVICES_ENV)
+    devices = [d for d in listed.split(",") if d] if listed else gpus.visible_devices()
+    return gpus.take(devices)
+
+
+def _run_subprocess(run_dir: Path, log: Path, timeout_s: float, env: dict | None = None):
+    """A fresh interpreter for the point (cuda points: with their card and allocator settings in
+    `env`, which CUDA reads once at start): exit code, or _TIMED_OUT."""
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "harness.probe.worker", str(run_dir)],
-                                stdout=out, stderr=subprocess.STDOUT)
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

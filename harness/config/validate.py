@@ -89,12 +89,27 @@ def _check_model(cfg) -> None:
 
 
 def resolve_backend(backend: str) -> str:
-    """auto -> sim until the cuda probe exists (then: cuda when a GPU is visible); cuda without a
-    GPU is a config error, and so is cuda before its probe lands: no sweep of error rows."""
-    if backend in ("sim", "auto"):
+    """auto -> cuda when a GPU is visible, sim (the virtual GPU) otherwise; cuda without a GPU is a
+    config error, not a sweep of error rows."""
+    if backend == "sim":
         return "sim"
-    import torch
+    from harness.probe.gpus import visible_devices
 
-    if not torch.cuda.is_available():
-        raise ConfigError("backend", "cuda asked for, but no GPU is visible (use backend=sim or auto)")
-    raise ConfigError("backend", "the cuda probe is not implemented yet; use backend=sim (the virtual GPU)")
+    if visible_devices():
+        return "cuda"
+    if backend == "auto":
+        return "sim"
+    raise ConfigError("backend", "cuda asked for, but no GPU is visible (use backend=sim or auto)")
+
+
+def check_cards(cards: list[dict], devices: list[tuple[str, int]]) -> None:
+    """Every card asked for can run on every device a point may get: the device itself, or a
+    smaller card emulated on it. A larger card is a config error, not a silent run."""
+    from harness.probe.cuda import CardTooLarge, emulation_fraction
+
+    for card in cards:
+        for name, total in devices:
+            try:
+                emulation_fraction(card, name, total)
+            except CardTooLarge as e:
+                raise ConfigError("gpu", str(e)) from None

@@ -150,6 +150,7 @@ def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tup
     build = load_target(point["workload"]["target"], point.get("cwd"))
     k = knobs(point)
     autocast_mode = cu.CudaAutocast(k.autocast_dtype) if k.autocast_dtype is not None else None
+    region = (lambda: cu.autocast_region(autocast_mode)) if autocast_mode else contextlib.nullcontext
     tracker = StorageTracker(emulate_cublas_workspace=emulate_cuda)
     tracker.auto_backward = True
     n_steps = point["workload"]["steps"]
@@ -180,7 +181,7 @@ def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tup
             opt.register_step_pre_hook(lambda *_: tracker.set_phase("optimizer"))
             # After the optimizer step, whatever the user's step still runs is forward work again.
             opt.register_step_post_hook(lambda *_: tracker.set_phase("forward"))
-        step = _step(job, autocast_mode)
+        step = _step(job, region)
         for i in range(n_steps):
             tracker.begin_step(i)
             tracker.set_phase("forward")
@@ -200,11 +201,10 @@ def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tup
     return m, tracker
 
 
-def _step(job: Job, autocast_mode):
+def _step(job: Job, region):
     """One step of the job. For amp_* precisions autocast covers the forward and the loss, as
     training code writes it (`with autocast(): loss = ...` then `loss.backward()`); around a step of
     the user's own it covers the whole step (better: the step enters torch.autocast("cuda") itself)."""
-    region = lambda: cu.autocast_region(autocast_mode)
     if job.step is not None:
         def own():
             with region():

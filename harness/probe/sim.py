@@ -63,6 +63,7 @@ def run_point(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tupl
     if amp_dtype is not None and not emulate_cuda:
         raise ValueError("amp_* precisions are traced with CUDA's autocast policy only")
     autocast_mode = cu.CudaAutocast(amp_dtype) if amp_dtype is not None else None
+    region = (lambda: cu.autocast_region(autocast_mode)) if autocast_mode else contextlib.nullcontext
     tracker = StorageTracker(emulate_cublas_workspace=emulate_cuda)
     train = point["workload"]["name"] == "train"
     # infer: the prompt; the rest of the context is decoded
@@ -79,20 +80,19 @@ def run_point(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tupl
         tracker.set_phase("input")
         input_ids = torch.randint(0, config.vocab_size, (point["batch_size"], n_tokens))
         if train:
-            state_bytes = _trace_train(point, model, input_ids, tracker, autocast_mode, emulate_cuda)
+            state_bytes = _trace_train(point, model, input_ids, tracker, region, emulate_cuda)
         else:
-            steps.infer(model, input_ids, point["workload"]["new_tokens"], _Hooks(tracker), autocast_mode)
+            steps.infer(model, input_ids, point["workload"]["new_tokens"], _Hooks(tracker), region)
             state_bytes = 0
         n_params = sum(p.numel() for p in model.parameters())
         params_bytes = sum(tracker.allocated_bytes_of(p) for p in model.parameters())
     return _measurements(tracker, point["workload"], n_params, params_bytes, state_bytes), tracker
 
 
-def _trace_train(point, model, input_ids, tracker, autocast_mode, emulate_cuda) -> int:
+def _trace_train(point, model, input_ids, tracker, region, emulate_cuda) -> int:
     """The training steps under the tracker; returns the optimizer state's bytes."""
     if point["checkpointing"]:
-        recompute = (lambda: cu.autocast_region(autocast_mode)) if autocast_mode else None
-        steps.enable_checkpointing(model, recompute)
+        steps.enable_checkpointing(model, region if region is not contextlib.nullcontext else None)
     opt = point["optimizer"]
     opt_kwargs = cu.optimizer_kwargs(opt["impl"]) if emulate_cuda else {}
     optimizer = steps.build_optimizer(opt["name"], model.parameters(), opt_kwargs, opt["lr"])
@@ -104,7 +104,7 @@ def _trace_train(point, model, input_ids, tracker, autocast_mode, emulate_cuda) 
         gc.disable()  # the cycle lives until the GC gets round to it; here, not during the steps
     try:
         kept = steps.train(model, optimizer, input_ids, n_steps, _Hooks(tracker, collect=leak != "cycle"),
-                           autocast_mode, leak)
+                           region, leak)
         tracker.findings = {"retained_holder": find_holders(tracker, n_steps)}
         del kept
     finally:

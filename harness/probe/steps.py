@@ -1,7 +1,8 @@
 """The work a probe measures: training steps and prefill + decode, the same on every backend.
 
-`hooks` is how a backend watches: begin_step(i), set_phase(name), end_step(). Nothing here
-knows whether the tensors are real or fake.
+`hooks` is how a backend watches: begin_step(i), set_phase(name), end_step(). `region` opens an
+autocast region for amp_* (CUDA's autocast on a card, its emulation on the virtual GPU). Nothing
+here knows whether the tensors are real or fake.
 """
 
 from __future__ import annotations
@@ -9,8 +10,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-
-from harness.probe.cuda_emulation import autocast_region
 
 
 def build_optimizer(name: str, params, opt_kwargs: dict, lr: float):
@@ -40,7 +39,8 @@ class _StepState:
     """What a training loop might keep per step, e.g. for logging."""
 
 
-def train(model, optimizer, input_ids, steps: int, hooks, autocast_mode=None, leak: str = "none") -> list:
+def train(model, optimizer, input_ids, steps: int, hooks, region=contextlib.nullcontext,
+          leak: str = "none") -> list:
     """forward, backward, optimizer step, zero_grad(set_to_none=True); `steps` times.
 
     `leak` reproduces the classic mistakes: `graph` keeps the loss of an evaluation forward, with
@@ -52,7 +52,7 @@ def train(model, optimizer, input_ids, steps: int, hooks, autocast_mode=None, le
     for step in range(steps):
         hooks.begin_step(step)
         hooks.set_phase("forward")
-        with autocast_region(autocast_mode):
+        with region():
             out = model(input_ids=input_ids, labels=input_ids, use_cache=False)
         loss = out.loss
         if leak == "cycle":
@@ -69,7 +69,7 @@ def train(model, optimizer, input_ids, steps: int, hooks, autocast_mode=None, le
         optimizer.zero_grad(set_to_none=True)
         if leak == "graph":
             hooks.set_phase("forward")
-            with autocast_region(autocast_mode):
+            with region():
                 history.append(model(input_ids=input_ids, labels=input_ids, use_cache=False).loss)
         hooks.end_step()
     return history
@@ -82,7 +82,7 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def infer(model, input_ids, new_tokens: int, hooks, autocast_mode=None) -> None:
+def infer(model, input_ids, new_tokens: int, hooks, region=contextlib.nullcontext) -> None:
     """Prefill the prompt into a KV cache, then decode `new_tokens` one at a time (greedy)."""
     from transformers import DynamicCache
 
@@ -94,7 +94,7 @@ def infer(model, input_ids, new_tokens: int, hooks, autocast_mode=None) -> None:
         for step in range(new_tokens + 1):  # step 0 is the prefill
             hooks.begin_step(step)
             hooks.set_phase("prefill" if step == 0 else "decode")
-            with autocast_region(autocast_mode):
+            with region():
                 out = model(input_ids=ids, **{ck: cache}, use_cache=True, logits_to_keep=1)
             ids = out.logits[:, -1:].argmax(-1)
             del out

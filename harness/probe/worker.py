@@ -12,6 +12,8 @@ import traceback
 from pathlib import Path
 
 from harness.record import base_record
+
+
 def run_sim(point: dict, run_dir: Path) -> dict:
     """Trace the point (or reuse the trace of a point that differs only in allocator or card),
     then replay it through the allocator model for reserved bytes and each card's verdict."""
@@ -53,12 +55,32 @@ def run_sim(point: dict, run_dir: Path) -> dict:
     return rec
 
 
+def run_cuda(point: dict, run_dir: Path) -> dict:
+    """Measure the point on this process's GPU; each card's verdict from the measured peaks."""
+    import transformers
+
+    from harness import catalog
+    from harness.probe import cuda, reserved
+
+    t0 = time.perf_counter()
+    rec = base_record(point)
+    rec.update(cuda.run_cuda(point, run_dir), transformers_version=transformers.__version__)
+    if rec["status"] == "ok":
+        # Measured reserved within a card's room settles it; between allocated and reserved only a
+        # replay could tell, and a cuda run has no trace: counted as not fitting.
+        rec["fits_cards"] = [c["key"] for c in catalog.cards()
+                             if c["name"] == point["gpu"]["name"] or reserved.fits_by_numbers(
+                                 c, rec["peak_reserved_bytes"], rec["peak_allocated_bytes"])]
+    else:  # how much it needed is unknown past the OOM: no card is known to hold it
+        rec["fits_cards"] = []
+    rec["wall_s"] = time.perf_counter() - t0
+    return rec
+
+
 def main(run_dir: Path) -> int:
     point = json.loads((run_dir / "point.json").read_text())
     try:
-        if point["backend"] != "sim":
-            raise NotImplementedError(f"backend '{point['backend']}' is not available yet; use backend=sim")
-        rec = run_sim(point, run_dir)
+        rec = run_cuda(point, run_dir) if point["backend"] == "cuda" else run_sim(point, run_dir)
     except Exception as e:
         rec = base_record(point)
         rec.update(status="error", error=f"{type(e).__name__}: {e}")

@@ -81,3 +81,15 @@ def render_frontier(fr: pd.DataFrame) -> None:
     if rows:
         _print((header, rows), "Serving: concurrency x context per card, the harness beside vLLM's arithmetic",
                wrap=("why they differ",))
+
+
+CALIBRATION_CAPTION = ("error = (predicted - measured) / measured; peaks compared where both runs finished (an OOM "
+                       "row's peak is how far it got); targets: allocated within 1%, reserved within 5%; GiB = 1024^3 B")
+
+
+def render_calibration(df: pd.DataFrame, summary: dict) -> None:
+    """Predicted (virtual GPU) beside measured (the card), per point."""
+    _print(tables.calibration_table(df), "Calibration: the virtual GPU against this machine's GPU",
+           CALIBRATION_CAPTION, right_from=2)
+    _console().print(f"{summary['compared']} of {summary['points']} point(s) compared, "
+                     f"{summary['within_target']} within target, statuses agree on {summary['status_agrees']}")

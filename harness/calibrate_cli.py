@@ -1,0 +1,76 @@
+"""`python -m harness calibrate [overrides]`: the same points on the virtual GPU and on this
+machine's GPU, predicted beside measured.
+
+Each point runs twice, as a sweep would run it (rows under runs/, reused by later runs): first
+every sim point (on the cores), then every cuda point (one per card at a time). The comparison goes
+to calibration.parquet/.csv beside results.parquet and the report, and to the terminal.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from harness.errors import EXIT_USAGE, ConfigError
+
+CALIBRATION_FILE = "calibration.parquet"
+
+
+def main(overrides: list[str]) -> int:
+
+    from harness.analysis import calibration
+    from harness.cli import _aggregate, _prepare
+    from harness.config.compose import parallelism
+    from harness.config.validate import check_cards, resolve_backend
+    from harness.probe import gpus
+
+    flags = [a for a in overrides if a.startswith("-")]
+    if flags:
+        print(f"harness: error: {flags[0]}: unknown flag (calibrate takes overrides only)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        if any(o.split("=", 1)[0].lstrip("+~") == "backend" for o in overrides):
+            raise ConfigError("backend", "calibrate runs every point on both backends; leave backend unset")
+        resolve_backend("cuda")  # no GPU: exit 2 before anything runs
+        points, base, cards = _prepare("sweep", overrides)
+        devices = gpus.visible_devices()
+        check_cards(cards, gpus.describe(devices))
+    except ConfigError as e:
+        print(f"harness: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    results_dir = Path(base.results_dir).expanduser().resolve()
+    out = results_dir / base.sweep / f"calibrate-{dt.datetime.now().strftime('%Y%m%d-%H%M%S-%f')}"
+    print(f"harness: calibrate: {len(points)} point(s) on sim and on {len(devices)} GPU(s) -> {out}", file=sys.stderr)
+    sim = _run_all(points, "sim", out, results_dir, parallelism())
+    cuda = _run_all(points, "cuda", out, results_dir, len(devices))
+    df = calibration.compare(list(zip(sim, cuda)))
+    df.to_parquet(out / CALIBRATION_FILE, index=False)
+    df.to_csv(out / "calibration.csv", index=False)
+    from harness.report import console
+
+    code = _aggregate(out, expected=2 * len(points))
+    console.render_calibration(df, calibration.summary(df))
+    return code
+
+
+def _run_all(points: list[list[str]], backend: str, out: Path, results_dir: Path, width: int) -> list[dict]:
+    """Every point on `backend`, `width` at a time; rows in the points' order."""
+    import threading
+
+    from harness.cli import to_point
+    from harness.config.compose import compose
+    from harness.runner import run_point
+
+    lock = threading.Lock()  # Hydra's compose is process-global
+
+    def one(i: int) -> dict:
+        with lock:
+            point = to_point(compose([*points[i], f"backend={backend}"]), points[i], os.getcwd())
+        point["trace_cache"] = str(results_dir / ".traces")
+        return run_point(point, out / "runs" / f"{i}-{backend}", results_dir)
+
+    with ThreadPoolExecutor(max(1, width)) as pool:
+        return list(pool.map(one, range(len(points))))

@@ -1,0 +1,106 @@
+"""The real card: one point on CUDA, measured by the caching allocator's own counters.
+
+Runs in a fresh process whose environment already carries the allocator settings and its one
+device (runner + gpus.worker_env). The same steps as the virtual GPU (steps.py, or the user's job);
+an out-of-memory error becomes the row's data, with the stats at that moment and the numbers of
+its message. A card smaller than the device is emulated by capping reserved bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+from pathlib import Path
+
+from harness.allocator.settings import AllocSettings
+
+# Memory history entries kept for a snapshot: a 7B training step makes ~10^5 allocator events.
+SNAPSHOT_MAX_ENTRIES = 2_000_000
+
+
+class CardTooLarge(ValueError):
+    pass
+
+
+def settings_mismatch(conf: str, recorded: dict) -> str | None:
+    """Where the allocator's effective settings (a snapshot's allocator_settings) differ from the
+    PYTORCH_ALLOC_CONF string asked for; None when they agree."""
+    want, got = AllocSettings.from_conf(conf), AllocSettings.from_snapshot(recorded)
+    diffs = [f"{f.name}: asked {getattr(want, f.name)!r}, got {getattr(got, f.name)!r}"
+             for f in dataclasses.fields(AllocSettings) if f.name != "conf"
+             and getattr(want, f.name) != getattr(got, f.name)]
+    return "; ".join(diffs) or None
+
+
+def emulation_fraction(card: dict, device_name: str, device_bytes: int) -> float | None:
+    """The per-process fraction that makes this device behave like `card`, or None when the device
+    is that card. The cap is on reserved bytes (set_per_process_memory_fraction), so it is the
+    card's room for PyTorch: its memory less what its CUDA context and libraries take. A card
+    larger than the device cannot be emulated."""
+    if device_name == card["device_name"]:
+        return None
+    if card["memory_bytes"] > device_bytes:
+        raise CardTooLarge(f"gpu={card['name']} ({card['memory_bytes'] / 2**30:.2f} GiB) is larger than this "
+                           f"device, {device_name} ({device_bytes / 2**30:.2f} GiB): a card can only be "
+                           "emulated on a larger one")
+    return (card["memory_bytes"] - card["non_pytorch_bytes"]) / device_bytes
+
+
+def oom_columns(message: str) -> dict:
+    """The record's oom_* columns from an OutOfMemoryError's text (every wording PyTorch has used)."""
+    from harness.analysis import oom_text
+
+    out = {"oom_message": message}
+    try:
+        r = oom_text.judge(oom_text.parse(message))
+    except ValueError:  # not the caching allocator's wording (e.g. cuBLAS failing to get its workspace)
+        return out
+    out.update(oom_tried_bytes=r.tried_bytes, oom_capacity_bytes=r.capacity_bytes, oom_free_bytes=r.free_bytes,
+               oom_allocated_bytes=r.allocated_bytes, oom_allowed_bytes=r.allowed_bytes,
+               oom_reserved_bytes=None if r.allocated_bytes is None
+               else r.allocated_bytes + (r.reserved_unallocated_bytes or 0),
+               oom_verdict=r.verdict)
+    return out
+
+
+def run_cuda(point: dict, run_dir: Path) -> dict:
+    """Measure the point on this process's one GPU; returns the record's measured columns."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("backend=cuda but this process sees no GPU "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    snapshot = run_dir / "snapshot.pickle" if point.get("snapshot") else None
+    if snapshot is not None:  # before the first allocation, so the trace replays from an empty device
+        torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_MAX_ENTRIES, stacks="python")
+    props = torch.cuda.get_device_properties(0)
+    out: dict = {"device_name": props.name, "device_memory_bytes": props.total_memory,
+                 "torch_version": torch.__version__}
+    fraction = emulation_fraction(point["gpu"], props.name, props.total_memory)
+    if fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(fraction, 0)
+        out["emulated_gpu"] = True
+        out["device_name"] = f"{point['gpu']['device_name']} (emulated on {props.name}, reserved capped at " \
+                             f"{fraction * props.total_memory / 2**30:.2f} GiB)"
+    else:
+        out["emulated_gpu"] = False
+    torch.cuda.init()
+    mismatch = settings_mismatch(point["allocator"]["conf"], torch.cuda.memory._snapshot()["allocator_settings"])
+    if mismatch:
+        raise RuntimeError(f"the allocator did not take allocator.conf={point['allocator']['conf']!r}: {mismatch}")
+    from harness.probe.cuda_job import measure
+
+    try:
+        out.update(measure(point))
+    finally:
+        if snapshot is not None:
+            torch.cuda.memory._dump_snapshot(str(snapshot))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            out["snapshot_path"] = str(snapshot)
+    gc.collect()
+    free, total = torch.cuda.mem_get_info()
+    # Whatever the device holds beyond PyTorch's cache: the CUDA context, cuBLAS/cuDNN handles.
+    out["measured_non_pytorch_bytes"] = total - free - torch.cuda.memory_reserved()
+    return out
+

@@ -1,0 +1,88 @@
+"""Which GPU a cuda point runs on, and the environment its process starts with.
+
+Two points never share a card: each takes a flock'd file named for its device (a per-host lock
+directory, so two sweeps on one machine do not share one either; a killed process gives its card
+back). With several GPUs, several points run at once, one per card.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+import time
+from pathlib import Path
+
+POLL_S = 0.2
+
+
+def visible_devices() -> list[str]:
+    """The devices this process may use, as CUDA_VISIBLE_DEVICES names them (indexes or UUIDs);
+    without it, every device the driver reports. [] when there is no GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip()][:torch.cuda.device_count()]
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def lock_dir() -> Path:
+    path = Path(tempfile.gettempdir()) / f"harness-gpus-{os.getuid()}"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def take(devices: list[str], locks: Path | None = None, timeout_s: float | None = None):
+    """Wait for a free device of `devices`: (device, open lock file; closing it frees the card)."""
+    if not devices:
+        raise RuntimeError("no GPU to run on (CUDA_VISIBLE_DEVICES is empty)")
+    locks = locks or lock_dir()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        for device in devices:
+            f = open(locks / f"gpu-{device}.lock", "w")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.close()
+                continue
+            f.write(f"{os.getpid()}\n")
+            f.flush()
+            return device, f
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"no free GPU among {', '.join(devices)} within {timeout_s} s")
+        time.sleep(POLL_S)
+
+
+def worker_env(device: str, alloc_conf: str, base: dict | None = None) -> dict:
+    """The point's process environment: its one card, and the allocator settings under both names
+    (PYTORCH_ALLOC_CONF since 2.8; 2.9.1 honoured only the old name for expandable_segments), set
+    before CUDA starts because the allocator reads them once."""
+    env = dict(os.environ if base is None else base)
+    env["CUDA_VISIBLE_DEVICES"] = device
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        if alloc_conf:
+            env[name] = alloc_conf
+        else:
+            env.pop(name, None)  # the default allocator, not whatever the user's shell exported
+    return env
+
+
+_DESCRIBE = ("import json, torch; print(json.dumps([[p.name, p.total_memory] for p in "
+             "(torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count()))]))")
+
+
+def describe(devices: list[str]) -> list[tuple[str, int]]:
+    """(name, total_memory bytes) of each device, read in a child process so that this one (the
+    launcher) never holds a CUDA context on a card its points measure."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devices)}
+    out = subprocess.run([sys.executable, "-c", _DESCRIBE], capture_output=True, text=True, env=env,
+                         timeout=120, check=True)
+    return [(name, int(total)) for name, total in json.loads(out.stdout.strip().splitlines()[-1])]
