@@ -72,6 +72,14 @@ def kind(rec: dict) -> tuple[str, str]:
     allocated, reserved = _num(rec.get("peak_allocated_bytes")), _num(rec.get("peak_reserved_bytes"))
     if static > room:
         return "static", f"weights + gradients + optimizer state = {g(static)} > {g(room)} for PyTorch"
+    if rec.get("oom_verdict") is not None:
+        # A real OOM (backend=cuda): the peaks stop where it failed, so the message's numbers decide.
+        held, asked = _num(rec.get("oom_allocated_bytes")), _num(rec.get("oom_tried_bytes"))
+        if rec["oom_verdict"] == "fragmentation":
+            return "fragmentation", (f"at the OOM {g(held)} allocated + {g(asked)} asked fits {g(room)}; "
+                                     f"{g(_num(rec.get('oom_reserved_bytes')) - held)} was cached but unallocated")
+        return "activations", (f"static {g(static)} fits {g(room)}; at the OOM {g(held)} allocated + "
+                               f"{g(asked)} asked does not")
     if allocated > room:
         return "activations", (f"static {g(static)} fits {g(room)}; the peak, {g(allocated)} allocated "
                                f"({g(allocated - static)} above it), does not")

@@ -23,10 +23,14 @@ def visible_devices() -> list[str]:
 
     if not torch.cuda.is_available():
         return []
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return [d.strip() for d in env.split(",") if d.strip()][:torch.cuda.device_count()]
-    return [str(i) for i in range(torch.cuda.device_count())]
+    return listed(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
+
+
+def listed(env: str | None, count: int) -> list[str]:
+    """The names of the `count` devices CUDA sees, given CUDA_VISIBLE_DEVICES (`env`, maybe unset)."""
+    if env is None:
+        return [str(i) for i in range(count)]
+    return [d.strip() for d in env.split(",") if d.strip()][:count]
 
 
 def lock_dir() -> Path:
