@@ -25,7 +25,6 @@ def main(overrides: list[str]) -> int:
         parallelism,
         split_overrides,
     )
-    from harness.config.validate import resolve_backend
     from harness.plan.frontier import Planner
 
     flags = [a for a in overrides if a.startswith("-")]
@@ -34,8 +33,10 @@ def main(overrides: list[str]) -> int:
         return EXIT_USAGE
     try:
         base = compose(split_overrides(overrides)[0])
-        if resolve_backend(base.backend) != "sim":
-            raise ConfigError("backend", "plans search on the virtual GPU: use backend=sim")
+        if base.backend == "cuda":
+            raise ConfigError("backend", "plans search on the virtual GPU: use backend=sim (or auto)")
+        # auto too: a plan's probes never take a GPU
+        overrides = [*(o for o in overrides if o.split("=", 1)[0] != "backend"), "backend=sim"]
         results_dir = Path(base.results_dir).expanduser().resolve()
         out = results_dir / base.sweep / dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
         planner = Planner(out, results_dir, compose, to_point)

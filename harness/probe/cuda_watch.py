@@ -54,15 +54,16 @@ class CudaWatch:
         self.cuda = torch.cuda
         self.collect = collect  # gc.collect() before each step's reading, as the virtual GPU does
         self.step: int | None = None
-        self.phase = "setup"
+        self.phase: str | None = "setup"
         self.outside: list[PhaseReading] = []  # phases outside any step (setup, input)
         self.steps: list[StepReading] = []
         self._open: list[PhaseReading] = []
         self._t0 = 0.0
 
     def _close_phase(self) -> None:
-        reading = read_peaks(self.cuda.memory_stats(), self.step, self.phase)
-        (self._open if self.step is not None else self.outside).append(reading)
+        if self.phase is not None:  # None: a step begun, its first phase not yet named
+            reading = read_peaks(self.cuda.memory_stats(), self.step, self.phase)
+            (self._open if self.step is not None else self.outside).append(reading)
         self.cuda.reset_peak_memory_stats()
 
     def set_phase(self, phase: str) -> None:
@@ -73,7 +74,7 @@ class CudaWatch:
     def begin_step(self, step: int) -> None:
         self._close_phase()
         self.cuda.synchronize()  # the step's time starts when the card is idle
-        self.step, self._open, self._t0 = step, [], time.perf_counter()
+        self.step, self.phase, self._open, self._t0 = step, None, [], time.perf_counter()
 
     def end_step(self) -> None:
         self.cuda.synchronize()
@@ -87,7 +88,7 @@ class CudaWatch:
 
     def at_failure(self) -> PhaseReading:
         """The peaks of the phase that was running when it failed (an OOM), kept with the others."""
-        reading = read_peaks(self.cuda.memory_stats(), self.step, self.phase)
+        reading = read_peaks(self.cuda.memory_stats(), self.step, self.phase or "forward")
         (self._open if self.step is not None else self.outside).append(reading)
         return reading
 
