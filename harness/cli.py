@@ -39,10 +39,10 @@ exit codes: 0 every point produced a row (OOM rows count); 1 some row is an erro
 missing; 2 usage or config error."""
 
 
-def to_point(cfg, overrides: list[str], cwd: str | None = None) -> dict:
+def to_point(cfg, overrides: list[str], cwd: str | None = None, cluster: bool = False) -> dict:
     point = OmegaConf.to_container(cfg, resolve=True)
     point.pop("hydra", None)
-    point["backend"] = resolve_backend(point["backend"])
+    point["backend"] = resolve_backend(point["backend"], cluster)
     point["overrides"] = " ".join(overrides)
     point["cwd"] = cwd or os.getcwd()  # where the user ran us: their workload module is found from here
     if point["workload"]["name"] == "custom":
@@ -59,6 +59,7 @@ def main(cfg) -> str:
     from hydra.types import RunMode
     from hydra.utils import to_absolute_path
 
+    from harness.launch.slurm import slurm_job_id
     from harness.record import base_record
     from harness.runner import _write, run_point
 
@@ -67,15 +68,18 @@ def main(cfg) -> str:
     overrides = list(hc.overrides.task)
     if hc.runtime.cwd not in sys.path:  # a user's workload module lives where they ran us
         sys.path.insert(0, hc.runtime.cwd)
+    job_id = slurm_job_id(os.environ)
     try:
         validate(cfg)
         point = to_point(cfg, overrides, hc.runtime.cwd)
     except ConfigError as e:  # validated up front; a worker composing differently still leaves a row
         point = OmegaConf.to_container(cfg, resolve=True)
         point.pop("hydra", None)
+        point["job_id"] = job_id
         rec = base_record(point)
         rec.update(status="error", error=str(e))
         return _write(run_dir, rec)["status"]
+    point["job_id"] = job_id  # the cluster's id for this point's job, to find its logs and accounting
     results_dir = Path(to_absolute_path(cfg.results_dir))
     point["trace_cache"] = str(results_dir / ".traces")  # one trace serves every allocator and card
     reuse = results_dir if hc.mode == RunMode.MULTIRUN else None
@@ -112,15 +116,13 @@ def _prepare(verb: str, overrides: list[str]) -> tuple[list[list[str]], object, 
     return points, compose(plain, with_hydra=True), list(cards.values())
 
 
-def _gpu_launch(base, cards: list[dict], multirun: bool) -> list[str]:
+def _gpu_launch(cards: list[dict], multirun: bool) -> list[str]:
     """For cuda points on this machine: every card asked for must fit the devices; the devices go
     to the points (GPU_DEVICES_ENV), one point per card at a time, as many at once as cards."""
     from harness.config.validate import check_cards
     from harness.probe import gpus
     from harness.runner import GPU_DEVICES_ENV
 
-    if "LocalLauncher" not in str(base.hydra.launcher.get("_target_", "")):
-        return []  # a cluster: each job brings its own allocation
     devices = gpus.visible_devices()
     check_cards(cards, gpus.describe(devices))
     os.environ[GPU_DEVICES_ENV] = ",".join(devices)
@@ -133,13 +135,17 @@ def _gpu_launch(base, cards: list[dict], multirun: bool) -> list[str]:
 def _launch(verb: str, flags: list[str], overrides: list[str]) -> int:
     try:
         points, base, cards = _prepare(verb, overrides)
-        backend = resolve_backend(base.backend)
-        gpu_extra = _gpu_launch(base, cards, verb == "sweep") if backend == "cuda" else []
+        cluster = "Slurm" in str(base.hydra.launcher.get("_target_", ""))
+        backend = resolve_backend(base.backend, cluster)
+        if cluster:  # one batch: an array per card for the whole sweep, not one per Hydra batch
+            launch_extra = ["hydra.sweeper.max_batch_size=null"] if verb == "sweep" else []
+        else:
+            launch_extra = _gpu_launch(cards, verb == "sweep") if backend == "cuda" else []
     except ConfigError as e:
         return _fail(str(e))
     results_dir = Path(base.results_dir).expanduser().resolve()
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-    extra = [SEARCHPATH_OVERRIDE, f"results_dir={results_dir}", *gpu_extra]
+    extra = [SEARCHPATH_OVERRIDE, f"results_dir={results_dir}", *launch_extra]
     if not any(o.split("=", 1)[0] == "backend" for o in overrides):
         extra.append(f"backend={backend}")  # resolved once, so run_ids don't depend on the host
     dir_key = "hydra.sweep.dir" if verb == "sweep" else "hydra.run.dir"

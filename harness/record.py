@@ -22,7 +22,7 @@ COLUMNS = (
     "oom_verdict", "device_memory_bytes", "measured_non_pytorch_bytes", "step_reserved_bytes", "step_times_s",
     "step_time_s", "tokens_per_s", "wall_s", "torch_version", "transformers_version",
     "harness_version", "workload_target", "workload_args",
-    "trace_path", "trace_reused", "snapshot_path", "reused_from", "overrides",
+    "trace_path", "trace_reused", "snapshot_path", "reused_from", "overrides", "job_id",
 )
 
 
@@ -61,7 +61,7 @@ def base_record(point: dict) -> dict:
         precision=point["precision"], optimizer=point["optimizer"]["name"],
         optimizer_impl=point["optimizer"]["impl"], checkpointing=point["checkpointing"],
         allocator_conf=point["allocator"]["conf"], harness_version=harness.__version__,
-        overrides=point.get("overrides"),
+        overrides=point.get("overrides"), job_id=point.get("job_id"),
     )
     if point["workload"]["name"] == "custom":
         rec["model"] = point["workload"]["target"]  # until the job names itself (Job.name or its class)

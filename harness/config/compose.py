@@ -7,6 +7,7 @@ impossible value fails in a second with the key named, not an hour into a sweep.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
 from pathlib import Path
@@ -51,11 +52,29 @@ def batch_size() -> int:
     return 2 * parallelism() if zygote else parallelism()
 
 
+def slurm_minutes(timeout_s) -> int:
+    """A job's Slurm time limit: the point's timeout, plus time to start and write its row."""
+    return math.ceil(float(timeout_s) / 60) + 5
+
+
+def slurm_gres(backend, gres):
+    """The card's gres for a point on the card; none for the virtual GPU."""
+    return None if backend == "sim" else gres
+
+
+def slurm_gpus(backend, gres):
+    """One GPU by --gpus-per-node where the card names no gres (which carries its own count)."""
+    return None if backend == "sim" or gres else 1
+
+
+_RESOLVERS = {"harness_parallelism": parallelism, "harness_batch": batch_size, "harness_slurm_minutes": slurm_minutes,
+              "harness_slurm_gres": slurm_gres, "harness_slurm_gpus": slurm_gpus}
+
+
 def register_resolvers() -> None:
-    if not OmegaConf.has_resolver("harness_parallelism"):
-        OmegaConf.register_new_resolver("harness_parallelism", parallelism)
-    if not OmegaConf.has_resolver("harness_batch"):
-        OmegaConf.register_new_resolver("harness_batch", batch_size)
+    for name, fn in _RESOLVERS.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
 
 
 schema.register()

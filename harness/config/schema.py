@@ -99,4 +99,8 @@ class HarnessConf:
 
 
 def register() -> None:
+    from harness.launch.slurm import HarnessSlurmConf
+
     ConfigStore.instance().store(name="base_config", node=HarnessConf)
+    ConfigStore.instance().store(group="hydra/launcher", name="harness_slurm_schema", node=HarnessSlurmConf,
+                                 provider="harness")

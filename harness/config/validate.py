@@ -88,11 +88,14 @@ def _check_model(cfg) -> None:
                           f"max_position_embeddings ({limit})")
 
 
-def resolve_backend(backend: str) -> str:
+def resolve_backend(backend: str, cluster: bool = False) -> str:
     """auto -> cuda when a GPU is visible, sim (the virtual GPU) otherwise; cuda without a GPU is a
-    config error, not a sweep of error rows."""
+    config error, not a sweep of error rows. Launching to a cluster, the GPUs are the nodes': auto is
+    cuda there, and the launching machine needs none."""
     if backend == "sim":
         return "sim"
+    if cluster:
+        return "cuda"
     from harness.probe.gpus import visible_devices
 
     if visible_devices():

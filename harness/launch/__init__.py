@@ -1,0 +1,1 @@
+"""Launchers: how points reach the machines that run them."""

@@ -1,0 +1,201 @@
+"""A sweep on Slurm through submitit: one job array per card, every point a row whatever Slurm does.
+
+hydra-submitit-launcher submits a sweep with one set of sbatch options (the sweep's card), and
+`job.results()` raises for a job Slurm killed, which ends the sweep. This launcher:
+
+- resolves each point's own `hydra.launcher` (its card's partition / constraint / gres, its time
+  limit) and submits one array per distinct set of options;
+- skips points whose row an earlier run of the sweep already has (ok / oom: the runner's reuse),
+  writing the reused row at once, so a re-run resubmits only what is missing;
+- waits for every job, and where a job ended without writing its row (scancel, over its time or
+  memory limit, a node failure, sbatch refusing it, pending past `pending_timeout_s`) writes the row
+  itself from Slurm's state. The status is the row's, never Slurm's COMPLETED.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
+from omegaconf import OmegaConf, open_dict
+
+log = logging.getLogger(__name__)
+
+POLL_S = 2.0
+# Our own keys, not sbatch options.
+_OWN = ("pending_timeout_s",)
+
+
+@dataclass
+class HarnessSlurmConf(SlurmQueueConf):
+    _target_: str = "harness.launch.slurm.HarnessSlurmLauncher"
+    # A job still pending after this many seconds is cancelled and its row says why (Slurm's
+    # reason, e.g. Resources, ReqNodeNotAvail); null: wait as long as Slurm keeps it.
+    pending_timeout_s: float | None = None
+
+
+@dataclass
+class _Point:
+    idx: int
+    overrides: list[str]
+    run_dir: Path
+    point: dict
+    params: dict
+
+
+def slurm_job_id(env: dict) -> str | None:
+    """The job's id as sacct prints it: ARRAY_TASK for an array task, else the job id."""
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return env.get("SLURM_JOB_ID")
+
+
+def failure_row(point: dict, job_id: str | None, state: str, log_path: str | None) -> dict:
+    """The row of a job that ended without writing one: `timeout` when Slurm's time limit ended it,
+    else `error`, with Slurm's state as the reason."""
+    from harness.record import base_record
+
+    rec = base_record(point)
+    timed_out = state.upper().startswith("TIMEOUT") or state.upper().startswith("DEADLINE")
+    rec.update(status="timeout" if timed_out else "error", job_id=job_id,
+               error=f"Slurm job {job_id} ended {state} before its point wrote a row"
+                     + (f"; log: {log_path}" if log_path else ""))
+    return rec
+
+
+def write_row(run_dir: Path, rec: dict) -> dict:
+    from harness.runner import _write
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return _write(run_dir, rec)
+
+
+class HarnessSlurmLauncher(SlurmLauncher):
+    def launch(self, job_overrides, initial_job_idx: int):
+        import submitit
+
+        from harness.cli import to_point
+        from harness.runner import RESULT_FILE, find_done
+        from harness.record import run_id
+
+        assert self.config is not None and self.hydra_context is not None
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        results_dir = Path(str(self.config.results_dir))
+        points: list[_Point] = []
+        for i, overrides in enumerate(job_overrides):
+            idx = initial_job_idx + i
+            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            with open_dict(cfg.hydra.job):
+                cfg.hydra.job.num = idx
+            run_dir = sweep_dir / str(cfg.hydra.sweep.subdir)
+            params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+            point = to_point(cfg, list(overrides), str(cfg.hydra.runtime.cwd or Path.cwd()), cluster=True)
+            points.append(_Point(idx, list(overrides), run_dir, point, params))
+
+        todo, rows = [], {}
+        for p in points:
+            done = find_done(results_dir, p.point.get("sweep") or "", run_id(p.point), p.run_dir)
+            if done is not None:  # an earlier run has it: no job
+                rec = json.loads(done.read_text())
+                rec["reused_from"] = str(done)
+                rows[p.idx] = write_row(p.run_dir, rec)
+            else:
+                todo.append(p)
+        log.info(f"Slurm: {len(todo)} of {len(points)} point(s) to submit ({len(points) - len(todo)} done before)")
+
+        jobs = []  # (point, submitit job)
+        for params, group in _groups(todo):
+            executor = submitit.AutoExecutor(cluster="slurm", folder=params["submitit_folder"],
+                                             slurm_max_num_timeout=params.get("max_num_timeout", 0))
+            executor.update_parameters(**_executor_params(params))
+            for p in group:
+                log.info(f"\t#{p.idx} : {' '.join(filter_overrides(p.overrides))}")
+            try:
+                submitted = executor.map_array(self, *zip(*[
+                    (p.overrides, "hydra.sweep.dir", p.idx, f"job_id_for_{p.idx}", Singleton.get_state())
+                    for p in group]))
+            except Exception as e:  # sbatch refused the array (no such partition or feature, ...)
+                reason = str(e).strip().splitlines()
+                for p in group:
+                    rec = failure_row(p.point, None, "without starting: sbatch refused it", None)
+                    rec["error"] = f"sbatch refused the job: {reason[-1] if reason else type(e).__name__}"
+                    rows[p.idx] = write_row(p.run_dir, rec)
+                continue
+            jobs += list(zip(group, submitted))
+        self._wait(jobs, rows, params_pending={p.idx: p.params.get("pending_timeout_s") for p in todo},
+                   result_file=RESULT_FILE)
+        return [JobReturn(overrides=p.overrides, status=JobStatus.COMPLETED, _return_value=rows[p.idx]["status"],
+                          working_dir=str(p.run_dir), task_name="harness") for p in points]
+
+    def _wait(self, jobs: list, rows: dict, params_pending: dict, result_file: str) -> None:
+        """Until every job has a row: the job's own, or one written here from Slurm's state."""
+        started = time.monotonic()
+        waiting = list(jobs)
+        while waiting:
+            still = []
+            for p, job in waiting:
+                row_file = p.run_dir / result_file
+                if job.done():
+                    if row_file.exists():  # the point's own row decides its status
+                        rows[p.idx] = json.loads(row_file.read_text())
+                    else:
+                        rows[p.idx] = write_row(p.run_dir, failure_row(p.point, job.job_id, _state(job),
+                                                                         str(job.paths.stderr)))
+                    continue
+                limit = params_pending.get(p.idx)
+                if limit is not None and time.monotonic() - started > limit and _state(job) == "PENDING":
+                    reason = _pending_reason(job.job_id)
+                    job.cancel(check=False)
+                    rec = failure_row(p.point, job.job_id, "PENDING", None)
+                    rec["error"] = (f"Slurm job {job.job_id} never started within pending_timeout_s={limit} "
+                                    f"(Slurm's reason: {reason}); cancelled")
+                    rows[p.idx] = write_row(p.run_dir, rec)
+                    continue
+                still.append((p, job))
+            waiting = still
+            if waiting:
+                time.sleep(POLL_S)
+
+
+def _state(job) -> str:
+    try:
+        return job.watcher.get_state(job.job_id, mode="force")
+    except Exception as e:  # sacct unreachable: say so rather than guess
+        return f"UNKNOWN (sacct: {e})"
+
+
+def _pending_reason(job_id: str) -> str:
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%r"], capture_output=True, text=True,
+                             timeout=30)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _groups(points: list[_Point]) -> list[tuple[dict, list[_Point]]]:
+    """Points with the same sbatch options: one array each."""
+    groups: dict[str, tuple[dict, list[_Point]]] = {}
+    for p in points:
+        key = json.dumps(p.params, sort_keys=True, default=str)
+        groups.setdefault(key, (p.params, []))[1].append(p)
+    return list(groups.values())
+
+
+def _executor_params(params: dict) -> dict[str, Any]:
+    """hydra.launcher keys -> submitit's update_parameters (slurm_ prefix where submitit wants it)."""
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+
+    base = set(OmegaConf.structured(BaseQueueConf).keys())
+    skip = {"submitit_folder", "max_num_timeout", "_target_", *_OWN}
+    return {(k if k in base else f"slurm_{k}"): v for k, v in params.items() if k not in skip}
