@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from harness.config.compose import CONF_DIR, SEARCHPATH_OVERRIDE, compose, expand_grid
 from harness.config.validate import resolve_backend, validate
@@ -40,8 +40,11 @@ missing; 2 usage or config error."""
 
 
 def to_point(cfg, overrides: list[str], cwd: str | None = None, cluster: bool = False) -> dict:
+    if "hydra" in cfg:  # a sweep config before its job ran: hydra's runtime keys are not set yet
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            del cfg["hydra"]
     point = OmegaConf.to_container(cfg, resolve=True)
-    point.pop("hydra", None)
     point["backend"] = resolve_backend(point["backend"], cluster)
     point["overrides"] = " ".join(overrides)
     point["cwd"] = cwd or os.getcwd()  # where the user ran us: their workload module is found from here

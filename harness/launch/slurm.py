@@ -37,7 +37,7 @@ _OWN = ("pending_timeout_s",)
 
 @dataclass
 class HarnessSlurmConf(SlurmQueueConf):
-    _target_: str = "harness.launch.slurm.HarnessSlurmLauncher"
+    _target_: str = "hydra_plugins.harness_launcher.HarnessSlurmLauncher"
     # A job still pending after this many seconds is cancelled and its row says why (Slurm's
     # reason, e.g. Resources, ReqNodeNotAvail); null: wait as long as Slurm keeps it.
     pending_timeout_s: float | None = None
@@ -79,7 +79,9 @@ def write_row(run_dir: Path, rec: dict) -> dict:
     return _write(run_dir, rec)
 
 
-class HarnessSlurmLauncher(SlurmLauncher):
+class SlurmArrays(SlurmLauncher):
+    """The launcher's work; Hydra loads it as hydra_plugins.harness_launcher.HarnessSlurmLauncher."""
+
     def launch(self, job_overrides, initial_job_idx: int):
         import submitit
 
