@@ -59,17 +59,35 @@ def slurm_job_id(env: dict) -> str | None:
     return env.get("SLURM_JOB_ID")
 
 
-def failure_row(point: dict, job_id: str | None, state: str, log_path: str | None) -> dict:
-    """The row of a job that ended without writing one: `timeout` when Slurm's time limit ended it,
-    else `error`, with Slurm's state as the reason."""
+def failure_row(point: dict, job_id: str | None, state: str, log_path: str | None, detail: str = "") -> dict:
+    """The row of a job that ended without writing one: `timeout` when its time limit ended it
+    (Slurm's TIMEOUT, or submitit stopping it at Slurm's warning signal before the limit), else
+    `error`; Slurm's state and what submitit recorded are the reason."""
     from harness.record import base_record
 
     rec = base_record(point)
-    timed_out = state.upper().startswith("TIMEOUT") or state.upper().startswith("DEADLINE")
+    timed_out = state.upper().startswith(("TIMEOUT", "DEADLINE")) or "timed-out" in detail
+    what = (f"Slurm job {job_id} reached its time limit (Slurm: {state})" if timed_out
+            else f"Slurm job {job_id} ended {state}")
     rec.update(status="timeout" if timed_out else "error", job_id=job_id,
-               error=f"Slurm job {job_id} ended {state} before its point wrote a row"
+               error=f"{what} before its point wrote a row" + (f"; submitit: {detail}" if detail else "")
                      + (f"; log: {log_path}" if log_path else ""))
     return rec
+
+
+def _outcome(job) -> str:
+    """What submitit recorded for a finished job (its result pickle), in one line; '' if nothing."""
+    try:
+        res = job.result()
+    except Exception as e:  # no result at all (killed): submitit says so with Slurm's state
+        exc = e
+    else:  # Hydra's job caught what ended it (e.g. submitit's timeout at Slurm's warning signal)
+        failed = isinstance(res, JobReturn) and res.status == JobStatus.FAILED
+        exc = res._return_value if failed else None
+    if exc is None:
+        return ""
+    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else type(exc).__name__
 
 
 def write_row(run_dir: Path, rec: dict) -> dict:
@@ -148,11 +166,7 @@ class SlurmArrays(SlurmLauncher):
             for p, job in waiting:
                 row_file = p.run_dir / result_file
                 if job.done():
-                    if row_file.exists():  # the point's own row decides its status
-                        rows[p.idx] = json.loads(row_file.read_text())
-                    else:
-                        rows[p.idx] = write_row(p.run_dir, failure_row(p.point, job.job_id, _state(job),
-                                                                         str(job.paths.stderr)))
+                    rows[p.idx] = self._row_of(p, job, row_file)
                     continue
                 limit = params_pending.get(p.idx)
                 if limit is not None and time.monotonic() - started > limit and _state(job) == "PENDING":
@@ -167,6 +181,31 @@ class SlurmArrays(SlurmLauncher):
             waiting = still
             if waiting:
                 time.sleep(POLL_S)
+
+
+    @staticmethod
+    def _row_of(p: _Point, job, row_file: Path) -> dict:
+        """The point's own row decides its status; a failed one gets Slurm's word on the job added.
+        No row: one from Slurm's state and submitit's record."""
+        state = _final_state(job)
+        if row_file.exists():
+            rec = json.loads(row_file.read_text())
+            if rec.get("status") in ("error", "timeout") and not state.startswith("COMPLETED"):
+                rec["error"] = f"{rec.get('error')} (Slurm job {job.job_id}: {state})"
+                write_row(p.run_dir, rec)
+            return rec
+        return write_row(p.run_dir, failure_row(p.point, job.job_id, state, str(job.paths.stderr), _outcome(job)))
+
+
+def _final_state(job, wait_s: float = 30.0) -> str:
+    """Slurm's state once it has left RUNNING/COMPLETING (a job can be done, by its result file,
+    a moment before sacct says so)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        state = _state(job)
+        if state.upper() not in ("RUNNING", "COMPLETING", "PENDING", "UNKNOWN") or time.monotonic() > deadline:
+            return state
+        time.sleep(1)
 
 
 def _state(job) -> str:
