@@ -51,7 +51,7 @@ def render(df: pd.DataFrame, fit_long: pd.DataFrame, title: str) -> None:
     """The fit table, the row counts and the failures."""
     from rich.markup import escape
 
-    table, same = tables.fold_constant(tables.fits_table(df, fit_long), columns=8)
+    table, same = tables.fold_constant(tables.fits_table(df, fit_long), columns=tables.FITS_IDENTITY_COLUMNS)
     first_number = table[0].index("alloc GiB")
     _print(table, f"{title}\n{same}" if same else title, FITS_CAPTION, right_from=first_number)
     console = _console()

@@ -81,7 +81,7 @@ def build(df: pd.DataFrame, fit_long: pd.DataFrame, judged: pd.DataFrame, fr: pd
         sections.append(Section("Code problem or card problem?", "Each point that does not fit its card: "
                                 "a code problem when a remedy in the sweep fits it, a card problem when none does.",
                                 tables.verdict_table(judged)))
-    table, same = tables.fold_constant(tables.fits_table(df, fit_long), columns=8)
+    table, same = tables.fold_constant(tables.fits_table(df, fit_long), columns=tables.FITS_IDENTITY_COLUMNS)
     sections.append(Section("Fit table", f"Every run on every card of the catalog{'; ' + same if same else ''}.",
                             table))
     return sections, pngs

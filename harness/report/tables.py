@@ -27,15 +27,20 @@ def fits_table(df: pd.DataFrame, fit_long: pd.DataFrame) -> Table:
     """Config x card: fits with the headroom left (% of the card's memory) or OOM."""
     cards = list(dict.fromkeys(fit_long["card"])) if not fit_long.empty else []
     cell = {(r.run_id, r.card): _cell(r.fits, r.headroom_pct) for r in fit_long.itertuples(index=False)}
-    header = ["model", "workload", "batch", "seq", "precision", "ckpt", "allocator", "leak", "status", "kind",
+    header = ["model", "workload", "batch", "seq", "precision", "ckpt", "allocator", "leak", "gpu", "backend",
+              "status", "kind",
               "alloc GiB", "reserved GiB", *cards]
     rows = [[str(r.model), str(r.workload), str(r.batch_size), str(r.seq_len), str(r.precision),
-             _ckpt(r.checkpointing), str(r.allocator_conf or "default"), str(r.leak or "none"), str(r.status),
+             _ckpt(r.checkpointing), str(r.allocator_conf or "default"), str(r.leak or "none"), str(r.gpu),
+             str(r.backend), str(r.status),
              str(r.kind),
              gib(r.peak_allocated_bytes), gib(r.peak_reserved_bytes),
              *[cell.get((r.run_id, c), "-") for c in cards]]
             for r in df.itertuples(index=False)]
     return header, rows
+
+
+FITS_IDENTITY_COLUMNS = 10  # model .. backend: folded into the title where one value holds for all rows
 
 
 def fold_constant(table: Table, columns: int) -> tuple[Table, str]:
