@@ -54,8 +54,8 @@ def test_a_small_model_trains_on_the_card_with_every_reading(tmp_path):
 
 
 def test_the_allocator_takes_the_settings_asked_for(tmp_path):
-    r = run_cli("sweep", "model=tiny", "backend=cuda", "allocator=default,expandable,max_split_512",
-                f"results_dir={tmp_path}")
+    r = run_cli("sweep", "sweeps=smoke", "batch_size=2", "seq_len=64", "backend=cuda",
+                "allocator=default,expandable,max_split_512", f"results_dir={tmp_path}")
     df = _rows(tmp_path)
     assert r.returncode == 0, r.stderr + str(df[["allocator_conf", "error"]])
     assert list(df["status"]) == ["ok"] * 3  # a setting the allocator ignored would be an error row
@@ -91,7 +91,7 @@ def test_a_snapshot_replays_exactly_through_the_allocator_model(tmp_path):
 
 
 def test_calibrate_compares_two_points(tmp_path):
-    r = run_cli("calibrate", "model=tiny", "batch_size=1,4", "seq_len=256", f"results_dir={tmp_path}")
+    r = run_cli("calibrate", "sweeps=smoke", "batch_size=1,4", "seq_len=256", f"results_dir={tmp_path}")
     print(r.stdout[-4000:])
     assert r.returncode == 0, r.stderr
     df = pd.read_parquet(next(tmp_path.glob("**/calibration.parquet")))
@@ -102,7 +102,8 @@ def test_calibrate_compares_two_points(tmp_path):
 
 
 def test_a_users_job_runs_for_real_with_its_value_reads(tmp_path):
-    r = run_cli("sweep", "workload=custom", "workload.target=examples.gpt:build,tests.jobs.item_in_step:build",
+    r = run_cli("sweep", "sweeps=smoke", "workload=custom",
+                "workload.target=examples.gpt:build,tests.jobs.item_in_step:build",
                 "batch_size=4", "seq_len=128", "backend=cuda", f"results_dir={tmp_path}")
     df = _rows(tmp_path)
     assert r.returncode == 0, r.stderr + str(df[["workload_target", "error"]])

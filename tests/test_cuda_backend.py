@@ -16,7 +16,12 @@ from harness.analysis.kinds import kind
 from harness.config.validate import check_cards, resolve_backend
 from harness.errors import ConfigError
 from harness.probe import gpus
-from harness.probe.cuda import CardTooLarge, emulation_fraction, oom_columns, settings_mismatch
+from harness.probe.cuda import (
+    CardTooLarge,
+    emulation_fraction,
+    oom_columns,
+    settings_mismatch,
+)
 from harness.probe.cuda_watch import PhaseReading, StepReading, measurements, read_peaks
 from tests.conftest import run_cli
 from tests.test_diagnose import MESSAGES, SHARED
@@ -54,6 +59,14 @@ def test_settings_the_allocator_ignored_are_named():
     recorded = AllocSettings.from_conf("").snapshot_dict()
     msg = settings_mismatch("expandable_segments:True", recorded)
     assert msg == "expandable_segments: asked True, got False"
+
+
+def test_settings_a_version_does_not_report_are_not_called_ignored():
+    recorded = AllocSettings.from_conf("").snapshot_dict()  # as 2.6 reports: no max_non_split_rounding_size
+    assert settings_mismatch("max_non_split_rounding_mb:40", recorded) is None
+    recorded["max_non_split_rounding_size"] = 20 * MiB
+    assert settings_mismatch("max_non_split_rounding_mb:40", recorded) == (
+        f"max_non_split_rounding: asked {40 * MiB}, got {20 * MiB}")
 
 
 def test_a_real_snapshots_settings_are_the_default_allocator():
@@ -234,6 +247,19 @@ def test_calibration_reports_relative_errors_against_the_measurement():
     s = calibration.summary(df)
     assert s == {"points": 3, "compared": 2, "status_agrees": 3, "within_target": 1,
                  "max_abs_allocated_error": pytest.approx(0.01), "max_abs_reserved_error": pytest.approx(0.10)}
+
+
+def test_the_calibration_table_puts_prediction_beside_measurement(capsys):
+    from harness.report import console, tables
+
+    df = calibration.compare([(_row("sim", "ok", 1010 * MiB, 1100 * MiB),
+                               _row("cuda", "ok", 1000 * MiB, 1000 * MiB, step_time_s=0.2, device_name="NVIDIA H200"))])
+    header, rows = tables.calibration_table(df)
+    cells = dict(zip(header, rows[0]))
+    assert cells["status sim/cuda"] == "ok/ok" and cells["alloc err"] == "+1.00%" and cells["reserved err"] == "+10.00%"
+    assert cells["alloc GiB sim"] == "0.99" and cells["step s"] == "0.200" and cells["device"] == "NVIDIA H200"
+    console.render_calibration(df, calibration.summary(df))
+    assert "1 of 1 point(s) compared, 0 within target" in capsys.readouterr().out
 
 
 def test_calibration_flags_a_status_the_sim_got_wrong():

@@ -104,8 +104,8 @@ class SlurmArrays(SlurmLauncher):
         import submitit
 
         from harness.cli import to_point
-        from harness.runner import RESULT_FILE, find_done
         from harness.record import run_id
+        from harness.runner import RESULT_FILE, find_done
 
         assert self.config is not None and self.hydra_context is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
@@ -187,14 +187,16 @@ class SlurmArrays(SlurmLauncher):
     def _row_of(p: _Point, job, row_file: Path) -> dict:
         """The point's own row decides its status; a failed one gets Slurm's word on the job added.
         No row: one from Slurm's state and submitit's record."""
-        state = _final_state(job)
         if row_file.exists():
             rec = json.loads(row_file.read_text())
-            if rec.get("status") in ("error", "timeout") and not state.startswith("COMPLETED"):
-                rec["error"] = f"{rec.get('error')} (Slurm job {job.job_id}: {state})"
-                write_row(p.run_dir, rec)
+            if rec.get("status") in ("error", "timeout"):
+                state = _final_state(job)
+                if not state.startswith("COMPLETED"):
+                    rec["error"] = f"{rec.get('error')} (Slurm job {job.job_id}: {state})"
+                    write_row(p.run_dir, rec)
             return rec
-        return write_row(p.run_dir, failure_row(p.point, job.job_id, state, str(job.paths.stderr), _outcome(job)))
+        return write_row(p.run_dir, failure_row(p.point, job.job_id, _final_state(job), str(job.paths.stderr),
+                                                _outcome(job)))
 
 
 def _final_state(job, wait_s: float = 30.0) -> str:

@@ -8,7 +8,6 @@ its message. A card smaller than the device is emulated by capping reserved byte
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import os
 from pathlib import Path
@@ -23,13 +22,20 @@ class CardTooLarge(ValueError):
     pass
 
 
+# AllocSettings field -> the key a snapshot's allocator_settings reports it under (a key a
+# version does not report, e.g. max_non_split_rounding_size before 2.7, cannot be checked).
+_REPORTED = {"max_split_size": "max_split_size", "max_non_split_rounding": "max_non_split_rounding_size",
+             "roundup_power2_divisions": "roundup_power2_divisions",
+             "garbage_collection_threshold": "garbage_collection_threshold",
+             "expandable_segments": "expandable_segments"}
+
+
 def settings_mismatch(conf: str, recorded: dict) -> str | None:
     """Where the allocator's effective settings (a snapshot's allocator_settings) differ from the
-    PYTORCH_ALLOC_CONF string asked for; None when they agree."""
+    PYTORCH_ALLOC_CONF string asked for; None when every reported setting agrees."""
     want, got = AllocSettings.from_conf(conf), AllocSettings.from_snapshot(recorded)
-    diffs = [f"{f.name}: asked {getattr(want, f.name)!r}, got {getattr(got, f.name)!r}"
-             for f in dataclasses.fields(AllocSettings) if f.name != "conf"
-             and getattr(want, f.name) != getattr(got, f.name)]
+    diffs = [f"{name}: asked {getattr(want, name)!r}, got {getattr(got, name)!r}"
+             for name, key in _REPORTED.items() if key in recorded and getattr(want, name) != getattr(got, name)]
     return "; ".join(diffs) or None
 
 
@@ -86,7 +92,7 @@ def run_cuda(point: dict, run_dir: Path) -> dict:
     else:
         out["emulated_gpu"] = False
     torch.cuda.init()
-    mismatch = settings_mismatch(point["allocator"]["conf"], torch.cuda.memory._snapshot()["allocator_settings"])
+    mismatch = settings_mismatch(point["allocator"]["conf"], torch.cuda.memory._snapshot().get("allocator_settings", {}))
     if mismatch:
         raise RuntimeError(f"the allocator did not take allocator.conf={point['allocator']['conf']!r}: {mismatch}")
     from harness.probe.cuda_job import measure
