@@ -114,13 +114,13 @@ def _custom(point: dict, watch: CudaWatch, facts: dict) -> None:
     """The user's build function and step, as they are, on the card: tensors made without a device
     land on it, and amp_* is CUDA's own autocast."""
     from harness.probe.custom import (
-        UserCodeError,
         _prepare_optimizer,
         _step,
+        apply_checkpointing,
+        check_job,
         knobs,
         load_target,
     )
-    from harness.workload import Job, checkpoint_blocks
 
     build = load_target(point["workload"]["target"], point.get("cwd"))
     k = knobs(point)
@@ -129,10 +129,8 @@ def _custom(point: dict, watch: CudaWatch, facts: dict) -> None:
     torch.manual_seed(0)
     with torch.device("cuda"):
         job = build(k)
-        if not isinstance(job, Job):
-            raise UserCodeError(f"{point['workload']['target']} returned {type(job).__name__}, not a harness.workload.Job")
-        if k.checkpointing and job.blocks is not None and checkpoint_blocks(job.model, job.blocks) == 0:
-            raise UserCodeError(f"checkpointing=true but the model has no {job.blocks} module to checkpoint")
+        check_job(job, point)
+        apply_checkpointing(job, k)
         params = list(job.model.parameters())
         opt = job.optimizer
         facts.update(trains=opt is not None, model=job.name or type(job.model).__name__,

@@ -165,14 +165,12 @@ def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tup
                 job = build(k)
         except _VALUE_READS as e:
             raise _explain(e, "while building the job") from e
-        if not isinstance(job, Job):
-            raise UserCodeError(f"{point['workload']['target']} returned {type(job).__name__}, not a harness.workload.Job")
+        check_job(job, point)
         for t in tree_leaves(job.batch):
             if isinstance(t, torch.Tensor):
                 tracker.retag(t, "input")
         tracker.attach_modules(job.model)
-        if k.checkpointing and job.blocks is not None and checkpoint_blocks(job.model, job.blocks) == 0:
-            raise UserCodeError(f"checkpointing=true but the model has no {job.blocks} module to checkpoint")
+        apply_checkpointing(job, k)
         opt = job.optimizer
         if opt is not None:
             _prepare_optimizer(opt, point["optimizer"]["impl"], emulate_cuda)
@@ -199,6 +197,17 @@ def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tup
         m["model"] = job.name or type(job.model).__name__
         m["optimizer"] = type(opt).__name__ if opt is not None else None
     return m, tracker
+
+
+def check_job(job, point: dict) -> None:
+    if not isinstance(job, Job):
+        raise UserCodeError(f"{point['workload']['target']} returned {type(job).__name__}, not a harness.workload.Job")
+
+
+def apply_checkpointing(job: Job, k: Knobs) -> None:
+    """checkpointing=true: each of the job's blocks checkpointed (an error if it has none)."""
+    if k.checkpointing and job.blocks is not None and checkpoint_blocks(job.model, job.blocks) == 0:
+        raise UserCodeError(f"checkpointing=true but the model has no {job.blocks} module to checkpoint")
 
 
 def _step(job: Job, region):
