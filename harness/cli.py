@@ -138,10 +138,11 @@ def _gpu_launch(cards: list[dict], multirun: bool) -> list[str]:
 def _launch(verb: str, flags: list[str], overrides: list[str]) -> int:
     try:
         points, base, cards = _prepare(verb, overrides)
-        cluster = "Slurm" in str(base.hydra.launcher.get("_target_", ""))
+        # Only a sweep goes through the launcher: `run` is one point on this machine.
+        cluster = verb == "sweep" and "Slurm" in str(base.hydra.launcher.get("_target_", ""))
         backend = resolve_backend(base.backend, cluster)
         if cluster:  # one batch: an array per card for the whole sweep, not one per Hydra batch
-            launch_extra = ["hydra.sweeper.max_batch_size=null"] if verb == "sweep" else []
+            launch_extra = ["hydra.sweeper.max_batch_size=null"]
         else:
             launch_extra = _gpu_launch(cards, verb == "sweep") if backend == "cuda" else []
     except ConfigError as e:

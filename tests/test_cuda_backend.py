@@ -81,6 +81,12 @@ def test_the_device_itself_is_not_emulated():
     assert emulation_fraction(H200_CARD, *H200) is None
 
 
+def test_the_device_with_less_memory_asked_for_is_emulated():
+    smaller = {**H200_CARD, "memory_bytes": 40 * GiB}  # gpu=h200 gpu.memory_bytes=...
+    assert emulation_fraction(smaller, *H200) == pytest.approx((40 * GiB - 512 * MiB) / H200[1])
+    assert emulation_fraction({**H200_CARD, "memory_bytes": H200[1] + 5 * MiB}, *H200) is None  # catalog rounding
+
+
 def test_a_smaller_card_caps_reserved_at_its_room():
     fraction = emulation_fraction(T4, *H200)
     # reserved bytes are capped at the T4's memory less its CUDA context: what a T4 gives PyTorch

@@ -44,7 +44,9 @@ def emulation_fraction(card: dict, device_name: str, device_bytes: int) -> float
     is that card. The cap is on reserved bytes (set_per_process_memory_fraction), so it is the
     card's room for PyTorch: its memory less what its CUDA context and libraries take. A card
     larger than the device cannot be emulated."""
-    if device_name == card["device_name"]:
+    same_card = device_name == card["device_name"]
+    # The catalog's capacity is as a device of that card reports it, to a few MiB.
+    if same_card and card["memory_bytes"] >= device_bytes * 0.99:
         return None
     if card["memory_bytes"] > device_bytes:
         raise CardTooLarge(f"gpu={card['name']} ({card['memory_bytes'] / 2**30:.2f} GiB) is larger than this "
