@@ -7,11 +7,14 @@ back). With several GPUs, several points run at once, one per card.
 
 from __future__ import annotations
 
-import fcntl
+import json
 import os
+import subprocess
+import sys
 import tempfile
-import time
 from pathlib import Path
+
+from harness.probe import slots
 
 POLL_S = 0.2
 
@@ -44,21 +47,13 @@ def take(devices: list[str], locks: Path | None = None, timeout_s: float | None 
     if not devices:
         raise RuntimeError("no GPU to run on (CUDA_VISIBLE_DEVICES is empty)")
     locks = locks or lock_dir()
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        for device in devices:
-            f = open(locks / f"gpu-{device}.lock", "w")
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                f.close()
-                continue
-            f.write(f"{os.getpid()}\n")
-            f.flush()
-            return device, f
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"no free GPU among {', '.join(devices)} within {timeout_s} s")
-        time.sleep(POLL_S)
+    try:
+        i, f = slots.take([locks / f"gpu-{d}.lock" for d in devices], POLL_S, timeout_s)
+    except TimeoutError:
+        raise TimeoutError(f"no free GPU among {', '.join(devices)} within {timeout_s} s") from None
+    f.write(f"{os.getpid()}\n")  # who holds the card, for a person looking
+    f.flush()
+    return devices[i], f
 
 
 def worker_env(device: str, alloc_conf: str, base: dict | None = None) -> dict:
@@ -82,10 +77,6 @@ _DESCRIBE = ("import json, torch; print(json.dumps([[p.name, p.total_memory] for
 def describe(devices: list[str]) -> list[tuple[str, int]]:
     """(name, total_memory bytes) of each device, read in a child process so that this one (the
     launcher) never holds a CUDA context on a card its points measure."""
-    import json
-    import subprocess
-    import sys
-
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devices)}
     out = subprocess.run([sys.executable, "-c", _DESCRIBE], capture_output=True, text=True, env=env,
                          timeout=120, check=True)

@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness.probe import slots
+
 IDLE_S = 90
 START_TIMEOUT_S = 60
 
@@ -40,16 +42,8 @@ def socket_path() -> Path:
 
 
 def _take_slot(slots_dir: Path, n: int):
-    """Wait for one of `n` run slots (flock'd files: a killed child gives its slot back)."""
-    while True:
-        for i in range(n):
-            f = open(slots_dir / f"slot{i}", "w")
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return f
-            except OSError:
-                f.close()
-        time.sleep(0.05)
+    """Wait for one of `n` run slots."""
+    return slots.take([slots_dir / f"slot{i}" for i in range(n)], poll_s=0.05)[1]
 
 
 class _Handler(socketserver.StreamRequestHandler):
