@@ -68,8 +68,8 @@ def _run_all(points: list[list[str]], backend: str, out: Path, results_dir: Path
 
     def one(i: int) -> dict:
         with lock:
-            point = to_point(compose([*points[i], f"backend={backend}"]), points[i], os.getcwd())
-        point["trace_cache"] = str(results_dir / ".traces")
+            point = to_point(compose([*points[i], f"backend={backend}"]), points[i], os.getcwd(),
+                             results_dir=results_dir)
         return run_point(point, out / "runs" / f"{i}-{backend}", results_dir)
 
     with ThreadPoolExecutor(max(1, width)) as pool:

@@ -39,7 +39,10 @@ exit codes: 0 every point produced a row (OOM rows count); 1 some row is an erro
 missing; 2 usage or config error."""
 
 
-def to_point(cfg, overrides: list[str], cwd: str | None = None, cluster: bool = False) -> dict:
+def to_point(cfg, overrides: list[str], cwd: str | None = None, cluster: bool = False,
+             results_dir: Path | None = None) -> dict:
+    """The resolved point a worker runs; with `results_dir`, its trace cache there (one trace
+    serves every allocator setting and card)."""
     if "hydra" in cfg:  # a sweep config before its job ran: hydra's runtime keys are not set yet
         cfg = cfg.copy()
         with open_dict(cfg):
@@ -48,6 +51,8 @@ def to_point(cfg, overrides: list[str], cwd: str | None = None, cluster: bool = 
     point["backend"] = resolve_backend(point["backend"], cluster)
     point["overrides"] = " ".join(overrides)
     point["cwd"] = cwd or os.getcwd()  # where the user ran us: their workload module is found from here
+    if results_dir is not None:
+        point["trace_cache"] = str(Path(results_dir) / ".traces")
     if point["workload"]["name"] == "custom":
         from harness.probe.custom import source_sha
 
@@ -72,9 +77,10 @@ def main(cfg) -> str:
     if hc.runtime.cwd not in sys.path:  # a user's workload module lives where they ran us
         sys.path.insert(0, hc.runtime.cwd)
     job_id = slurm_job_id(os.environ)
+    results_dir = Path(to_absolute_path(cfg.results_dir))
     try:
         validate(cfg)
-        point = to_point(cfg, overrides, hc.runtime.cwd)
+        point = to_point(cfg, overrides, hc.runtime.cwd, results_dir=results_dir)
     except ConfigError as e:  # validated up front; a worker composing differently still leaves a row
         point = OmegaConf.to_container(cfg, resolve=True)
         point.pop("hydra", None)
@@ -83,8 +89,6 @@ def main(cfg) -> str:
         rec.update(status="error", error=str(e))
         return _write(run_dir, rec)["status"]
     point["job_id"] = job_id  # the cluster's id for this point's job, to find its logs and accounting
-    results_dir = Path(to_absolute_path(cfg.results_dir))
-    point["trace_cache"] = str(results_dir / ".traces")  # one trace serves every allocator and card
     reuse = results_dir if hc.mode == RunMode.MULTIRUN else None
     return run_point(point, run_dir, reuse)["status"]
 

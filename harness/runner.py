@@ -150,5 +150,6 @@ def _describe_exit(rc, log: Path) -> str:
 
 
 def _write(run_dir: Path, rec: dict) -> dict:
+    run_dir.mkdir(parents=True, exist_ok=True)  # a row for a point that never started has no dir yet
     (run_dir / RESULT_FILE).write_text(json.dumps(rec, indent=1, default=str))
     return rec

@@ -91,7 +91,7 @@ def verdicts(df: pd.DataFrame) -> pd.DataFrame:
                     rank = sum(_COST[k][0] for k, _d in diff) + len(diff) * 10  # fewer changes first
                     fixes.append((rank, " + ".join(f"{d} ({_COST[k][1]})" for k, d in diff)))
         fixes = sorted(set(fixes))[:3]
-        entry = {"run_id": job.get("run_id"), "job": _job(job), "card": card["key"], "kind": job.get("kind")}
+        entry = {"run_id": job.get("run_id"), "job": job_label(job), "card": card["key"], "kind": job.get("kind")}
         if fixes:
             entry.update(verdict="code problem", detail=" | ".join(f"fits with {desc}" for _r, desc in fixes))
         else:
@@ -100,7 +100,8 @@ def verdicts(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out, columns=["run_id", "job", "card", "kind", "verdict", "detail"])
 
 
-def _job(row) -> str:
+def job_label(row) -> str:
+    """A run in words: model, workload, batch, sequence, precision, checkpointing, allocator, leak."""
     leak = f" leak={_leak(row)}" if _leak(row) != "none" else ""
     alloc = f" alloc={row['allocator_conf']}" if row.get("allocator_conf") else ""
     return (f"{row['model']} {row['workload']} b{row['batch_size']} s{row['seq_len']} {row['precision']} "

@@ -28,6 +28,8 @@ from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 from omegaconf import OmegaConf, open_dict
 
+from harness.runner import RESULT_FILE, _write, find_done
+
 log = logging.getLogger(__name__)
 
 POLL_S = 2.0
@@ -59,20 +61,25 @@ def slurm_job_id(env: dict) -> str | None:
     return env.get("SLURM_JOB_ID")
 
 
-def failure_row(point: dict, job_id: str | None, state: str, log_path: str | None, detail: str = "") -> dict:
-    """The row of a job that ended without writing one: `timeout` when its time limit ended it
-    (Slurm's TIMEOUT, or submitit stopping it at Slurm's warning signal before the limit), else
-    `error`; Slurm's state and what submitit recorded are the reason."""
+def job_row(point: dict, job_id: str | None, status: str, error: str) -> dict:
+    """A row the launcher writes for a point whose job could not write its own."""
     from harness.record import base_record
 
     rec = base_record(point)
+    rec.update(status=status, job_id=job_id, error=error)
+    return rec
+
+
+def ended_row(point: dict, job_id: str | None, state: str, log_path: str | None, detail: str = "") -> dict:
+    """The row of a job that ended without writing one: `timeout` when its time limit ended it
+    (Slurm's TIMEOUT, or submitit stopping it at Slurm's warning signal before the limit), else
+    `error`; Slurm's state and what submitit recorded are the reason."""
     timed_out = state.upper().startswith(("TIMEOUT", "DEADLINE")) or "timed-out" in detail
     what = (f"Slurm job {job_id} reached its time limit (Slurm: {state})" if timed_out
             else f"Slurm job {job_id} ended {state}")
-    rec.update(status="timeout" if timed_out else "error", job_id=job_id,
-               error=f"{what} before its point wrote a row" + (f"; submitit: {detail}" if detail else "")
-                     + (f"; log: {log_path}" if log_path else ""))
-    return rec
+    return job_row(point, job_id, "timeout" if timed_out else "error",
+                   f"{what} before its point wrote a row" + (f"; submitit: {detail}" if detail else "")
+                   + (f"; log: {log_path}" if log_path else ""))
 
 
 def _outcome(job) -> str:
@@ -90,13 +97,6 @@ def _outcome(job) -> str:
     return lines[-1].strip() if lines else type(exc).__name__
 
 
-def write_row(run_dir: Path, rec: dict) -> dict:
-    from harness.runner import _write
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return _write(run_dir, rec)
-
-
 class SlurmArrays(SlurmLauncher):
     """The launcher's work; Hydra loads it as hydra_plugins.harness_launcher.HarnessSlurmLauncher."""
 
@@ -105,7 +105,6 @@ class SlurmArrays(SlurmLauncher):
 
         from harness.cli import to_point
         from harness.record import run_id
-        from harness.runner import RESULT_FILE, find_done
 
         assert self.config is not None and self.hydra_context is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
@@ -128,7 +127,7 @@ class SlurmArrays(SlurmLauncher):
             if done is not None:  # an earlier run has it: no job
                 rec = json.loads(done.read_text())
                 rec["reused_from"] = str(done)
-                rows[p.idx] = write_row(p.run_dir, rec)
+                rows[p.idx] = _write(p.run_dir, rec)
             else:
                 todo.append(p)
         log.info(f"Slurm: {len(todo)} of {len(points)} point(s) to submit ({len(points) - len(todo)} done before)")
@@ -147,35 +146,31 @@ class SlurmArrays(SlurmLauncher):
             except Exception as e:  # sbatch refused the array (no such partition or feature, ...)
                 reason = str(e).strip().splitlines()
                 for p in group:
-                    rec = failure_row(p.point, None, "without starting: sbatch refused it", None)
-                    rec["error"] = f"sbatch refused the job: {reason[-1] if reason else type(e).__name__}"
-                    rows[p.idx] = write_row(p.run_dir, rec)
+                    rows[p.idx] = _write(p.run_dir, job_row(
+                        p.point, None, "error", f"sbatch refused the job: {reason[-1] if reason else type(e).__name__}"))
                 continue
             jobs += list(zip(group, submitted))
-        self._wait(jobs, rows, params_pending={p.idx: p.params.get("pending_timeout_s") for p in todo},
-                   result_file=RESULT_FILE)
+        self._wait(jobs, rows)
         return [JobReturn(overrides=p.overrides, status=JobStatus.COMPLETED, _return_value=rows[p.idx]["status"],
                           working_dir=str(p.run_dir), task_name="harness") for p in points]
 
-    def _wait(self, jobs: list, rows: dict, params_pending: dict, result_file: str) -> None:
+    def _wait(self, jobs: list, rows: dict) -> None:
         """Until every job has a row: the job's own, or one written here from Slurm's state."""
         started = time.monotonic()
         waiting = list(jobs)
         while waiting:
             still = []
             for p, job in waiting:
-                row_file = p.run_dir / result_file
                 if job.done():
-                    rows[p.idx] = self._row_of(p, job, row_file)
+                    rows[p.idx] = _row_of(p, job)
                     continue
-                limit = params_pending.get(p.idx)
+                limit = p.params.get("pending_timeout_s")
                 if limit is not None and time.monotonic() - started > limit and _state(job) == "PENDING":
                     reason = _pending_reason(job.job_id)
                     job.cancel(check=False)
-                    rec = failure_row(p.point, job.job_id, "PENDING", None)
-                    rec["error"] = (f"Slurm job {job.job_id} never started within pending_timeout_s={limit} "
-                                    f"(Slurm's reason: {reason}); cancelled")
-                    rows[p.idx] = write_row(p.run_dir, rec)
+                    rows[p.idx] = _write(p.run_dir, job_row(
+                        p.point, job.job_id, "error", f"Slurm job {job.job_id} never started within "
+                        f"pending_timeout_s={limit} (Slurm's reason: {reason}); cancelled"))
                     continue
                 still.append((p, job))
             waiting = still
@@ -183,20 +178,20 @@ class SlurmArrays(SlurmLauncher):
                 time.sleep(POLL_S)
 
 
-    @staticmethod
-    def _row_of(p: _Point, job, row_file: Path) -> dict:
-        """The point's own row decides its status; a failed one gets Slurm's word on the job added.
-        No row: one from Slurm's state and submitit's record."""
-        if row_file.exists():
-            rec = json.loads(row_file.read_text())
-            if rec.get("status") in ("error", "timeout"):
-                state = _final_state(job)
-                if not state.startswith("COMPLETED"):
-                    rec["error"] = f"{rec.get('error')} (Slurm job {job.job_id}: {state})"
-                    write_row(p.run_dir, rec)
-            return rec
-        return write_row(p.run_dir, failure_row(p.point, job.job_id, _final_state(job), str(job.paths.stderr),
-                                                _outcome(job)))
+def _row_of(p: _Point, job) -> dict:
+    """The point's own row decides its status; a failed one gets Slurm's word on the job added.
+    No row: one from Slurm's state and submitit's record."""
+    row_file = p.run_dir / RESULT_FILE
+    if row_file.exists():
+        rec = json.loads(row_file.read_text())
+        if rec.get("status") in ("error", "timeout"):
+            state = _final_state(job)
+            if not state.startswith("COMPLETED"):
+                rec["error"] = f"{rec.get('error')} (Slurm job {job.job_id}: {state})"
+                _write(p.run_dir, rec)
+        return rec
+    return _write(p.run_dir, ended_row(p.point, job.job_id, _final_state(job), str(job.paths.stderr),
+                                       _outcome(job)))
 
 
 def _final_state(job, wait_s: float = 30.0) -> str:

@@ -94,8 +94,7 @@ class Planner:
         from harness.runner import run_point
 
         cfg = self.compose(overrides)
-        point = self._to_point(cfg, overrides)
-        point["trace_cache"] = str(self.results_dir / ".traces")
+        point = self._to_point(cfg, overrides, results_dir=self.results_dir)
         row = run_point(point, self.out / "runs" / str(next(self._n)), self.results_dir)
         if row.get("status") not in ("ok", "oom"):
             raise ProbeFailed(row)

@@ -8,14 +8,15 @@ import gc
 
 import torch
 
+from harness.allocator.model import round_size
 from harness.probe import steps
 from harness.probe.cuda import oom_columns
 from harness.probe.cuda_watch import CudaWatch, measurements
 
 
 def storage_bytes(tensors) -> int:
-    """Bytes the allocator gives these tensors' storages: each rounded up to its 512-byte block,
-    a storage shared by several tensors (tied weights) counted once."""
+    """Bytes the allocator gives these tensors' storages (each rounded as the allocator rounds a
+    request), a storage shared by several tensors (tied weights) counted once."""
     seen, total = set(), 0
     for t in tensors:
         if t is None:
@@ -24,7 +25,7 @@ def storage_bytes(tensors) -> int:
         if s.data_ptr() in seen:
             continue
         seen.add(s.data_ptr())
-        total += -(-s.nbytes() // 512) * 512
+        total += round_size(s.nbytes())
     return total
 
 
@@ -120,6 +121,7 @@ def _custom(point: dict, watch: CudaWatch, facts: dict) -> None:
         check_job,
         knobs,
         load_target,
+        optimizer_phases,
     )
 
     build = load_target(point["workload"]["target"], point.get("cwd"))
@@ -140,8 +142,7 @@ def _custom(point: dict, watch: CudaWatch, facts: dict) -> None:
         if opt is not None:
             _prepare_optimizer(opt, point["optimizer"]["impl"], emulate_cuda=True)
             _watch_training(opt, params, facts)
-            opt.register_step_pre_hook(lambda *_: watch.set_phase("optimizer"))
-            opt.register_step_post_hook(lambda *_: watch.set_phase("forward"))
+            optimizer_phases(opt, watch)
             # The first gradient to land marks backward (the user's step calls backward itself).
             for p in params:
                 if p.requires_grad:

@@ -60,10 +60,15 @@ class CudaWatch:
         self._open: list[PhaseReading] = []
         self._t0 = 0.0
 
+    def _read(self, phase: str) -> PhaseReading:
+        """The peaks since the last reset, kept with the step (or outside steps) they belong to."""
+        reading = read_peaks(self.cuda.memory_stats(), self.step, phase)
+        (self._open if self.step is not None else self.outside).append(reading)
+        return reading
+
     def _close_phase(self) -> None:
         if self.phase is not None:  # None: a step begun, its first phase not yet named
-            reading = read_peaks(self.cuda.memory_stats(), self.step, self.phase)
-            (self._open if self.step is not None else self.outside).append(reading)
+            self._read(self.phase)
         self.cuda.reset_peak_memory_stats()
 
     def set_phase(self, phase: str) -> None:
@@ -88,9 +93,7 @@ class CudaWatch:
 
     def at_failure(self) -> PhaseReading:
         """The peaks of the phase that was running when it failed (an OOM), kept with the others."""
-        reading = read_peaks(self.cuda.memory_stats(), self.step, self.phase or "forward")
-        (self._open if self.step is not None else self.outside).append(reading)
-        return reading
+        return self._read(self.phase or "forward")
 
     def all_phases(self) -> list[PhaseReading]:
         return [*self.outside, *(p for s in self.steps for p in s.phases), *self._open]

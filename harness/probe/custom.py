@@ -176,9 +176,7 @@ def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tup
             _prepare_optimizer(opt, point["optimizer"]["impl"], emulate_cuda)
             host_steps = not any(g.get("fused") for g in opt.param_groups) or not emulate_cuda
             watch_training(tracker, job.model, opt, host_steps)
-            opt.register_step_pre_hook(lambda *_: tracker.set_phase("optimizer"))
-            # After the optimizer step, whatever the user's step still runs is forward work again.
-            opt.register_step_post_hook(lambda *_: tracker.set_phase("forward"))
+            optimizer_phases(opt, tracker)
         step = _step(job, region)
         for i in range(n_steps):
             tracker.begin_step(i)
@@ -197,6 +195,13 @@ def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tup
         m["model"] = job.name or type(job.model).__name__
         m["optimizer"] = type(opt).__name__ if opt is not None else None
     return m, tracker
+
+
+def optimizer_phases(opt, hooks) -> None:
+    """The optimizer's step is a phase of its own; whatever the user's step runs after it is
+    forward work again."""
+    opt.register_step_pre_hook(lambda *_: hooks.set_phase("optimizer"))
+    opt.register_step_post_hook(lambda *_: hooks.set_phase("forward"))
 
 
 def check_job(job, point: dict) -> None:

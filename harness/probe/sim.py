@@ -92,7 +92,8 @@ def run_point(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tupl
 def _trace_train(point, model, input_ids, tracker, region, emulate_cuda) -> int:
     """The training steps under the tracker; returns the optimizer state's bytes."""
     if point["checkpointing"]:
-        steps.enable_checkpointing(model, region if region is not contextlib.nullcontext else None)
+        # The recompute runs inside backward, outside the emulated autocast region: re-enter it.
+        steps.enable_checkpointing(model, region if point["precision"].startswith("amp_") else None)
     opt = point["optimizer"]
     opt_kwargs = cu.optimizer_kwargs(opt["impl"]) if emulate_cuda else {}
     optimizer = steps.build_optimizer(opt["name"], model.parameters(), opt_kwargs, opt["lr"])

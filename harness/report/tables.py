@@ -113,11 +113,11 @@ def calibration_table(df: pd.DataFrame) -> Table:
     """Per point: status and peaks, predicted (sim) beside measured (cuda)."""
     header = ["point", "device", "status sim/cuda", "alloc GiB sim", "alloc GiB cuda", "alloc err",
               "reserved GiB sim", "reserved GiB cuda", "reserved err", "step s"]
-    rows = [[f"{r.model} {r.workload} b{r.batch_size} s{r.seq_len} {r.precision}"
-             f"{' ckpt' if r.checkpointing else ''} {r.allocator_conf or 'default'} {r.gpu}",
-             str(r.device_name), f"{r.predicted_status}/{r.measured_status}",
-             gib(r.predicted_allocated_bytes), gib(r.measured_allocated_bytes), _pct(r.allocated_error),
-             gib(r.predicted_reserved_bytes), gib(r.measured_reserved_bytes), _pct(r.reserved_error),
-             "-" if r.step_time_s is None or pd.isna(r.step_time_s) else f"{r.step_time_s:.3f}"]
-            for r in df.itertuples(index=False)]
+    from harness.analysis.verdict import job_label
+
+    rows = [[f"{job_label(r)} on {r['gpu']}", str(r["device_name"]), f"{r['predicted_status']}/{r['measured_status']}",
+             gib(r["predicted_allocated_bytes"]), gib(r["measured_allocated_bytes"]), _pct(r["allocated_error"]),
+             gib(r["predicted_reserved_bytes"]), gib(r["measured_reserved_bytes"]), _pct(r["reserved_error"]),
+             "-" if r["step_time_s"] is None or pd.isna(r["step_time_s"]) else f"{r['step_time_s']:.3f}"]
+            for r in df.to_dict("records")]
     return header, rows
