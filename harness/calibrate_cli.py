@@ -58,18 +58,13 @@ def main(overrides: list[str]) -> int:
 
 def _run_all(points: list[list[str]], backend: str, out: Path, results_dir: Path, width: int) -> list[dict]:
     """Every point on `backend`, `width` at a time; rows in the points' order."""
-    import threading
-
     from harness.cli import to_point
     from harness.config.compose import compose
     from harness.runner import run_point
 
-    lock = threading.Lock()  # Hydra's compose is process-global
-
     def one(i: int) -> dict:
-        with lock:
-            point = to_point(compose([*points[i], f"backend={backend}"]), points[i], os.getcwd(),
-                             results_dir=results_dir)
+        point = to_point(compose([*points[i], f"backend={backend}"]), points[i], os.getcwd(),
+                         results_dir=results_dir)
         return run_point(point, out / "runs" / f"{i}-{backend}", results_dir)
 
     with ThreadPoolExecutor(max(1, width)) as pool:

@@ -10,6 +10,7 @@ import itertools
 import math
 import os
 import re
+import threading
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -81,21 +82,26 @@ schema.register()
 register_resolvers()
 
 
+_COMPOSE_LOCK = threading.Lock()  # Hydra's GlobalHydra is process-wide: one compose at a time
+
+
 def compose(overrides: list[str], with_hydra: bool = False):
-    """The config `python -m harness run <overrides>` would see (ConfigError on bad input)."""
+    """The config `python -m harness run <overrides>` would see (ConfigError on bad input); safe
+    to call from several threads."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-            return hydra_compose("config", overrides=[*overrides, SEARCHPATH_OVERRIDE],
-                                 return_hydra_config=with_hydra)
-    except Exception as e:  # Hydra and OmegaConf raise many types; all are bad input here
-        raise friendly_error(e) from e
-    finally:
+    with _COMPOSE_LOCK:
         GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+                return hydra_compose("config", overrides=[*overrides, SEARCHPATH_OVERRIDE],
+                                     return_hydra_config=with_hydra)
+        except Exception as e:  # Hydra and OmegaConf raise many types; all are bad input here
+            raise friendly_error(e) from e
+        finally:
+            GlobalHydra.instance().clear()
 
 
 def friendly_error(e: Exception) -> ConfigError:

@@ -54,7 +54,7 @@ class Planner:
     def __init__(self, out: Path, results_dir: Path, compose, to_point):
         self.out, self.results_dir = out, results_dir
         self._compose, self._to_point = compose, to_point
-        self._lock = threading.Lock()  # Hydra's compose is process-global
+        self._lock = threading.Lock()  # one progress line at a time
         self._n = itertools.count()
         self.width = 1  # values of one group probed at once (set by plan())
 
@@ -69,7 +69,7 @@ class Planner:
 
         seen, groups = set(), []
         for p in points:
-            cfg = self.compose(p)
+            cfg = self._compose(p)
             validate(cfg)
             axis = cfg.plan.axis
             rest = [o for o in p if o.split("=", 1)[0].lstrip("+~") != axis]
@@ -79,21 +79,17 @@ class Planner:
             values = axis_values(cfg)
             for v in (values[0], values[-1]):
                 try:
-                    validate(self.compose([*rest, f"{axis}={v}"]))
+                    validate(self._compose([*rest, f"{axis}={v}"]))
                 except ConfigError as e:
                     raise ConfigError(e.key, f"{e.message} (plan point: {' '.join(rest)} {axis}={v})")
             groups.append(Group(rest, cfg, values))
         return groups
 
-    def compose(self, overrides: list[str]):
-        with self._lock:
-            return self._compose(overrides)
-
     def run(self, overrides: list[str]) -> dict:
         """One probe: a point run (or reused) like any sweep point; its row."""
         from harness.runner import run_point
 
-        cfg = self.compose(overrides)
+        cfg = self._compose(overrides)
         point = self._to_point(cfg, overrides, results_dir=self.results_dir)
         row = run_point(point, self.out / "runs" / str(next(self._n)), self.results_dir)
         if row.get("status") not in ("ok", "oom"):
