@@ -152,3 +152,17 @@ def test_jobs_that_never_start_are_rows_with_slurms_reason(slurm, tmp_path):
     row = _rows(_sweep_dir(tmp_path / "held", "smoke")).iloc[0]
     assert row["status"] == "error" and "never started within pending_timeout_s=3" in row["error"]
     assert "JobHeldUser" in row["error"]
+
+
+def test_a_job_ended_in_its_time_limits_warning_window_is_a_timeout_whatever_it_was_doing():
+    # Slurm's warning signal can land mid-import; what submitit then records is not its timeout text.
+    from harness.cli import to_point
+    from harness.config.compose import compose
+    from harness.launch.slurm import ended_row
+
+    point = to_point(compose(["model=tiny", "backend=sim"]), [])
+    garbled = "The underlying op of 'aten._chunk_cat' has no overload name 'out'"
+    row = ended_row(point, "66", "COMPLETED", "66_0_log.err", garbled, in_last_minutes=True)
+    assert row["status"] == "timeout" and row["error"].startswith("Slurm job 66 reached its time limit")
+    row = ended_row(point, "67", "CANCELLED by 0", None, "", in_last_minutes=False)
+    assert row["status"] == "error" and row["error"] == "Slurm job 67 ended CANCELLED by 0 before its point wrote a row"

@@ -70,11 +70,13 @@ def job_row(point: dict, job_id: str | None, status: str, error: str) -> dict:
     return rec
 
 
-def ended_row(point: dict, job_id: str | None, state: str, log_path: str | None, detail: str = "") -> dict:
+def ended_row(point: dict, job_id: str | None, state: str, log_path: str | None, detail: str = "",
+              in_last_minutes: bool = False) -> dict:
     """The row of a job that ended without writing one: `timeout` when its time limit ended it
-    (Slurm's TIMEOUT, or submitit stopping it at Slurm's warning signal before the limit), else
-    `error`; Slurm's state and what submitit recorded are the reason."""
-    timed_out = state.upper().startswith(("TIMEOUT", "DEADLINE")) or "timed-out" in detail
+    (Slurm's TIMEOUT; or submitit stopping it at Slurm's warning signal, which comes once the job is
+    `in_last_minutes` of its limit and may interrupt anything, an import included), else `error`;
+    Slurm's state and what submitit recorded are the reason."""
+    timed_out = state.upper().startswith(("TIMEOUT", "DEADLINE")) or "timed-out" in detail or in_last_minutes
     what = (f"Slurm job {job_id} reached its time limit (Slurm: {state})" if timed_out
             else f"Slurm job {job_id} ended {state}")
     return job_row(point, job_id, "timeout" if timed_out else "error",
@@ -191,7 +193,19 @@ def _row_of(p: _Point, job) -> dict:
                 _write(p.run_dir, rec)
         return rec
     return _write(p.run_dir, ended_row(p.point, job.job_id, _final_state(job), str(job.paths.stderr),
-                                       _outcome(job)))
+                                       _outcome(job), _in_warning_window(job.job_id, p.params.get("signal_delay_s"))))
+
+
+def _in_warning_window(job_id: str, signal_delay_s) -> bool:
+    """Whether the job ran into the last `signal_delay_s` of its time limit, where Slurm sends the
+    warning signal on which submitit stops it (sacct: ElapsedRaw s, TimelimitRaw min)."""
+    try:
+        out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "ElapsedRaw,TimelimitRaw"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout.split()
+        elapsed_s, limit_min = (int(x) for x in out[0].split("|"))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):  # unlimited, or sacct unreachable
+        return False
+    return elapsed_s >= 60 * limit_min - int(signal_delay_s or 0)
 
 
 def _final_state(job, wait_s: float = 30.0) -> str:
