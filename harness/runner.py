@@ -97,13 +97,24 @@ def _run_subprocess(run_dir: Path, log: Path, timeout_s: float, env: dict | None
     `env`, which CUDA reads once at start): exit code, or _TIMED_OUT."""
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "harness.probe.worker", str(run_dir)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
+                                stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_leave_job_warning)
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
             return _TIMED_OUT
+        except BaseException:  # this process stopped (Ctrl-C; submitit at a Slurm time limit): so is the point
+            proc.kill()
+            proc.wait()
+            raise
+
+
+def _leave_job_warning() -> None:
+    """In the point's process, before exec: Slurm sends its time-limit warning (SIGUSR2, submitit's
+    signal) to every process of a job. It is for submitit in the job's own process, which stops the
+    job and records the timeout; the point must not die of it first (its row would say `error`)."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
 def _run_forked(run_dir: Path, timeout_s: float):
