@@ -14,7 +14,7 @@ from pathlib import Path
 import hydra
 from omegaconf import OmegaConf, open_dict
 
-from harness.config.compose import CONF_DIR, SEARCHPATH_OVERRIDE, compose, expand_grid
+from harness.config.compose import compose, expand_grid, with_grid_files
 from harness.config.validate import resolve_backend, validate
 from harness.errors import EXIT_OK, EXIT_ROW_ERROR, EXIT_USAGE, ConfigError
 
@@ -60,7 +60,7 @@ def to_point(cfg, overrides: list[str], cwd: str | None = None, cluster: bool = 
     return point
 
 
-@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg) -> str:
     """Hydra's task: one point -> one result.json. Never raises for an expected outcome."""
     from hydra.core.hydra_config import HydraConfig
@@ -153,7 +153,7 @@ def _launch(verb: str, flags: list[str], overrides: list[str]) -> int:
         return _fail(str(e))
     results_dir = Path(base.results_dir).expanduser().resolve()
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-    extra = [SEARCHPATH_OVERRIDE, f"results_dir={results_dir}", *launch_extra]
+    extra = [f"results_dir={results_dir}", *launch_extra]
     if not any(o.split("=", 1)[0] == "backend" for o in overrides):
         extra.append(f"backend={backend}")  # resolved once, so run_ids don't depend on the host
     dir_key = "hydra.sweep.dir" if verb == "sweep" else "hydra.run.dir"
@@ -221,6 +221,11 @@ def entry(argv: list[str]) -> int:
         print(USAGE)
         return EXIT_OK if argv else EXIT_USAGE
     verb, rest = argv[0], argv[1:]
+    if verb in ("run", "sweep", "plan", "calibrate"):
+        try:
+            rest = with_grid_files(rest)
+        except ConfigError as e:
+            return _fail(str(e))
     if verb == "diagnose":
         from harness.diagnose_cli import main as diagnose
 
@@ -249,7 +254,7 @@ def entry(argv: list[str]) -> int:
     flags = [a for a in rest if a.startswith("-")]
     overrides = [a for a in rest if not a.startswith("-")]
     if flags:  # --cfg, --info, --help: Hydra's own, nothing runs
-        sys.argv = [sys.argv[0], *flags, *overrides, SEARCHPATH_OVERRIDE]
+        sys.argv = [sys.argv[0], *flags, *overrides]
         main()
         return EXIT_OK
     return _launch(verb, flags, overrides)

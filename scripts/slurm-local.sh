@@ -27,7 +27,7 @@ install() {
 }
 
 features() {  # every card's constraint, comma-separated
-  sed -n 's/^ *constraint: *\([A-Za-z0-9_-]*\).*/\1/p' conf/gpu/*.yaml | sort -u | paste -sd, -
+  sed -n 's/^ *constraint: *\([A-Za-z0-9_-]*\).*/\1/p' harness/conf/gpu/*.yaml | sort -u | paste -sd, -
 }
 
 write_conf() {  # path, content: only over our own files

@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def model_cfg(name: str, **hf) -> dict:
-    cfg = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"))
+    cfg = OmegaConf.to_container(OmegaConf.load(REPO / "harness" / "conf" / "model" / f"{name}.yaml"))
     cfg["hf"].update(hf)
     return cfg
 

@@ -29,7 +29,7 @@ def test_kv_bytes_per_token_match_the_closed_form(model, precision, expected):
 
 @pytest.mark.parametrize("model", ["qwen2.5-7b", "mistral-7b", "demo-1b", "tiny"])
 def test_kv_bytes_per_token_of_every_preset_follow_its_config(model):
-    hf = OmegaConf.load(REPO / "conf" / "model" / f"{model}.yaml").hf
+    hf = OmegaConf.load(REPO / "harness" / "conf" / "model" / f"{model}.yaml").hf
     kv_heads = hf.get("num_key_value_heads", hf.num_attention_heads)
     head_dim = hf.get("head_dim", hf.hidden_size // hf.num_attention_heads)
     assert serving.kv_bytes_per_token(model_cfg(model), "bf16") == 2 * hf.num_hidden_layers * kv_heads * head_dim * 2

@@ -18,11 +18,8 @@ from omegaconf import OmegaConf
 from harness.config import schema
 from harness.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[2]
-CONF_DIR = REPO / "conf"
-SWEEPS_DIR = REPO / "sweeps"
-# sweeps/ is the `sweeps` config group: the repo root joins Hydra's search path.
-SEARCHPATH_OVERRIDE = f"hydra.searchpath=[file://{REPO}]"
+# The config ships inside the package (a wheel holds it too); sweeps/ is one of its groups.
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 # A point on the virtual GPU needs about 2 GiB of host memory (torch + transformers + trace).
 _HOST_BYTES_PER_POINT = 2 * 1024**3
@@ -96,7 +93,7 @@ def compose(overrides: list[str], with_hydra: bool = False):
         GlobalHydra.instance().clear()
         try:
             with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-                return hydra_compose("config", overrides=[*overrides, SEARCHPATH_OVERRIDE],
+                return hydra_compose("config", overrides=list(overrides),
                                      return_hydra_config=with_hydra)
         except Exception as e:  # Hydra and OmegaConf raise many types; all are bad input here
             raise friendly_error(e) from e
@@ -125,8 +122,51 @@ def friendly_error(e: Exception) -> ConfigError:
     return ConfigError(m.group(1).lstrip("+~") if m else "overrides", first)
 
 
+_STAGED: dict[Path, Path] = {}  # a user's grid file -> the search-path root it is staged under
+
+
+def _is_path(option: str) -> bool:
+    return "/" in option or option.endswith((".yaml", ".yml"))
+
+
+def with_grid_files(overrides: list[str]) -> list[str]:
+    """`sweeps=path/to/grid.yaml` (a user's grid file) as Hydra can compose it: the file staged as
+    option `<stem>` of a `sweeps/` group in a directory of this process's own, which joins any
+    `hydra.searchpath` the user gave. Hydra composes every job in this process, so the staging
+    lives as long as it does."""
+    import atexit
+    import shutil
+    import tempfile
+
+    roots, out = [], []
+    for text in overrides:
+        key, eq, value = text.partition("=")
+        if key.lstrip("+") != "sweeps" or not eq or not _is_path(value):
+            out.append(text)
+            continue
+        path = Path(value).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigError("sweeps", f"no such grid file: {value}")
+        # A built-in grid of the same name would be found first (the package's config leads the path).
+        name = path.stem if not (CONF_DIR / "sweeps" / f"{path.stem}.yaml").exists() else f"{path.stem}-file"
+        if path not in _STAGED:
+            root = Path(tempfile.mkdtemp(prefix="harness-grid-"))
+            atexit.register(shutil.rmtree, root, True)
+            (root / "sweeps").mkdir()
+            shutil.copyfile(path, root / "sweeps" / f"{name}.yaml")
+            _STAGED[path] = root
+        roots.append(_STAGED[path])
+        out.append(f"sweeps={name}")
+    if not roots:
+        return out
+    given = [t for t in out if t.split("=", 1)[0] == "hydra.searchpath"]
+    entries = [e.strip() for t in given for e in t.split("=", 1)[1].strip("[]").split(",") if e.strip()]
+    entries += [f"file://{r}" for r in roots]
+    return [t for t in out if t not in given] + [f"hydra.searchpath=[{','.join(entries)}]"]
+
+
 def _group_dir(group: str) -> Path:
-    return SWEEPS_DIR if group == "sweeps" else CONF_DIR / group
+    return CONF_DIR / group
 
 
 def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
