@@ -14,9 +14,9 @@ import torch
 from omegaconf import OmegaConf
 
 from harness.config.compose import CONF_DIR
-from harness.models import hf_config
+from harness.config.models import hf_config
 from harness.probe import steps
-from harness.probe.cuda_watch import CudaWatch
+from harness.probe.cuda.watch import CudaWatch
 
 
 class TimingOnly:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness import catalog
+from harness.config import cards as catalog
 from harness.plan import fit
 
 GRID = ["sweeps=smoke", "model=7b", "seq_len=2048", "precision=bf16", "checkpointing=true", "sweep=frontier"]

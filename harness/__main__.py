@@ -2,7 +2,7 @@
 
 import sys
 
-from harness.cli import entry
+from harness.cli.main import entry
 
 if __name__ == "__main__":
     sys.exit(entry(sys.argv[1:]))

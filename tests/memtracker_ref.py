@@ -6,10 +6,10 @@ Same model, same CUDA emulations (kernels, foreach), same steps; only the bookke
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from harness.models import hf_config
-from harness.probe import cuda_emulation as cu
+from harness.config.models import hf_config
 from harness.probe import steps
-from harness.probe.sim import precision_dtypes
+from harness.probe.sim import cuda_emulation as cu
+from harness.probe.sim.trace import precision_dtypes
 
 
 def memtracker_peak(point: dict) -> int:

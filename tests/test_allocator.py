@@ -7,8 +7,13 @@ from pathlib import Path
 import pytest
 
 from harness.allocator import snapshot as snap
-from harness.allocator.model import (CachingAllocator, Device, OutOfMemory, allocation_size,
-                                     round_size)
+from harness.allocator.model import (
+    CachingAllocator,
+    Device,
+    OutOfMemory,
+    allocation_size,
+    round_size,
+)
 from harness.allocator.oom_message import format_size, message
 from harness.allocator.replay import replay_snapshot
 from harness.allocator.settings import AllocSettings

@@ -8,8 +8,8 @@ import stat
 import pandas as pd
 import pytest
 
-from harness import runner
-from harness.record import COLUMNS
+from harness.launch import runner
+from harness.record.row import COLUMNS
 from tests.conftest import run_cli, train_point
 
 pytestmark = pytest.mark.slow
@@ -122,8 +122,7 @@ def test_a_forked_point_killed_mid_run_is_an_error_row(tmp_path):
     import threading
     import time as _time
 
-    from harness.probe import zygote
-
+    from harness.launch import zygote
     point = {**train_point(model="7b", seq_len=64), "backend": "sim", "timeout_s": 120, "sweep": "t",
              "allocator": {"name": "default", "conf": ""},
              "gpu": {"name": "T4", "device_name": "Tesla T4", "memory_bytes": 16 * 1024**3, "non_pytorch_bytes": 0}}

@@ -112,8 +112,7 @@ def test_slurm_launcher_picks_the_card_from_the_catalog():
 
 
 def test_every_card_cites_its_capacity():
-    from harness import catalog
-
+    from harness.config import cards as catalog
     cards = catalog.cards()
     assert {c["key"] for c in cards} >= {"t4", "l4", "a10g", "rtx4090", "a100-40gb", "a100-80gb",
                                          "h100-80gb", "h200", "b200", "mi300x"}

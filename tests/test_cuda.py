@@ -7,8 +7,8 @@ import json
 import pandas as pd
 import pytest
 
-from harness import catalog
-from harness.probe import gpus
+from harness.config import cards as catalog
+from harness.launch import gpus
 from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,

@@ -13,16 +13,16 @@ from harness.allocator import snapshot as snap
 from harness.allocator.settings import AllocSettings
 from harness.analysis import calibration
 from harness.analysis.kinds import kind
-from harness.config.validate import check_cards, resolve_backend
 from harness.errors import ConfigError
-from harness.probe import gpus
-from harness.probe.cuda import (
+from harness.launch import gpus
+from harness.launch.gpus import check_cards, resolve_backend
+from harness.probe.cuda.run import (
     CardTooLarge,
     emulation_fraction,
     oom_columns,
     settings_mismatch,
 )
-from harness.probe.cuda_watch import PhaseReading, StepReading, measurements, read_peaks
+from harness.probe.cuda.watch import PhaseReading, StepReading, measurements, read_peaks
 from tests.conftest import run_cli
 from tests.test_diagnose import MESSAGES, SHARED
 

@@ -7,7 +7,7 @@ import pytest
 
 from harness.analysis.kinds import kind, shape
 from harness.analysis.oom_text import diagnose
-from harness.results import to_frame
+from harness.record.results import to_frame
 from tests.conftest import run_cli
 
 SHARED = Path(__file__).resolve().parent / "data"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness.probe.sim import run_point
+from harness.probe.sim.trace import run_point
 from tests.conftest import train_point
 from tests.memtracker_ref import memtracker_peak
 

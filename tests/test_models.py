@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from harness.models import hf_config
+from harness.config.models import hf_config
 from tests.conftest import model_cfg
 
 

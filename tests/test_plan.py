@@ -6,9 +6,9 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from harness import catalog
+from harness.config import cards as catalog
 from harness.plan import fit, serving
-from harness.probe import trace_store
+from harness.record import trace_store
 from tests.conftest import REPO, model_cfg, run_cli
 
 GIB = 1024**3

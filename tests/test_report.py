@@ -7,7 +7,7 @@ import shutil
 import pandas as pd
 import pytest
 
-from harness.progress import SweepProgress, Tally, line
+from harness.cli.progress import SweepProgress, Tally, line
 from tests.conftest import REPO, run_cli
 
 ARTIFACTS = REPO / "test-artifacts"

@@ -5,9 +5,9 @@ import json
 import pandas as pd
 import pytest
 
-from harness.allocator.settings import AllocSettings
 from harness.allocator.replay import replay_events
-from harness.probe import reserved
+from harness.allocator.settings import AllocSettings
+from harness.probe.sim import reserved
 from tests.conftest import run_cli
 
 MiB = 1024**2

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.probe import cuda_emulation as cu
-from harness.probe.sim import run_point
-from harness.probe.tracker import CUBLAS_WORKSPACE_BYTES, StorageTracker
+from harness.probe.sim import cuda_emulation as cu
+from harness.probe.sim.trace import run_point
+from harness.probe.sim.tracker import CUBLAS_WORKSPACE_BYTES, StorageTracker
 from tests.conftest import train_point
 
 
@@ -136,7 +136,7 @@ def test_tracker_keeps_no_graph_alive_in_a_forward_loop_with_grad_enabled():
     """Forward passes whose outputs are dropped (no backward) must not climb."""
     from transformers import AutoModelForCausalLM
 
-    from harness.models import hf_config
+    from harness.config.models import hf_config
     from tests.conftest import model_cfg
 
     with FakeTensorMode():

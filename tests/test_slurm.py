@@ -156,8 +156,8 @@ def test_jobs_that_never_start_are_rows_with_slurms_reason(slurm, tmp_path):
 
 def test_a_job_ended_in_its_time_limits_warning_window_is_a_timeout_whatever_it_was_doing():
     # Slurm's warning signal can land mid-import; what submitit then records is not its timeout text.
-    from harness.cli import to_point
     from harness.config.compose import compose
+    from harness.launch.point import to_point
     from harness.launch.slurm import ended_row
 
     point = to_point(compose(["model=tiny", "backend=sim"]), [])

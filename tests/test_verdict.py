@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 
 from harness.analysis.verdict import verdicts
-from harness.probe.sim import run_point
+from harness.probe.sim.trace import run_point
 from tests.conftest import run_cli, train_point
 
 GiB = 1024**3

@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 import torch
 
-from harness.probe.custom import UserCodeError
-from harness.probe.sim import run_point
+from harness.probe.sim.custom import UserCodeError
+from harness.probe.sim.trace import run_point
 from tests.conftest import REPO, run_cli, train_point
 
 
@@ -131,7 +131,7 @@ def test_a_script_written_for_a_gpu_runs_as_it_is_on_the_virtual_gpu():
 
 
 def test_a_scripts_autocast_regions_nest_as_on_cuda():
-    from harness.probe.cuda_script import script_autocast
+    from harness.probe.sim.cuda_script import script_autocast
 
     a = torch.randn(4, 4)
     with script_autocast():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness import catalog
+from harness.config import cards as catalog
 
 GiB = 1024**3
 

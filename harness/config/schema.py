@@ -99,8 +99,5 @@ class HarnessConf:
 
 
 def register() -> None:
-    from harness.launch.slurm import HarnessSlurmConf
-
+    """The schema behind conf/config.yaml (the Slurm launcher's registers with Hydra's plugins)."""
     ConfigStore.instance().store(name="base_config", node=HarnessConf)
-    ConfigStore.instance().store(group="hydra/launcher", name="harness_slurm_schema", node=HarnessSlurmConf,
-                                 provider="harness")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from harness.config import alloc_conf, schema
+from harness.config.target import load_target
 from harness.errors import ConfigError
 
 
@@ -50,8 +51,6 @@ def _check_target(workload) -> None:
     if not workload.target:
         raise ConfigError("workload.target", "workload=custom needs workload.target=module:function "
                           "(a build function, see harness/workload.py)")
-    from harness.probe.custom import load_target
-
     load_target(workload.target)
 
 
@@ -70,8 +69,7 @@ def _check_plan(plan) -> None:
     if plan.max_num_batched_tokens < 2:
         raise ConfigError("plan.max_num_batched_tokens", f"must be >= 2, got {plan.max_num_batched_tokens}")
     if plan.cards:
-        from harness import catalog
-
+        from harness.config import cards as catalog
         known = [c["key"] for c in catalog.cards()]
         for key in plan.cards:
             _one_of("plan.cards", key, known)
@@ -80,39 +78,9 @@ def _check_plan(plan) -> None:
 def _check_model(cfg) -> None:
     limit = cfg.model.hf.get("max_position_embeddings") if not cfg.model.config_json else None
     if limit is None:
-        from harness.models import hf_config, max_positions
+        from harness.config.models import hf_config, max_positions
 
         limit = max_positions(hf_config(cfg.model))
     if limit is not None and cfg.seq_len > limit:
         raise ConfigError("seq_len", f"{cfg.seq_len} exceeds model {cfg.model.name}'s "
                           f"max_position_embeddings ({limit})")
-
-
-def resolve_backend(backend: str, cluster: bool = False) -> str:
-    """auto -> cuda when a GPU is visible, sim (the virtual GPU) otherwise; cuda without a GPU is a
-    config error, not a sweep of error rows. Launching to a cluster, the GPUs are the nodes': auto is
-    cuda there, and the launching machine needs none."""
-    if backend == "sim":
-        return "sim"
-    if cluster:
-        return "cuda"
-    from harness.probe.gpus import visible_devices
-
-    if visible_devices():
-        return "cuda"
-    if backend == "auto":
-        return "sim"
-    raise ConfigError("backend", "cuda asked for, but no GPU is visible (use backend=sim or auto)")
-
-
-def check_cards(cards: list[dict], devices: list[tuple[str, int]]) -> None:
-    """Every card asked for can run on every device a point may get: the device itself, or a
-    smaller card emulated on it. A larger card is a config error, not a silent run."""
-    from harness.probe.cuda import CardTooLarge, emulation_fraction
-
-    for card in cards:
-        for name, total in devices:
-            try:
-                emulation_fraction(card, name, total)
-            except CardTooLarge as e:
-                raise ConfigError("gpu", str(e)) from None

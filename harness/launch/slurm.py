@@ -28,7 +28,8 @@ from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 from omegaconf import OmegaConf, open_dict
 
-from harness.runner import RESULT_FILE, _write, find_done
+from harness.record.results import find_done
+from harness.record.row import RESULT_FILE, write_row
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def slurm_job_id(env: dict) -> str | None:
 
 def job_row(point: dict, job_id: str | None, status: str, error: str) -> dict:
     """A row the launcher writes for a point whose job could not write its own."""
-    from harness.record import base_record
+    from harness.record.row import base_record
 
     rec = base_record(point)
     rec.update(status=status, job_id=job_id, error=error)
@@ -105,8 +106,8 @@ class SlurmArrays(SlurmLauncher):
     def launch(self, job_overrides, initial_job_idx: int):
         import submitit
 
-        from harness.cli import to_point
-        from harness.record import run_id
+        from harness.launch.point import to_point
+        from harness.record.row import run_id
 
         assert self.config is not None and self.hydra_context is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
@@ -129,7 +130,7 @@ class SlurmArrays(SlurmLauncher):
             if done is not None:  # an earlier run has it: no job
                 rec = json.loads(done.read_text())
                 rec["reused_from"] = str(done)
-                rows[p.idx] = _write(p.run_dir, rec)
+                rows[p.idx] = write_row(p.run_dir, rec)
             else:
                 todo.append(p)
         log.info(f"Slurm: {len(todo)} of {len(points)} point(s) to submit ({len(points) - len(todo)} done before)")
@@ -148,7 +149,7 @@ class SlurmArrays(SlurmLauncher):
             except Exception as e:  # sbatch refused the array (no such partition or feature, ...)
                 reason = str(e).strip().splitlines()
                 for p in group:
-                    rows[p.idx] = _write(p.run_dir, job_row(
+                    rows[p.idx] = write_row(p.run_dir, job_row(
                         p.point, None, "error", f"sbatch refused the job: {reason[-1] if reason else type(e).__name__}"))
                 continue
             jobs += list(zip(group, submitted))
@@ -170,7 +171,7 @@ class SlurmArrays(SlurmLauncher):
                 if limit is not None and time.monotonic() - started > limit and _state(job) == "PENDING":
                     reason = _pending_reason(job.job_id)
                     job.cancel(check=False)
-                    rows[p.idx] = _write(p.run_dir, job_row(
+                    rows[p.idx] = write_row(p.run_dir, job_row(
                         p.point, job.job_id, "error", f"Slurm job {job.job_id} never started within "
                         f"pending_timeout_s={limit} (Slurm's reason: {reason}); cancelled"))
                     continue
@@ -190,9 +191,9 @@ def _row_of(p: _Point, job) -> dict:
             state = _final_state(job)
             if not state.startswith("COMPLETED"):
                 rec["error"] = f"{rec.get('error')} (Slurm job {job.job_id}: {state})"
-                _write(p.run_dir, rec)
+                write_row(p.run_dir, rec)
         return rec
-    return _write(p.run_dir, ended_row(p.point, job.job_id, _final_state(job), str(job.paths.stderr),
+    return write_row(p.run_dir, ended_row(p.point, job.job_id, _final_state(job), str(job.paths.stderr),
                                        _outcome(job), _in_warning_window(job.job_id, p.params.get("signal_delay_s"))))
 
 

@@ -6,7 +6,7 @@ import functools
 
 import pandas as pd
 
-from harness import catalog
+from harness.config import cards as catalog
 
 
 def with_margin(card: dict, margin: float) -> dict:
@@ -30,8 +30,7 @@ def fits(row: dict, card: dict, margin: float = 0.0) -> bool | None:
     """Whether the run of `row` fits `card` with `margin` kept free: the allocator model's verdict
     (a replay of the run's trace on the card where the peaks alone do not settle it); None when
     the row has no numbers (an error)."""
-    from harness.probe import reserved
-
+    from harness.probe.sim import reserved
     listed = row.get("fits_cards")
     if not margin and not _missing(listed):
         return card["key"] in list(listed)
@@ -52,15 +51,13 @@ def fits(row: dict, card: dict, margin: float = 0.0) -> bool | None:
 @functools.lru_cache(maxsize=4)
 def _trace_rows(path: str) -> list[tuple]:
     """A run's trace as replay rows, read once for all the cards a probe is checked against."""
-    from harness.probe import trace_store
-
+    from harness.record import trace_store
     return trace_store.replay_rows(pd.read_parquet(path))
 
 
 def _replay(row: dict, card: dict):
     from harness.allocator.settings import AllocSettings
-    from harness.probe import reserved
-
+    from harness.probe.sim import reserved
     settings = AllocSettings.from_conf(row.get("allocator_conf") or "")
     return reserved.replay_on(_trace_rows(str(row["trace_path"])), settings, card)
 

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness import catalog
+from harness.config import cards as catalog
 from harness.errors import ConfigError
 from harness.plan import fit, search, serving
 
@@ -38,7 +38,7 @@ def axis_values(cfg) -> list[int]:
     step = plan.step or DEFAULT_STEP[plan.axis]
     hi = plan.hi or DEFAULT_HI.get(plan.axis)
     if hi is None:  # seq_len: as far as the model's positions go
-        from harness.models import hf_config, max_positions
+        from harness.config.models import hf_config, max_positions
 
         hi = max_positions(hf_config(cfg.model)) or 32768
     first = -(-plan.lo // step) * step if step > 1 else plan.lo  # multiples of the step: 128, 256, ...
@@ -87,7 +87,7 @@ class Planner:
 
     def run(self, overrides: list[str]) -> dict:
         """One probe: a point run (or reused) like any sweep point; its row."""
-        from harness.runner import run_point
+        from harness.launch.runner import run_point
 
         cfg = self._compose(overrides)
         point = self._to_point(cfg, overrides, results_dir=self.results_dir)
@@ -156,7 +156,7 @@ class Planner:
     def _serving(self, g: Group) -> dict:
         """What vLLM's profile run would measure: one prefill of max_num_batched_tokens (capped by
         the model's positions), run on the virtual GPU; weights and KV bytes per token."""
-        from harness.models import hf_config, max_positions
+        from harness.config.models import hf_config, max_positions
 
         cfg = g.cfg
         limit = max_positions(hf_config(cfg.model)) or cfg.plan.max_num_batched_tokens

@@ -15,7 +15,7 @@ _KV_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "amp_bf16": 2, "amp_fp16":
 
 def kv_shape(model_cfg) -> tuple[int, int, int]:
     """(layers, kv_heads, head_dim) of a model config group (grouped-query attention included)."""
-    from harness.models import hf_config
+    from harness.config.models import hf_config
 
     c = hf_config(model_cfg)
     heads = c.num_attention_heads

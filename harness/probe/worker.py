@@ -11,7 +11,7 @@ import time
 import traceback
 from pathlib import Path
 
-from harness.record import base_record
+from harness.record.row import base_record
 
 
 def run_sim(point: dict, run_dir: Path) -> dict:
@@ -20,10 +20,11 @@ def run_sim(point: dict, run_dir: Path) -> dict:
     import torch
     import transformers
 
-    from harness import catalog
     from harness.allocator.settings import AllocSettings
-    from harness.probe import reserved, trace_store
-    from harness.probe.sim import run_point
+    from harness.config import cards as catalog
+    from harness.probe.sim import reserved
+    from harness.probe.sim.trace import run_point
+    from harness.record import trace_store
 
     t0 = time.perf_counter()
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
@@ -59,9 +60,9 @@ def run_cuda(point: dict, run_dir: Path) -> dict:
     """Measure the point on this process's GPU; each card's verdict from the measured peaks."""
     import transformers
 
-    from harness import catalog
-    from harness.probe import cuda, reserved
-
+    from harness.config import cards as catalog
+    from harness.probe.cuda import run as cuda
+    from harness.probe.sim import reserved
     t0 = time.perf_counter()
     rec = base_record(point)
     rec.update(cuda.run_cuda(point, run_dir), transformers_version=transformers.__version__)

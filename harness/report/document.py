@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness import catalog
+from harness.config import cards as catalog
 from harness.report import figures, tables
 
 FIG_DIR = "report_files"

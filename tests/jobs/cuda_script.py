@@ -43,7 +43,7 @@ def build_portable(k: Knobs) -> Job:
 def build_reference(k: Knobs) -> Job:
     """The same script with its CUDA habits removed by hand: CPU device, the harness's CUDA
     autocast emulation entered explicitly where the script enters torch.autocast("cuda")."""
-    from harness.probe.cuda_emulation import CudaAutocast, autocast_region
+    from harness.probe.sim.cuda_emulation import CudaAutocast, autocast_region
 
     def step(model, optimizer, batch):
         x, y = batch

@@ -97,7 +97,7 @@ def run_cuda(point: dict, run_dir: Path) -> dict:
     mismatch = settings_mismatch(point["allocator"]["conf"], torch.cuda.memory._snapshot().get("allocator_settings", {}))
     if mismatch:
         raise RuntimeError(f"the allocator did not take allocator.conf={point['allocator']['conf']!r}: {mismatch}")
-    from harness.probe.cuda_job import measure
+    from harness.probe.cuda.job import measure
 
     try:
         out.update(measure(point))

@@ -17,15 +17,16 @@ from harness.errors import EXIT_USAGE, ConfigError
 def main(overrides: list[str]) -> int:
     import pandas as pd
 
-    from harness import results
-    from harness.cli import _aggregate, to_point
+    from harness.cli.common import aggregate
     from harness.config.compose import (
         compose,
         expand_grid,
         parallelism,
         split_overrides,
     )
+    from harness.launch.point import to_point
     from harness.plan.frontier import Planner
+    from harness.record import results
 
     flags = [a for a in overrides if a.startswith("-")]
     if flags:
@@ -51,4 +52,4 @@ def main(overrides: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = planner.plan(groups, parallelism())
     results.write_frontier(pd.DataFrame(rows), out)
-    return _aggregate(out)
+    return aggregate(out)

@@ -12,10 +12,10 @@ import gc
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from harness.analysis.holders import collect_cycles, old_tensors
-from harness.probe import cuda_emulation as cu
 from harness.probe import steps
-from harness.probe.tracker import StorageTracker
+from harness.probe.sim import cuda_emulation as cu
+from harness.probe.sim.holders import collect_cycles, old_tensors
+from harness.probe.sim.tracker import StorageTracker
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,12 +51,12 @@ def run_point(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tupl
     the fake trace against real execution for small models).
     """
     if point["workload"]["name"] == "custom":
-        from harness.probe.custom import run_custom
+        from harness.probe.sim.custom import run_custom
 
         return run_custom(point, emulate_cuda, fake)
     from transformers import AutoModelForCausalLM
 
-    from harness.models import hf_config
+    from harness.config.models import hf_config
 
     config = hf_config(point["model"])
     param_dtype, amp_dtype = precision_dtypes(point["precision"])

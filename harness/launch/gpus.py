@@ -14,7 +14,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness.probe import slots
+from harness.errors import ConfigError
+from harness.launch import slots
+from harness.probe.cuda.run import CardTooLarge, emulation_fraction
 
 POLL_S = 0.2
 
@@ -81,3 +83,29 @@ def describe(devices: list[str]) -> list[tuple[str, int]]:
     out = subprocess.run([sys.executable, "-c", _DESCRIBE], capture_output=True, text=True, env=env,
                          timeout=120, check=True)
     return [(name, int(total)) for name, total in json.loads(out.stdout.strip().splitlines()[-1])]
+
+
+def resolve_backend(backend: str, cluster: bool = False) -> str:
+    """auto -> cuda when a GPU is visible, sim (the virtual GPU) otherwise; cuda without a GPU is a
+    config error, not a sweep of error rows. Launching to a cluster, the GPUs are the nodes': auto is
+    cuda there, and the launching machine needs none."""
+    if backend == "sim":
+        return "sim"
+    if cluster:
+        return "cuda"
+    if visible_devices():
+        return "cuda"
+    if backend == "auto":
+        return "sim"
+    raise ConfigError("backend", "cuda asked for, but no GPU is visible (use backend=sim or auto)")
+
+
+def check_cards(cards: list[dict], devices: list[tuple[str, int]]) -> None:
+    """Every card asked for can run on every device a point may get: the device itself, or a
+    smaller card emulated on it. A larger card is a config error, not a silent run."""
+    for card in cards:
+        for name, total in devices:
+            try:
+                emulation_fraction(card, name, total)
+            except CardTooLarge as e:
+                raise ConfigError("gpu", str(e)) from None

@@ -10,8 +10,8 @@ import torch
 
 from harness.allocator.model import round_size
 from harness.probe import steps
-from harness.probe.cuda import oom_columns
-from harness.probe.cuda_watch import CudaWatch, measurements
+from harness.probe.cuda.run import oom_columns
+from harness.probe.cuda.watch import CudaWatch, measurements
 
 
 def storage_bytes(tensors) -> int:
@@ -72,8 +72,8 @@ def measure(point: dict) -> dict:
 def _preset(point: dict, watch: CudaWatch, facts: dict) -> None:
     from transformers import AutoModelForCausalLM
 
-    from harness.models import hf_config
-    from harness.probe.sim import precision_dtypes
+    from harness.config.models import hf_config
+    from harness.probe.sim.trace import precision_dtypes
 
     config = hf_config(point["model"])
     param_dtype, amp_dtype = precision_dtypes(point["precision"])
@@ -114,7 +114,7 @@ def _watch_training(optimizer, params, facts: dict) -> None:
 def _custom(point: dict, watch: CudaWatch, facts: dict) -> None:
     """The user's build function and step, as they are, on the card: tensors made without a device
     land on it, and amp_* is CUDA's own autocast."""
-    from harness.probe.custom import (
+    from harness.probe.sim.custom import (
         _prepare_optimizer,
         _step,
         apply_checkpointing,

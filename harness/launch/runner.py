@@ -16,25 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from harness.probe import gpus
-from harness.record import base_record, run_id
-
-RESULT_FILE = "result.json"
-_REUSABLE = ("ok", "oom")
-
-
-def find_done(results_dir: Path, sweep: str, rid: str, exclude: Path) -> Path | None:
-    """A finished row with the same run_id from an earlier run of this sweep, if any."""
-    for path in sorted((results_dir / sweep).glob(f"*/runs/*/{RESULT_FILE}"), reverse=True):
-        if path.parent == exclude:
-            continue
-        try:
-            rec = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if rec.get("run_id") == rid and rec.get("status") in _REUSABLE:
-            return path
-    return None
+from harness.launch import gpus
+from harness.record.results import find_done
+from harness.record.row import RESULT_FILE, base_record, run_id, write_row
 
 
 def run_point(point: dict, run_dir: Path, results_dir: Path | None = None) -> dict:
@@ -46,7 +30,7 @@ def run_point(point: dict, run_dir: Path, results_dir: Path | None = None) -> di
         if done is not None:
             rec = json.loads(done.read_text())
             rec["reused_from"] = str(done)
-            return _write(run_dir, rec)
+            return write_row(run_dir, rec)
     (run_dir / "point.json").write_text(json.dumps(point, indent=1, default=str))
     log = run_dir / "worker.log"
     if point["backend"] == "cuda":
@@ -63,13 +47,13 @@ def run_point(point: dict, run_dir: Path, results_dir: Path | None = None) -> di
         rec = base_record(point)
         rec.update(status="timeout", wall_s=time.perf_counter() - t0,
                    error=f"point did not finish within timeout_s={point['timeout_s']} s")
-        return _write(run_dir, rec)
+        return write_row(run_dir, rec)
     result = run_dir / RESULT_FILE
     if rc == 0 and result.exists():
         return json.loads(result.read_text())
     rec = base_record(point)
     rec.update(status="error", wall_s=time.perf_counter() - t0, error=_describe_exit(rc, log))
-    return _write(run_dir, rec)
+    return write_row(run_dir, rec)
 
 
 _TIMED_OUT, _NO_ZYGOTE, _VANISHED = object(), object(), object()
@@ -120,8 +104,7 @@ def _leave_job_warning() -> None:
 def _run_forked(run_dir: Path, timeout_s: float):
     """The point in a child forked from the zygote (torch already imported): its exit code,
     _TIMED_OUT, or _NO_ZYGOTE when none could be had."""
-    from harness.probe import zygote
-
+    from harness.launch import zygote
     conn = zygote.connect()
     if conn is None:
         return _NO_ZYGOTE
@@ -158,9 +141,3 @@ def _describe_exit(rc, log: Path) -> str:
         return f"worker killed by {name}{hint}; see {log}"
     tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
     return f"worker exited with code {rc}: {tail[0] if tail else 'no output'}; see {log}"
-
-
-def _write(run_dir: Path, rec: dict) -> dict:
-    run_dir.mkdir(parents=True, exist_ok=True)  # a row for a point that never started has no dir yet
-    (run_dir / RESULT_FILE).write_text(json.dumps(rec, indent=1, default=str))
-    return rec

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 STATUSES = ("ok", "oom", "error", "timeout")
+RESULT_FILE = "result.json"  # one row per run dir
 
 # Every column a row carries (DESIGN.md "The record"); absent values are None.
 COLUMNS = (
@@ -69,4 +71,11 @@ def base_record(point: dict) -> dict:
         rec["workload_args"] = json.dumps(point["workload"].get("args") or {}, sort_keys=True, default=str)
         for key, value in (point["workload"].get("args") or {}).items():
             rec.setdefault(key, value)  # the user's keys become columns (never over ours)
+    return rec
+
+
+def write_row(run_dir: Path, rec: dict) -> dict:
+    """`rec` as run_dir/result.json; returns it."""
+    run_dir.mkdir(parents=True, exist_ok=True)  # a row for a point that never started has no dir yet
+    (run_dir / RESULT_FILE).write_text(json.dumps(rec, indent=1, default=str))
     return rec

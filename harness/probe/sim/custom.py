@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib
 import math
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -24,10 +22,10 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._pytree import tree_leaves
 
-from harness.errors import ConfigError
-from harness.probe import cuda_emulation as cu
-from harness.probe.cuda_script import cuda_script_on_cpu
-from harness.probe.tracker import StorageTracker
+from harness.config.target import load_target
+from harness.probe.sim import cuda_emulation as cu
+from harness.probe.sim.cuda_script import cuda_script_on_cpu
+from harness.probe.sim.tracker import StorageTracker
 from harness.workload import Job, Knobs, checkpoint_blocks
 
 _VALUE_READS = (DataDependentOutputException, DynamicOutputShapeException)
@@ -37,34 +35,6 @@ class UserCodeError(RuntimeError):
     """The user's code did something the virtual GPU cannot measure; names their file and line."""
 
 
-def load_target(target: str, cwd: str | None = None):
-    """`pkg.module:function` -> the function (ConfigError naming workload.target if it is not one).
-    Modules are found on sys.path and in `cwd` (where the user ran the harness)."""
-    module_name, _, attr = (target or "").partition(":")
-    if not module_name or not attr:
-        raise ConfigError("workload.target", f"'{target}' is not 'module:function' (e.g. my_pkg.memjob:build)")
-    cwd = cwd or os.getcwd()
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # an ImportError, or whatever the module raises while importing
-        raise ConfigError("workload.target", f"cannot import {module_name}: {type(e).__name__}: {e}") from e
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError("workload.target", f"{module_name} has no function '{attr}'")
-    return fn
-
-
-def source_sha(target: str, cwd: str | None = None) -> str | None:
-    """A hash of the target module's file, so that an edited job is traced again, not reused."""
-    import hashlib
-
-    fn = load_target(target, cwd)
-    path = getattr(sys.modules.get(fn.__module__), "__file__", None)
-    return hashlib.sha1(Path(path).read_bytes()).hexdigest()[:12] if path else None
-
-
 def knobs(point: dict) -> Knobs:
     return Knobs(batch_size=point["batch_size"], seq_len=point["seq_len"], precision=point["precision"],
                  checkpointing=bool(point["checkpointing"]), args=dict(point["workload"].get("args") or {}))
@@ -72,7 +42,7 @@ def knobs(point: dict) -> Knobs:
 
 def _user_frame(tb) -> traceback.FrameSummary | None:
     """The innermost frame of the user's code: not torch, not the harness, not an installed package."""
-    skip = [str(Path(torch.__file__).parent), str(Path(__file__).parents[1]), sys.prefix, sys.base_prefix]
+    skip = [str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[2]), sys.prefix, sys.base_prefix]
     frames = [f for f in traceback.extract_tb(tb) if not any(f.filename.startswith(s) for s in skip)]
     return frames[-1] if frames else None
 
@@ -140,7 +110,7 @@ def _shape_only_init():
 
 def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tuple[dict, StorageTracker]:
     """Trace the user's job: (measurements, tracker), like sim.run_point."""
-    from harness.probe.sim import (
+    from harness.probe.sim.trace import (
         _measurements,
         find_holders,
         optimizer_state_bytes,

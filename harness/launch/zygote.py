@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness.probe import slots
+from harness.launch import slots
 
 IDLE_S = 90
 START_TIMEOUT_S = 60
@@ -84,9 +84,8 @@ def serve(path: Path) -> None:
     from transformers import AutoModelForCausalLM  # noqa: F401
     from transformers.models.llama import modeling_llama  # noqa: F401
 
-    from harness.probe import sim, worker  # noqa: F401
-
     from harness.config.compose import parallelism
+    from harness.probe import worker  # noqa: F401
 
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     server = _Server(str(tmp), _Handler)
@@ -139,7 +138,7 @@ def connect() -> socket.socket | None:
             return conn
         if path.exists():
             path.unlink()  # a zygote that died without cleaning up
-        subprocess.Popen([sys.executable, "-m", "harness.probe.zygote", str(path)], start_new_session=True,
+        subprocess.Popen([sys.executable, "-m", "harness.launch.zygote", str(path)], start_new_session=True,
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:

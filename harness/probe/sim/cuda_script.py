@@ -15,7 +15,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from harness.probe import cuda_emulation as cu
+from harness.probe.sim import cuda_emulation as cu
 
 _CPU = torch.device("cpu")
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.record import COLUMNS
-from harness.runner import RESULT_FILE
+from harness.record.row import COLUMNS, RESULT_FILE
+
+_REUSABLE = ("ok", "oom")  # rows a re-run takes over; errors and timeouts run again
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -28,9 +29,7 @@ def load_rows(path: Path) -> list[dict]:
 
 
 def to_frame(rows: list[dict]) -> pd.DataFrame:
-    from harness.analysis.kinds import kind
-
-    rows = [{**r, "kind": kind(r)[0]} for r in rows]  # the kind of memory behind each peak
+    """Rows as one frame: every column of the record, in its order, then any extra ones."""
     df = pd.DataFrame(rows)
     for col in COLUMNS:
         if col not in df.columns:
@@ -63,3 +62,17 @@ def load_frontier(plan_dir: Path) -> pd.DataFrame | None:
     """The frontiers of a `plan` run, if `plan_dir` is one."""
     path = Path(plan_dir) / FRONTIER_FILE
     return pd.read_parquet(path) if path.exists() else None
+
+
+def find_done(results_dir: Path, sweep: str, rid: str, exclude: Path) -> Path | None:
+    """A finished row with the same run_id from an earlier run of this sweep, if any."""
+    for path in sorted((results_dir / sweep).glob(f"*/runs/*/{RESULT_FILE}"), reverse=True):
+        if path.parent == exclude:
+            continue
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if rec.get("run_id") == rid and rec.get("status") in _REUSABLE:
+            return path
+    return None

@@ -22,11 +22,10 @@ CALIBRATION_FILE = "calibration.parquet"
 def main(overrides: list[str]) -> int:
 
     from harness.analysis import calibration
-    from harness.cli import _aggregate, _prepare
+    from harness.cli.common import aggregate, prepare
     from harness.config.compose import parallelism
-    from harness.config.validate import check_cards, resolve_backend
-    from harness.probe import gpus
-
+    from harness.launch import gpus
+    from harness.launch.gpus import check_cards, resolve_backend
     flags = [a for a in overrides if a.startswith("-")]
     if flags:
         print(f"harness: error: {flags[0]}: unknown flag (calibrate takes overrides only)", file=sys.stderr)
@@ -35,7 +34,7 @@ def main(overrides: list[str]) -> int:
         if any(o.split("=", 1)[0].lstrip("+~") == "backend" for o in overrides):
             raise ConfigError("backend", "calibrate runs every point on both backends; leave backend unset")
         resolve_backend("cuda")  # no GPU: exit 2 before anything runs
-        points, base, cards = _prepare("sweep", overrides)
+        points, base, cards = prepare("sweep", overrides)
         devices = gpus.visible_devices()
         check_cards(cards, gpus.describe(devices))
     except ConfigError as e:
@@ -51,16 +50,16 @@ def main(overrides: list[str]) -> int:
     df.to_csv(out / "calibration.csv", index=False)
     from harness.report import console
 
-    code = _aggregate(out, expected=2 * len(points))
+    code = aggregate(out, expected=2 * len(points))
     console.render_calibration(df, calibration.summary(df))
     return code
 
 
 def _run_all(points: list[list[str]], backend: str, out: Path, results_dir: Path, width: int) -> list[dict]:
     """Every point on `backend`, `width` at a time; rows in the points' order."""
-    from harness.cli import to_point
     from harness.config.compose import compose
-    from harness.runner import run_point
+    from harness.launch.point import to_point
+    from harness.launch.runner import run_point
 
     def one(i: int) -> dict:
         point = to_point(compose([*points[i], f"backend={backend}"]), points[i], os.getcwd(),

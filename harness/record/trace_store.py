@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.probe.tracker import round_request
-from harness.record import point_identity
+from harness.probe.sim.tracker import round_request
+from harness.record.row import point_identity
 
 TRACE_FILE = "trace.parquet"
 MEASUREMENTS_FILE = "measurements.json"

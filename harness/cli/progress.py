@@ -12,7 +12,7 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-from harness.runner import RESULT_FILE
+from harness.record.row import RESULT_FILE
 
 FAILED = ("error", "timeout")
 

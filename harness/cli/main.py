@@ -12,11 +12,14 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
 
-from harness.config.compose import compose, expand_grid, with_grid_files
-from harness.config.validate import resolve_backend, validate
-from harness.errors import EXIT_OK, EXIT_ROW_ERROR, EXIT_USAGE, ConfigError
+from harness.cli.common import aggregate, prepare
+from harness.config.compose import CONF_DIR, with_grid_files
+from harness.config.validate import validate
+from harness.errors import EXIT_OK, EXIT_USAGE, ConfigError
+from harness.launch.gpus import check_cards, resolve_backend
+from harness.launch.point import to_point
 
 USAGE = """usage: python -m harness <verb> [overrides]
 
@@ -39,37 +42,16 @@ exit codes: 0 every point produced a row (OOM rows count); 1 some row is an erro
 missing; 2 usage or config error."""
 
 
-def to_point(cfg, overrides: list[str], cwd: str | None = None, cluster: bool = False,
-             results_dir: Path | None = None) -> dict:
-    """The resolved point a worker runs; with `results_dir`, its trace cache there (one trace
-    serves every allocator setting and card)."""
-    if "hydra" in cfg:  # a sweep config before its job ran: hydra's runtime keys are not set yet
-        cfg = cfg.copy()
-        with open_dict(cfg):
-            del cfg["hydra"]
-    point = OmegaConf.to_container(cfg, resolve=True)
-    point["backend"] = resolve_backend(point["backend"], cluster)
-    point["overrides"] = " ".join(overrides)
-    point["cwd"] = cwd or os.getcwd()  # where the user ran us: their workload module is found from here
-    if results_dir is not None:
-        point["trace_cache"] = str(Path(results_dir) / ".traces")
-    if point["workload"]["name"] == "custom":
-        from harness.probe.custom import source_sha
-
-        point["workload"]["source_sha"] = source_sha(point["workload"]["target"], point["cwd"])
-    return point
-
-
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg) -> str:
     """Hydra's task: one point -> one result.json. Never raises for an expected outcome."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
     from hydra.utils import to_absolute_path
 
+    from harness.launch.runner import run_point
     from harness.launch.slurm import slurm_job_id
-    from harness.record import base_record
-    from harness.runner import _write, run_point
+    from harness.record.row import base_record, write_row
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
@@ -87,7 +69,7 @@ def main(cfg) -> str:
         point["job_id"] = job_id
         rec = base_record(point)
         rec.update(status="error", error=str(e))
-        return _write(run_dir, rec)["status"]
+        return write_row(run_dir, rec)["status"]
     point["job_id"] = job_id  # the cluster's id for this point's job, to find its logs and accounting
     reuse = results_dir if hc.mode == RunMode.MULTIRUN else None
     return run_point(point, run_dir, reuse)["status"]
@@ -98,37 +80,11 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
-def _prepare(verb: str, overrides: list[str]) -> tuple[list[list[str]], object, list[dict]]:
-    """Every point composed and validated; returns (points, the base config with hydra, the cards
-    the points ask for)."""
-    points = expand_grid(overrides) if verb == "sweep" else [overrides]
-    seen, cards = set(), {}
-    for p in points:
-        key = tuple(p)
-        if key in seen:
-            continue
-        seen.add(key)
-        try:
-            cfg = compose(p)
-            validate(cfg)
-        except ConfigError as e:
-            if len(points) > 1:
-                raise ConfigError(e.key, f"{e.message} (point: {' '.join(p)})")
-            raise
-        card = OmegaConf.to_container(cfg.gpu, resolve=True)
-        cards[card["name"], card["memory_bytes"]] = card
-    from harness.config.compose import split_overrides
-
-    plain, _ = split_overrides(overrides)
-    return points, compose(plain, with_hydra=True), list(cards.values())
-
-
 def _gpu_launch(cards: list[dict], multirun: bool) -> list[str]:
     """For cuda points on this machine: every card asked for must fit the devices; the devices go
     to the points (GPU_DEVICES_ENV), one point per card at a time, as many at once as cards."""
-    from harness.config.validate import check_cards
-    from harness.probe import gpus
-    from harness.runner import GPU_DEVICES_ENV
+    from harness.launch import gpus
+    from harness.launch.runner import GPU_DEVICES_ENV
 
     devices = gpus.visible_devices()
     check_cards(cards, gpus.describe(devices))
@@ -141,7 +97,7 @@ def _gpu_launch(cards: list[dict], multirun: bool) -> list[str]:
 
 def _launch(verb: str, flags: list[str], overrides: list[str]) -> int:
     try:
-        points, base, cards = _prepare(verb, overrides)
+        points, base, cards = prepare(verb, overrides)
         # Only a sweep goes through the launcher: `run` is one point on this machine.
         cluster = verb == "sweep" and "Slurm" in str(base.hydra.launcher.get("_target_", ""))
         backend = resolve_backend(base.backend, cluster)
@@ -169,7 +125,7 @@ def _launch(verb: str, flags: list[str], overrides: list[str]) -> int:
                   else ["--multirun", *overrides, f"{dir_key}={out}", *extra])
     print(f"harness: {verb}: {len(points)} point(s) on backend={backend} -> {out}", file=sys.stderr)
     sys.argv = [sys.argv[0], *flags, *hydra_args]
-    from harness.progress import SweepProgress
+    from harness.cli.progress import SweepProgress
 
     try:
         if verb == "sweep":
@@ -180,40 +136,7 @@ def _launch(verb: str, flags: list[str], overrides: list[str]) -> int:
     except SystemExit as e:
         if e.code not in (0, None):
             print(f"harness: Hydra stopped with code {e.code}; rows written so far are kept", file=sys.stderr)
-    return _aggregate(out, expected=len(points))
-
-
-def _aggregate(path: Path, expected: int | None = None) -> int:
-    """Rows -> results.parquet/csv, the verdicts, the tables on the terminal, report.md/.html."""
-    from harness import results
-    from harness.analysis.verdict import verdicts
-    from harness.plan import fit
-    from harness.report import console, document
-
-    rows = results.load_rows(path)
-    if not rows:
-        print(f"harness: error: no result.json under {path}", file=sys.stderr)
-        return EXIT_ROW_ERROR
-    df = results.to_frame(rows)
-    judged = verdicts(df)
-    df = df.merge(judged[["run_id", "verdict", "detail"]].rename(columns={"detail": "verdict_detail"}),
-                  on="run_id", how="left")
-    target = path if path.is_dir() else path.parent
-    out = results.write(df, target)
-    frontier = results.load_frontier(target)
-    fit_long = fit.fit_table(df)
-    console.render(df, fit_long, title=f"{out}")
-    console.render_verdicts(judged)
-    console.render_frontier(frontier)
-    html = document.write(target, df, fit_long, judged, frontier, title=f"Memory report: {target.name}")
-    print(f"harness: report: {html} (and report.md, results.parquet, results.csv, fit.csv)", file=sys.stderr)
-    bad = int(df["status"].isin(["error", "timeout"]).sum())
-    if frontier is not None and not frontier.empty:
-        bad += int((frontier["status"] != "ok").sum())
-    missing = (expected - len(df)) if expected is not None else 0
-    if missing > 0:
-        print(f"harness: {missing} point(s) left no row", file=sys.stderr)
-    return EXIT_ROW_ERROR if bad or missing > 0 else EXIT_OK
+    return aggregate(out, expected=len(points))
 
 
 def entry(argv: list[str]) -> int:
@@ -227,19 +150,19 @@ def entry(argv: list[str]) -> int:
         except ConfigError as e:
             return _fail(str(e))
     if verb == "diagnose":
-        from harness.diagnose_cli import main as diagnose
+        from harness.cli.diagnose import main as diagnose
 
         return diagnose(rest)
     if verb == "replay":
-        from harness.replay_cli import main as replay
+        from harness.cli.replay import main as replay
 
         return replay(rest)
     if verb == "plan":
-        from harness.plan_cli import main as plan
+        from harness.cli.plan import main as plan
 
         return plan(rest)
     if verb == "calibrate":
-        from harness.calibrate_cli import main as calibrate
+        from harness.cli.calibrate import main as calibrate
 
         return calibrate(rest)
     if verb == "report":
@@ -248,7 +171,7 @@ def entry(argv: list[str]) -> int:
         path = Path(rest[0])
         if not path.exists():
             return _fail(f"report: no such file or directory: {path}")
-        return _aggregate(path)
+        return aggregate(path)
     if verb not in ("run", "sweep"):
         return _fail(f"unknown verb '{verb}' (run, sweep, plan, calibrate, report, replay, diagnose)")
     flags = [a for a in rest if a.startswith("-")]

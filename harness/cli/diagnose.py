@@ -82,8 +82,8 @@ def _snapshot(path: Path, as_json: bool) -> int:
 
 
 def _runs(path: Path, as_json: bool) -> int:
-    from harness import results
     from harness.analysis.kinds import kind, shape
+    from harness.record import results
 
     rows = results.load_rows(path)
     if not rows:

@@ -1,0 +1,70 @@
+"""What the verbs share: every point composed and validated before work, and a finished (or
+partial) sweep aggregated into its results and report."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from harness.analysis.kinds import kind
+from harness.analysis.verdict import verdicts
+from harness.config.compose import compose, expand_grid, split_overrides
+from harness.config.validate import validate
+from harness.errors import EXIT_OK, EXIT_ROW_ERROR, ConfigError
+from harness.plan import fit
+from harness.record import results
+from harness.report import console, document
+
+
+def prepare(verb: str, overrides: list[str]) -> tuple[list[list[str]], object, list[dict]]:
+    """Every point composed and validated; returns (points, the base config with hydra, the cards
+    the points ask for)."""
+    points = expand_grid(overrides) if verb == "sweep" else [overrides]
+    seen, cards = set(), {}
+    for p in points:
+        key = tuple(p)
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            cfg = compose(p)
+            validate(cfg)
+        except ConfigError as e:
+            if len(points) > 1:
+                raise ConfigError(e.key, f"{e.message} (point: {' '.join(p)})")
+            raise
+        card = OmegaConf.to_container(cfg.gpu, resolve=True)
+        cards[card["name"], card["memory_bytes"]] = card
+    plain, _ = split_overrides(overrides)
+    return points, compose(plain, with_hydra=True), list(cards.values())
+
+
+def aggregate(path: Path, expected: int | None = None) -> int:
+    """Rows -> results.parquet/csv, the verdicts, the tables on the terminal, report.md/.html."""
+
+    rows = results.load_rows(path)
+    if not rows:
+        print(f"harness: error: no result.json under {path}", file=sys.stderr)
+        return EXIT_ROW_ERROR
+    df = results.to_frame([{**r, "kind": kind(r)[0]} for r in rows])  # the kind behind each peak
+    judged = verdicts(df)
+    df = df.merge(judged[["run_id", "verdict", "detail"]].rename(columns={"detail": "verdict_detail"}),
+                  on="run_id", how="left")
+    target = path if path.is_dir() else path.parent
+    out = results.write(df, target)
+    frontier = results.load_frontier(target)
+    fit_long = fit.fit_table(df)
+    console.render(df, fit_long, title=f"{out}")
+    console.render_verdicts(judged)
+    console.render_frontier(frontier)
+    html = document.write(target, df, fit_long, judged, frontier, title=f"Memory report: {target.name}")
+    print(f"harness: report: {html} (and report.md, results.parquet, results.csv, fit.csv)", file=sys.stderr)
+    bad = int(df["status"].isin(["error", "timeout"]).sum())
+    if frontier is not None and not frontier.empty:
+        bad += int((frontier["status"] != "ok").sum())
+    missing = (expected - len(df)) if expected is not None else 0
+    if missing > 0:
+        print(f"harness: {missing} point(s) left no row", file=sys.stderr)
+    return EXIT_ROW_ERROR if bad or missing > 0 else EXIT_OK
