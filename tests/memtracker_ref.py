@@ -8,8 +8,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.config.models import hf_config
 from harness.probe import steps
+from harness.probe.jobs import optimizer_kwargs, precision_dtypes
 from harness.probe.sim import cuda_emulation as cu
-from harness.probe.sim.trace import precision_dtypes
 
 
 def memtracker_peak(point: dict) -> int:
@@ -21,7 +21,7 @@ def memtracker_peak(point: dict) -> int:
         model = AutoModelForCausalLM.from_config(hf_config(point["model"]), dtype=param_dtype)
         model.train()
         opt = steps.build_optimizer(point["optimizer"]["name"], model.parameters(),
-                                    cu.optimizer_kwargs(point["optimizer"]["impl"]), 1e-4)
+                                    optimizer_kwargs(point["optimizer"]["impl"]), 1e-4)
         ids = torch.randint(0, model.config.vocab_size, (point["batch_size"], point["seq_len"]))
         mt = MemTracker()
         mt.track_external(model, opt)

@@ -13,13 +13,13 @@ from harness.allocator import snapshot as snap
 from harness.allocator.settings import AllocSettings
 from harness.analysis import calibration
 from harness.analysis.kinds import kind
+from harness.analysis.oom_text import oom_columns
 from harness.errors import ConfigError
 from harness.launch import gpus
 from harness.launch.gpus import check_cards, resolve_backend
 from harness.probe.cuda.run import (
     CardTooLarge,
     emulation_fraction,
-    oom_columns,
     settings_mismatch,
 )
 from harness.probe.cuda.watch import PhaseReading, StepReading, measurements, read_peaks

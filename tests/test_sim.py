@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from harness.probe.jobs import optimizer_kwargs
 from harness.probe.sim import cuda_emulation as cu
 from harness.probe.sim.trace import run_point
 from harness.probe.sim.tracker import CUBLAS_WORKSPACE_BYTES, StorageTracker
@@ -64,7 +65,7 @@ def test_foreach_adamw_sqrt_temporaries_of_every_parameter_appear():
 
 
 def test_optimizer_default_is_cuda_foreach():
-    assert cu.optimizer_kwargs("auto") == {"foreach": True}
+    assert optimizer_kwargs("auto") == {"foreach": True}
 
 
 class _OpNames(TorchDispatchMode):

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from harness.probe.sim.custom import UserCodeError
+from harness.probe.jobs import UserCodeError
 from harness.probe.sim.trace import run_point
 from tests.conftest import REPO, run_cli, train_point
 

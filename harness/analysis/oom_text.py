@@ -146,3 +146,18 @@ def judge(r: OomReading) -> OomReading:
 
 def diagnose(text: str) -> OomReading:
     return judge(parse(text))
+
+
+def oom_columns(message: str) -> dict:
+    """The record's oom_* columns from an OutOfMemoryError's text (every wording PyTorch has used)."""
+    out = {"oom_message": message}
+    try:
+        r = judge(parse(message))
+    except ValueError:  # not the caching allocator's wording (e.g. cuBLAS failing to get its workspace)
+        return out
+    out.update(oom_tried_bytes=r.tried_bytes, oom_capacity_bytes=r.capacity_bytes, oom_free_bytes=r.free_bytes,
+               oom_allocated_bytes=r.allocated_bytes, oom_allowed_bytes=r.allowed_bytes,
+               oom_reserved_bytes=None if r.allocated_bytes is None
+               else r.allocated_bytes + (r.reserved_unallocated_bytes or 0),
+               oom_verdict=r.verdict)
+    return out

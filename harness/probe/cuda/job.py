@@ -9,9 +9,19 @@ import gc
 import torch
 
 from harness.allocator.model import round_size
+from harness.analysis.oom_text import oom_columns
+from harness.config.target import load_target
 from harness.probe import steps
-from harness.probe.cuda.run import oom_columns
 from harness.probe.cuda.watch import CudaWatch, measurements
+from harness.probe.jobs import (
+    apply_checkpointing,
+    check_job,
+    job_step,
+    knobs,
+    optimizer_phases,
+    precision_dtypes,
+    prepare_optimizer,
+)
 
 
 def storage_bytes(tensors) -> int:
@@ -73,7 +83,6 @@ def _preset(point: dict, watch: CudaWatch, facts: dict) -> None:
     from transformers import AutoModelForCausalLM
 
     from harness.config.models import hf_config
-    from harness.probe.sim.trace import precision_dtypes
 
     config = hf_config(point["model"])
     param_dtype, amp_dtype = precision_dtypes(point["precision"])
@@ -114,16 +123,6 @@ def _watch_training(optimizer, params, facts: dict) -> None:
 def _custom(point: dict, watch: CudaWatch, facts: dict) -> None:
     """The user's build function and step, as they are, on the card: tensors made without a device
     land on it, and amp_* is CUDA's own autocast."""
-    from harness.probe.sim.custom import (
-        _prepare_optimizer,
-        _step,
-        apply_checkpointing,
-        check_job,
-        knobs,
-        load_target,
-        optimizer_phases,
-    )
-
     build = load_target(point["workload"]["target"], point.get("cwd"))
     k = knobs(point)
     amp = k.autocast_dtype
@@ -140,7 +139,7 @@ def _custom(point: dict, watch: CudaWatch, facts: dict) -> None:
                      n_params=sum(p.numel() for p in params), params_bytes=storage_bytes(params),
                      tokens_per_step=k.batch_size * k.seq_len)
         if opt is not None:
-            _prepare_optimizer(opt, point["optimizer"]["impl"], emulate_cuda=True)
+            prepare_optimizer(opt, point["optimizer"]["impl"])
             _watch_training(opt, params, facts)
             optimizer_phases(opt, watch)
             # The first gradient to land marks backward (the user's step calls backward itself).
@@ -148,7 +147,7 @@ def _custom(point: dict, watch: CudaWatch, facts: dict) -> None:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(
                         lambda _p: watch.set_phase("backward") if watch.phase == "forward" else None)
-        step = _step(job, region)
+        step = job_step(job, region)
         for i in range(point["workload"]["steps"]):
             watch.begin_step(i)
             watch.set_phase("forward")

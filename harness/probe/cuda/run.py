@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from harness.allocator.settings import AllocSettings
+from harness.probe.cuda.job import measure
 
 # Memory history entries kept for a snapshot: a 7B training step makes ~10^5 allocator events.
 SNAPSHOT_MAX_ENTRIES = 2_000_000
@@ -55,23 +56,6 @@ def emulation_fraction(card: dict, device_name: str, device_bytes: int) -> float
     return (card["memory_bytes"] - card["non_pytorch_bytes"]) / device_bytes
 
 
-def oom_columns(message: str) -> dict:
-    """The record's oom_* columns from an OutOfMemoryError's text (every wording PyTorch has used)."""
-    from harness.analysis import oom_text
-
-    out = {"oom_message": message}
-    try:
-        r = oom_text.judge(oom_text.parse(message))
-    except ValueError:  # not the caching allocator's wording (e.g. cuBLAS failing to get its workspace)
-        return out
-    out.update(oom_tried_bytes=r.tried_bytes, oom_capacity_bytes=r.capacity_bytes, oom_free_bytes=r.free_bytes,
-               oom_allocated_bytes=r.allocated_bytes, oom_allowed_bytes=r.allowed_bytes,
-               oom_reserved_bytes=None if r.allocated_bytes is None
-               else r.allocated_bytes + (r.reserved_unallocated_bytes or 0),
-               oom_verdict=r.verdict)
-    return out
-
-
 def run_cuda(point: dict, run_dir: Path) -> dict:
     """Measure the point on this process's one GPU; returns the record's measured columns."""
     import torch
@@ -97,7 +81,6 @@ def run_cuda(point: dict, run_dir: Path) -> dict:
     mismatch = settings_mismatch(point["allocator"]["conf"], torch.cuda.memory._snapshot().get("allocator_settings", {}))
     if mismatch:
         raise RuntimeError(f"the allocator did not take allocator.conf={point['allocator']['conf']!r}: {mismatch}")
-    from harness.probe.cuda.job import measure
 
     try:
         out.update(measure(point))

@@ -21,18 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-# ---- optimizers --------------------------------------------------------------------------
-
-
-def optimizer_kwargs(impl: str) -> dict:
-    """What `torch.optim` picks on CUDA for impl=auto, or the implementation asked for."""
-    if impl in ("auto", "foreach"):
-        return {"foreach": True}  # CUDA default: _default_to_fused_or_foreach -> foreach
-    if impl == "fused":
-        return {"fused": True}
-    return {"foreach": False}  # for-loop
-
-
 # ---- scaled dot-product attention ----------------------------------------------------------
 
 _original_sdpa = F.scaled_dot_product_attention

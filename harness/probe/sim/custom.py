@@ -23,21 +23,26 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._pytree import tree_leaves
 
 from harness.config.target import load_target
+from harness.probe.jobs import (
+    UserCodeError,
+    apply_checkpointing,
+    check_job,
+    job_step,
+    knobs,
+    optimizer_phases,
+    prepare_optimizer,
+)
 from harness.probe.sim import cuda_emulation as cu
 from harness.probe.sim.cuda_script import cuda_script_on_cpu
+from harness.probe.sim.measure import (
+    find_holders,
+    measurements,
+    optimizer_state_bytes,
+    watch_training,
+)
 from harness.probe.sim.tracker import StorageTracker
-from harness.workload import Job, Knobs, checkpoint_blocks
 
 _VALUE_READS = (DataDependentOutputException, DynamicOutputShapeException)
-
-
-class UserCodeError(RuntimeError):
-    """The user's code did something the virtual GPU cannot measure; names their file and line."""
-
-
-def knobs(point: dict) -> Knobs:
-    return Knobs(batch_size=point["batch_size"], seq_len=point["seq_len"], precision=point["precision"],
-                 checkpointing=bool(point["checkpointing"]), args=dict(point["workload"].get("args") or {}))
 
 
 def _user_frame(tb) -> traceback.FrameSummary | None:
@@ -110,13 +115,6 @@ def _shape_only_init():
 
 def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tuple[dict, StorageTracker]:
     """Trace the user's job: (measurements, tracker), like sim.run_point."""
-    from harness.probe.sim.trace import (
-        _measurements,
-        find_holders,
-        optimizer_state_bytes,
-        watch_training,
-    )
-
     build = load_target(point["workload"]["target"], point.get("cwd"))
     k = knobs(point)
     autocast_mode = cu.CudaAutocast(k.autocast_dtype) if k.autocast_dtype is not None else None
@@ -143,11 +141,12 @@ def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tup
         apply_checkpointing(job, k)
         opt = job.optimizer
         if opt is not None:
-            _prepare_optimizer(opt, point["optimizer"]["impl"], emulate_cuda)
+            if emulate_cuda:
+                prepare_optimizer(opt, point["optimizer"]["impl"])
             host_steps = not any(g.get("fused") for g in opt.param_groups) or not emulate_cuda
             watch_training(tracker, job.model, opt, host_steps)
             optimizer_phases(opt, tracker)
-        step = _step(job, region)
+        step = job_step(job, region)
         for i in range(n_steps):
             tracker.begin_step(i)
             tracker.set_phase("forward")
@@ -159,7 +158,7 @@ def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tup
             tracker.end_step()
         tracker.findings = {"retained_holder": find_holders(tracker, n_steps)}
         params = list(job.model.parameters())
-        m = _measurements(tracker, {"name": "train" if opt is not None else "infer"},
+        m = measurements(tracker, {"name": "train" if opt is not None else "infer"},
                           sum(p.numel() for p in params), sum(tracker.allocated_bytes_of(p) for p in params),
                           optimizer_state_bytes(tracker, opt) if opt is not None else 0)
         m["model"] = job.name or type(job.model).__name__
@@ -167,61 +166,3 @@ def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tup
     return m, tracker
 
 
-def optimizer_phases(opt, hooks) -> None:
-    """The optimizer's step is a phase of its own; whatever the user's step runs after it is
-    forward work again."""
-    opt.register_step_pre_hook(lambda *_: hooks.set_phase("optimizer"))
-    opt.register_step_post_hook(lambda *_: hooks.set_phase("forward"))
-
-
-def check_job(job, point: dict) -> None:
-    if not isinstance(job, Job):
-        raise UserCodeError(f"{point['workload']['target']} returned {type(job).__name__}, not a harness.workload.Job")
-
-
-def apply_checkpointing(job: Job, k: Knobs) -> None:
-    """checkpointing=true: each of the job's blocks checkpointed (an error if it has none)."""
-    if k.checkpointing and job.blocks is not None and checkpoint_blocks(job.model, job.blocks) == 0:
-        raise UserCodeError(f"checkpointing=true but the model has no {job.blocks} module to checkpoint")
-
-
-def _step(job: Job, region):
-    """One step of the job. For amp_* precisions autocast covers the forward and the loss, as
-    training code writes it (`with autocast(): loss = ...` then `loss.backward()`); around a step of
-    the user's own it covers the whole step (better: the step enters torch.autocast("cuda") itself)."""
-    if job.step is not None:
-        def own():
-            with region():
-                job.step(job.model, job.optimizer, job.batch)
-        return own
-    if job.loss is None:
-        def forward_only():
-            with torch.no_grad(), region():
-                job.model(job.batch)
-        return forward_only
-
-    def train():
-        with region():
-            loss = job.loss(job.model, job.batch)
-        loss.backward()
-        del loss
-        if job.optimizer is not None:
-            job.optimizer.step()
-            job.optimizer.zero_grad(set_to_none=True)
-    return train
-
-
-def _prepare_optimizer(opt, impl: str, emulate_cuda: bool) -> None:
-    """On CUDA, torch.optim picks foreach when the user left it unset; on fake CPU tensors it would
-    take the for-loop (different temporaries). optimizer.impl other than auto overrides the user."""
-    if not emulate_cuda:
-        return
-    kwargs = cu.optimizer_kwargs(impl)
-    for group in opt.param_groups:
-        if impl == "auto":
-            if group.get("foreach") is None and not group.get("fused"):
-                group["foreach"] = True
-        else:
-            group["foreach"] = kwargs.get("foreach", False)
-            if "fused" in group:
-                group["fused"] = kwargs.get("fused", False)

@@ -1,0 +1,106 @@
+"""How a Job (harness.workload) runs, the same on every backend: the knobs it is built from, the
+checks of what it returned, checkpointing, the optimizer's implementation and phases, and its step.
+The backends differ only in the watch they hand in and the tensors underneath."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from harness.workload import Job, Knobs, checkpoint_blocks
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Watch(Protocol):
+    """What a backend watches a run with: the tracker (virtual GPU) or CudaWatch (a card)."""
+
+    def begin_step(self, step: int) -> None: ...
+
+    def set_phase(self, phase: str) -> None: ...
+
+    def end_step(self) -> None: ...
+
+
+class UserCodeError(RuntimeError):
+    """The user's code did something the virtual GPU cannot measure; names their file and line."""
+
+
+def precision_dtypes(precision: str) -> tuple[torch.dtype, torch.dtype | None]:
+    """(parameter dtype, autocast dtype or None)."""
+    if precision.startswith("amp_"):
+        return torch.float32, DTYPES[precision[4:]]
+    return DTYPES[precision], None
+
+
+def knobs(point: dict) -> Knobs:
+    return Knobs(batch_size=point["batch_size"], seq_len=point["seq_len"], precision=point["precision"],
+                 checkpointing=bool(point["checkpointing"]), args=dict(point["workload"].get("args") or {}))
+
+
+def check_job(job, point: dict) -> None:
+    if not isinstance(job, Job):
+        raise UserCodeError(f"{point['workload']['target']} returned {type(job).__name__}, not a harness.workload.Job")
+
+
+def apply_checkpointing(job: Job, k: Knobs) -> None:
+    """checkpointing=true: each of the job's blocks checkpointed (an error if it has none)."""
+    if k.checkpointing and job.blocks is not None and checkpoint_blocks(job.model, job.blocks) == 0:
+        raise UserCodeError(f"checkpointing=true but the model has no {job.blocks} module to checkpoint")
+
+
+def optimizer_phases(opt, hooks: Watch) -> None:
+    """The optimizer's step is a phase of its own; whatever the user's step runs after it is
+    forward work again."""
+    opt.register_step_pre_hook(lambda *_: hooks.set_phase("optimizer"))
+    opt.register_step_post_hook(lambda *_: hooks.set_phase("forward"))
+
+
+def optimizer_kwargs(impl: str) -> dict:
+    """What `torch.optim` picks on CUDA for impl=auto, or the implementation asked for."""
+    if impl in ("auto", "foreach"):
+        return {"foreach": True}  # CUDA default: _default_to_fused_or_foreach -> foreach
+    if impl == "fused":
+        return {"fused": True}
+    return {"foreach": False}  # for-loop
+
+
+def prepare_optimizer(opt, impl: str) -> None:
+    """On CUDA, torch.optim picks foreach when the user left it unset; on fake CPU tensors it would
+    take the for-loop (different temporaries). optimizer.impl other than auto overrides the user."""
+    kwargs = optimizer_kwargs(impl)
+    for group in opt.param_groups:
+        if impl == "auto":
+            if group.get("foreach") is None and not group.get("fused"):
+                group["foreach"] = True
+        else:
+            group["foreach"] = kwargs.get("foreach", False)
+            if "fused" in group:
+                group["fused"] = kwargs.get("fused", False)
+
+
+def job_step(job: Job, region):
+    """One step of the job. For amp_* precisions autocast covers the forward and the loss, as
+    training code writes it (`with autocast(): loss = ...` then `loss.backward()`); around a step of
+    the user's own it covers the whole step (better: the step enters torch.autocast("cuda") itself)."""
+    if job.step is not None:
+        def own():
+            with region():
+                job.step(job.model, job.optimizer, job.batch)
+        return own
+    if job.loss is None:
+        def forward_only():
+            with torch.no_grad(), region():
+                job.model(job.batch)
+        return forward_only
+
+    def train():
+        with region():
+            loss = job.loss(job.model, job.batch)
+        loss.backward()
+        del loss
+        if job.optimizer is not None:
+            job.optimizer.step()
+            job.optimizer.zero_grad(set_to_none=True)
+    return train

@@ -1,0 +1,102 @@
+"""What the virtual GPU reads off a traced run: gradients and optimizer state tagged as they appear,
+the holders of memory that outlived its step, and the record's columns from the tracker's steps."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from harness.probe.sim.holders import collect_cycles, old_tensors
+from harness.probe.sim.tracker import StorageTracker
+
+
+class TrackerWatch:
+    """The tracker as a preset's watch: the libraries' own cycles collected before each reading."""
+
+    def __init__(self, tracker: StorageTracker, collect: bool = True):
+        self.t = tracker
+        self.collect = collect
+
+    def begin_step(self, step):
+        self.t.begin_step(step)
+
+    def set_phase(self, phase):
+        self.t.set_phase(phase)
+
+    def end_step(self):
+        if self.collect:
+            gc.collect()  # cycles of the libraries' own making are freed before the reading
+        self.t.end_step()
+
+
+def watch_training(tracker: StorageTracker, model, optimizer, host_steps: bool) -> None:
+    """Tag gradients as they land and optimizer state after each step (`host_steps`: step counts
+    stay on the host, as torch.optim keeps them on CUDA unless fused)."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "gradient"))
+    optimizer.register_step_post_hook(lambda o, *_: _retag_state(tracker, o, host_steps))
+
+
+def find_holders(tracker: StorageTracker, n_steps: int) -> str | None:
+    """What keeps memory that outlived its step: Python containers holding old steps' tensors, and
+    reference cycles (call while the loop's leftovers are still alive). Looking walks every Python
+    object (about 1 s at 7B), so only when something outlived its step - the same test as the
+    record's retained_bytes."""
+    after = [s.allocated_after_bytes for s in tracker.steps]
+    if not (len(after) > 2 and after[-1] > after[1]):
+        return None
+    holders = old_tensors(tracker, n_steps - 1) + collect_cycles(tracker)[0]
+    return "; ".join(holders) or None
+
+
+def optimizer_state_bytes(tracker: StorageTracker, optimizer) -> int:
+    return sum(tracker.allocated_bytes_of(v) for state in optimizer.state.values()
+               for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _retag_state(tracker: StorageTracker, optimizer, host_steps: bool) -> None:
+    for state in optimizer.state.values():
+        for name, v in state.items():
+            if not isinstance(v, torch.Tensor):
+                continue
+            if name == "step" and host_steps and v.dim() == 0:
+                # torch.optim keeps step counts on the CPU unless fused or capturable:
+                # a real CUDA run never allocates them on the card.
+                tracker.drop(v)
+            else:
+                tracker.retag(v, "optimizer_state")
+
+
+def measurements(tracker: StorageTracker, workload: dict, n_params: int, params_bytes: int,
+                  state_bytes: int) -> dict:
+    per_step = tracker.steps
+    if workload["name"] == "train":
+        # Step 1 creates the optimizer state; the steady state is from step 2 on.
+        window = per_step[1:] if len(per_step) > 1 else per_step
+    else:
+        window = per_step
+    peak = max(window, key=lambda s: s.peak_allocated_bytes)
+    bd = peak.peak_breakdown
+    after = [s.allocated_after_bytes for s in per_step]
+    findings = getattr(tracker, "findings", {})
+    return {
+        "retained_bytes": max(0, after[-1] - after[1]) if len(after) > 2 and workload["name"] == "train" else 0,
+        "retained_holder": findings.get("retained_holder"),
+        "n_params": n_params,
+        "peak_allocated_bytes": peak.peak_allocated_bytes,
+        "peak_requested_bytes": max(s.peak_requested_bytes for s in window),
+        "peak_step": peak.step,
+        "peak_phase": peak.peak_phase,
+        "peak_module": peak.peak_module,
+        "params_bytes": params_bytes,
+        "grads_bytes": bd.get("gradient", 0),
+        "optimizer_bytes": state_bytes,
+        "activations_bytes": bd.get("activation", 0),
+        "temporaries_bytes": bd.get("temporary", 0),
+        "workspace_bytes": bd.get("workspace", 0),
+        "peak_breakdown": {k: v for k, v in bd.items() if v},
+        "step_allocated_bytes": [s.allocated_after_bytes for s in per_step],
+        "step_peak_bytes": [s.peak_allocated_bytes for s in per_step],
+    }
