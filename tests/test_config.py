@@ -4,8 +4,9 @@ import json
 
 import pytest
 
+from harness.cli.main import entry
 from harness.config import alloc_conf
-from harness.config.compose import compose, expand_grid
+from harness.config.compose import compose, expand_grid, with_grid_files
 from harness.config.validate import validate
 from harness.errors import ConfigError
 from tests.conftest import run_cli
@@ -17,6 +18,36 @@ def test_default_grid_covers_batch_seq_precision_checkpointing():
     assert len(points) == 48
     assert {p for pt in points for p in pt if p.startswith("checkpointing=")} == {
         "checkpointing=False", "checkpointing=True"}
+
+
+def test_a_grid_file_by_path_is_swept_like_a_named_one(tmp_path):
+    """`sweeps=path/grid.yaml`: the user's own grid, its values and its sweep name; a grid named like
+    a built-in one is still the user's."""
+    for name in ("mine", "default"):
+        grid = tmp_path / name / f"{name}.yaml"
+        grid.parent.mkdir()
+        grid.write_text("# @package _global_\ndefaults:\n  - override /model: tiny\nsweep: my-grid\n"
+                        "hydra:\n  sweeper:\n    params:\n      batch_size: 3,5\n      seq_len: 64\n")
+        overrides = with_grid_files([f"sweeps={grid}", "precision=fp32"])
+        points = expand_grid(overrides)
+        assert [[o for o in p if o.startswith("batch_size=")] for p in points] == [["batch_size=3"], ["batch_size=5"]]
+        cfg = compose(points[0])
+        assert (cfg.sweep, cfg.model.name, cfg.seq_len, cfg.precision) == ("my-grid", "tiny", 64, "fp32")
+
+
+def test_a_missing_grid_file_is_a_one_line_error(tmp_path, capsys):
+    assert entry(["sweep", f"sweeps={tmp_path}/nope.yaml"]) == 2
+    assert capsys.readouterr().err.strip() == f"harness: error: sweeps: no such grid file: {tmp_path}/nope.yaml"
+
+
+def test_a_user_config_directory_adds_cards_and_grids(tmp_path):
+    """`hydra.searchpath=[file://dir]`: dir/gpu/<card>.yaml is a card like the catalog's."""
+    (tmp_path / "gpu").mkdir()
+    (tmp_path / "gpu" / "my-card.yaml").write_text("name: My card (24 GB)\ndevice_name: NVIDIA My Card\n"
+                                                   "memory_bytes: 25769803776\nnon_pytorch_bytes: 536870912\n")
+    cfg = compose(["gpu=my-card", f"hydra.searchpath=[file://{tmp_path}]"])
+    validate(cfg)
+    assert (cfg.gpu.name, cfg.gpu.memory_bytes) == ("My card (24 GB)", 25769803776)
 
 
 def test_command_line_sweep_replaces_the_grid_axis():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -19,7 +19,7 @@ LEAKS = ("none", "graph", "cycle")
 class ModelConf:
     name: str = ""
     arch: str = "llama"  # transformers config class family: llama | qwen2 | mistral | auto
-    config_json: Optional[str] = None  # a local HF config.json (or its folder)
+    config_json: str | None = None  # a local HF config.json (or its folder)
     hf: dict[str, Any] = field(default_factory=dict)  # config-class keyword arguments
 
 
@@ -29,7 +29,7 @@ class WorkloadConf:
     steps: int = 3  # train: steps run; the peak is read from step 2 on (step 1 creates optimizer state)
     new_tokens: int = 16  # infer: tokens decoded after the prefill; prompt = seq_len - new_tokens
     leak: str = "none"  # train: none | graph (a loss kept with its graph) | cycle (a reference cycle)
-    target: Optional[str] = None  # custom: the user's build function, 'module:function' (harness.workload)
+    target: str | None = None  # custom: the user's build function, 'module:function' (harness.workload)
     args: dict[str, Any] = field(default_factory=dict)  # custom: the user's own keys, passed to build
 
 
@@ -48,9 +48,9 @@ class AllocatorConf:
 
 @dataclass
 class SlurmConf:
-    gres: Optional[str] = None
-    constraint: Optional[str] = None
-    partition: Optional[str] = None
+    gres: str | None = None
+    constraint: str | None = None
+    partition: str | None = None
 
 
 @dataclass
