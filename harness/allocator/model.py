@@ -10,6 +10,7 @@ Memory comes from a `Device` with a capacity; it never touches a GPU.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from harness.allocator.settings import K_LARGE_BUFFER, SIZE_MAX, AllocSettings
@@ -186,7 +187,7 @@ class CachingAllocator:
         self.total_allocated_memory = 0  # bytes obtained from the device (== reserved)
         self._va = 0x7F0000000000
         self._new_segment_addr = new_segment_addr or self._bump
-        self.on_event = None  # callback(action, addr, size, stream) for traces
+        self.on_event: Callable[..., None] | None = None  # callback(action, addr, size, stream[, tag]) for traces
 
     # ---- addresses -------------------------------------------------------------------------
     def _bump(self, size: int) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 _UNITS = {"bytes": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
 _SIZE = r"([\d.]+ (?:bytes|KiB|MiB|GiB|TiB))"
@@ -150,7 +151,7 @@ def diagnose(text: str) -> OomReading:
 
 def oom_columns(message: str) -> dict:
     """The record's oom_* columns from an OutOfMemoryError's text (every wording PyTorch has used)."""
-    out = {"oom_message": message}
+    out: dict[str, Any] = {"oom_message": message}
     try:
         r = judge(parse(message))
     except ValueError:  # not the caching allocator's wording (e.g. cuBLAS failing to get its workspace)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig
 
 from harness.analysis.kinds import kind
 from harness.analysis.verdict import verdicts
-from harness.config.compose import compose, expand_grid, split_overrides
+from harness.config.compose import as_dict, compose, expand_grid, split_overrides
 from harness.config.validate import validate
 from harness.errors import EXIT_OK, EXIT_ROW_ERROR, ConfigError
 from harness.plan import fit
@@ -18,7 +18,7 @@ from harness.record import results
 from harness.report import console, document
 
 
-def prepare(verb: str, overrides: list[str]) -> tuple[list[list[str]], object, list[dict]]:
+def prepare(verb: str, overrides: list[str]) -> tuple[list[list[str]], DictConfig, list[dict]]:
     """Every point composed and validated; returns (points, the base config with hydra, the cards
     the points ask for)."""
     points = expand_grid(overrides) if verb == "sweep" else [overrides]
@@ -35,7 +35,7 @@ def prepare(verb: str, overrides: list[str]) -> tuple[list[list[str]], object, l
             if len(points) > 1:
                 raise ConfigError(e.key, f"{e.message} (point: {' '.join(p)})")
             raise
-        card = OmegaConf.to_container(cfg.gpu, resolve=True)
+        card = as_dict(cfg.gpu)
         cards[card["name"], card["memory_bytes"]] = card
     plain, _ = split_overrides(overrides)
     return points, compose(plain, with_hydra=True), list(cards.values())

@@ -12,10 +12,9 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import OmegaConf
 
 from harness.cli.common import aggregate, prepare
-from harness.config.compose import CONF_DIR, with_grid_files
+from harness.config.compose import CONF_DIR, as_dict, with_grid_files
 from harness.config.validate import validate
 from harness.errors import EXIT_OK, EXIT_USAGE, ConfigError
 from harness.launch.gpus import check_cards, resolve_backend
@@ -64,7 +63,7 @@ def main(cfg) -> str:
         validate(cfg)
         point = to_point(cfg, overrides, hc.runtime.cwd, results_dir=results_dir)
     except ConfigError as e:  # validated up front; a worker composing differently still leaves a row
-        point = OmegaConf.to_container(cfg, resolve=True)
+        point = as_dict(cfg)
         point.pop("hydra", None)
         point["job_id"] = job_id
         rec = base_record(point)

@@ -51,7 +51,7 @@ class SweepProgress:
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._last = None
+        self._last: str | None = None
 
     def __enter__(self):
         self._thread.start()

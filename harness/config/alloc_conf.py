@@ -63,8 +63,8 @@ def _value(key: str, value: str):
         if value.startswith("["):
             table = {}
             for part in value.strip("[]").split(","):
-                k, _, v = part.partition(":")
-                d = _int(key, v.strip())
+                k, _, n = part.partition(":")
+                d = _int(key, n.strip())
                 if not _power_of_two(d):
                     raise ConfigError(_KEY, f"{key} divisions must be powers of two, got {d}")
                 table[k.strip()] = d

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from harness.config.compose import CONF_DIR
+from harness.config.compose import CONF_DIR, as_dict
 
 
 def cards() -> list[dict]:
     """Every card of the catalog, smallest first."""
     out = []
     for path in (CONF_DIR / "gpu").glob("*.yaml"):
-        card = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        card = as_dict(OmegaConf.load(path))
         card["key"] = path.stem
         out.append(card)
     return sorted(out, key=lambda c: c["memory_bytes"])

@@ -11,7 +11,9 @@ import math
 import os
 import re
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -65,8 +67,18 @@ def slurm_gpus(backend, gres):
     return None if backend == "sim" or gres else 1
 
 
-_RESOLVERS = {"harness_parallelism": parallelism, "harness_batch": batch_size, "harness_slurm_minutes": slurm_minutes,
-              "harness_slurm_gres": slurm_gres, "harness_slurm_gpus": slurm_gpus}
+_RESOLVERS: dict[str, Callable[..., Any]] = {
+    "harness_parallelism": parallelism, "harness_batch": batch_size, "harness_slurm_minutes": slurm_minutes,
+    "harness_slurm_gres": slurm_gres, "harness_slurm_gpus": slurm_gpus,
+}
+
+
+def as_dict(node, resolve: bool = True) -> dict[str, Any]:
+    """A config node as plain data (a mapping node: a point, a card, a launcher's options)."""
+    out = OmegaConf.to_container(node, resolve=resolve)
+    if not isinstance(out, dict):
+        raise TypeError(f"expected a mapping config node, got {type(out).__name__}")
+    return {str(k): v for k, v in out.items()}
 
 
 def register_resolvers() -> None:
@@ -109,14 +121,15 @@ def friendly_error(e: Exception) -> ConfigError:
         group, option = m.group(1), m.group(2)
         choices = sorted(p.stem for p in _group_dir(group).glob("*.yaml"))
         return ConfigError(group, f"no option '{option}' (choices: {', '.join(choices)})")
-    inner = e
+    inner: BaseException = e
     while inner.__cause__ is not None and getattr(inner, "full_key", None) is None:
         inner = inner.__cause__  # Hydra wraps OmegaConf's error, which knows the key
-    if getattr(inner, "full_key", None):
+    key = getattr(inner, "full_key", None)
+    if key:
         first = str(inner).strip().splitlines()[0]
         if "not in" in first:
             first = "unknown key"
-        return ConfigError(inner.full_key, first)
+        return ConfigError(str(key), first)
     first = msg.strip().splitlines()[0] if msg.strip() else type(e).__name__
     m = re.search(r"(?:override|argument) '?([\w.+~/-]+)", first)
     return ConfigError(m.group(1).lstrip("+~") if m else "overrides", first)
@@ -177,7 +190,8 @@ def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception as e:
         raise friendly_error(e) from e
-    plain, sweeps = [], []
+    plain: list[str] = []
+    sweeps: list[str] = []
     for text, o in zip(overrides, parsed):
         (sweeps if o.is_sweep_override() else plain).append(text)
     return plain, sweeps
@@ -190,7 +204,7 @@ def expand_grid(overrides: list[str]) -> list[list[str]]:
     plain, cli_sweeps = split_overrides(overrides)
     hydra_cfg = compose(plain, with_hydra=True).hydra
     params = hydra_cfg.sweeper.params  # None for a grid file that only sets values (a plan's)
-    params = dict(OmegaConf.to_container(params, resolve=False)) if params else {}
+    params = as_dict(params, resolve=False) if params else {}
     parser = OverridesParser.create()
     axes: dict[str, list[str]] = {}
     for key, value in params.items():

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from omegaconf import OmegaConf, open_dict
+from omegaconf import open_dict
 
+from harness.config.compose import as_dict
 from harness.config.target import source_sha
 from harness.launch.gpus import resolve_backend
 
@@ -19,7 +20,7 @@ def to_point(cfg, overrides: list[str], cwd: str | None = None, cluster: bool = 
         cfg = cfg.copy()
         with open_dict(cfg):
             del cfg["hydra"]
-    point = OmegaConf.to_container(cfg, resolve=True)
+    point = as_dict(cfg)
     point["backend"] = resolve_backend(point["backend"], cluster)
     point["overrides"] = " ".join(overrides)
     point["cwd"] = cwd or os.getcwd()  # where the user ran us: their workload module is found from here

@@ -18,6 +18,7 @@ import json
 import logging
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 from omegaconf import OmegaConf, open_dict
 
+from harness.config.compose import as_dict
 from harness.record.results import find_done
 from harness.record.row import RESULT_FILE, write_row
 
@@ -55,7 +57,7 @@ class _Point:
     params: dict
 
 
-def slurm_job_id(env: dict) -> str | None:
+def slurm_job_id(env: Mapping[str, str]) -> str | None:
     """The job's id as sacct prints it: ARRAY_TASK for an array task, else the job id."""
     if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
         return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
@@ -120,7 +122,7 @@ class SlurmArrays(SlurmLauncher):
             with open_dict(cfg.hydra.job):
                 cfg.hydra.job.num = idx
             run_dir = sweep_dir / str(cfg.hydra.sweep.subdir)
-            params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+            params = as_dict(cfg.hydra.launcher)
             point = to_point(cfg, list(overrides), str(cfg.hydra.runtime.cwd or Path.cwd()), cluster=True)
             points.append(_Point(idx, list(overrides), run_dir, point, params))
 

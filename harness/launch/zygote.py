@@ -75,6 +75,8 @@ class _Handler(socketserver.StreamRequestHandler):
 class _Server(socketserver.ForkingMixIn, socketserver.UnixStreamServer):
     timeout = 1.0
     max_children = 256
+    slots: int  # points that may run at once (one per core, fewer when memory is short)
+    slots_dir: Path  # the flock'd files behind them
 
 
 def serve(path: Path) -> None:

@@ -11,6 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from omegaconf import DictConfig
+
 from harness.config import cards as catalog
 from harness.errors import ConfigError
 from harness.plan import fit, search, serving
@@ -28,7 +30,7 @@ class ProbeFailed(RuntimeError):
 @dataclass
 class Group:
     overrides: list[str]  # the grid point without the searched axis
-    cfg: object  # its composed config
+    cfg: DictConfig  # its composed config
     values: list[int]  # the axis values searched
 
 

@@ -8,6 +8,7 @@ here knows whether the tensors are real or fake.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ def build_optimizer(name: str, params, opt_kwargs: dict, lr: float):
 
 def enable_checkpointing(model, recompute_ctx=None) -> None:
     """Activation checkpointing per decoder layer (non-reentrant, as HF recommends)."""
-    kwargs = {"use_reentrant": False}
+    kwargs: dict[str, Any] = {"use_reentrant": False}
     if recompute_ctx is not None:
         # The recompute runs inside backward, outside our autocast emulation: re-enter it.
         kwargs["context_fn"] = lambda: (contextlib.nullcontext(), recompute_ctx())
@@ -37,6 +38,9 @@ def enable_checkpointing(model, recompute_ctx=None) -> None:
 
 class _StepState:
     """What a training loop might keep per step, e.g. for logging."""
+
+    self: _StepState
+    outputs: Any
 
 
 def train(model, optimizer, input_ids, steps: int, hooks, region=contextlib.nullcontext,

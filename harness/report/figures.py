@@ -8,6 +8,7 @@ matplotlib.use("Agg")  # no screen: render to files only
 
 import matplotlib.pyplot as plt
 import pandas as pd
+from matplotlib.ticker import MaxNLocator
 
 from harness.report.tables import group_label
 
@@ -113,7 +114,7 @@ def step_timeline(df: pd.DataFrame, limit: int = 12) -> plt.Figure | None:
     ax.set_xlabel("step")
     ax.set_ylabel("allocated after the step, GiB")
     ax.set_title("Allocated after each step: flat is healthy, a staircase is memory kept by the loop", fontsize=10)
-    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.xaxis.set_major_locator(MaxNLocator(nbins="auto", steps=[1, 2, 2.5, 5, 10], integer=True))  # steps: whole numbers
     ax.set_ylim(bottom=0)  # from zero: a flat line must look flat, not like a cliff in the 5th digit
     ax.ticklabel_format(axis="y", useOffset=False, style="plain")
     ax.grid(alpha=0.3)

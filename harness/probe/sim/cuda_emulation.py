@@ -152,11 +152,11 @@ def _respect_autocast_disabled(mode: CudaAutocast):
             mode._disabled -= 1
         return orig_exit(self, *exc)
 
-    cls.__enter__, cls.__exit__ = enter, exit
+    cls.__enter__, cls.__exit__ = enter, exit  # type: ignore[method-assign]  # patched for the trace, restored below
     try:
         yield
     finally:
-        cls.__enter__, cls.__exit__ = orig_enter, orig_exit
+        cls.__enter__, cls.__exit__ = orig_enter, orig_exit  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ def old_tensors(tracker, step: int) -> list[str]:
     roots a loop keeps by mistake (with everything their graphs saved), and what holds them."""
     born = {key: st for _seq, action, key, _size, _kind, _phase, st, _module in tracker.events
             if action == "alloc"}
-    found = Counter()
+    found: Counter[str] = Counter()
     with warnings.catch_warnings():  # some library objects warn when their type is probed
         warnings.simplefilter("ignore")
         tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
@@ -64,7 +64,7 @@ def collect_cycles(tracker) -> tuple[list[str], int]:
     finally:
         gc.set_debug(was)
     in_garbage = {id(o) for o in garbage}
-    holders = Counter()
+    holders: Counter[str] = Counter()
     frontier: list = []
     for t in (o for o in garbage if isinstance(o, torch.Tensor)):
         frontier, seen = [t], {id(t)}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -55,6 +56,7 @@ class StorageTracker(TorchDispatchMode):
     def __init__(self, emulate_cublas_workspace: bool = True):
         super().__init__()
         self.events: list[tuple] = []  # (seq, action, key, size_bytes, kind, phase, step, module)
+        self.findings: dict[str, Any] = {}  # what the probe found after the steps (e.g. retained_holder)
         self._live: dict[int, list] = {}  # key -> [requested, allocated, kind]
         self.kind_bytes = {k: 0 for k in KINDS}
         self.allocated = 0
