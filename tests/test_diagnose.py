@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.analysis.kinds import kind, shape
+from harness.analysis.kinds import kind, shape, with_kinds
 from harness.analysis.oom_text import diagnose
 from harness.record.results import to_frame
 from tests.conftest import run_cli
@@ -133,9 +133,9 @@ def test_timeline_shapes():
 
 
 def test_results_carry_a_kind_column():
-    df = to_frame([_record(status="ok", model="m", precision="bf16", checkpointing=False, batch_size=1, seq_len=8),
-                   _record(peak_allocated_bytes=20 * GiB, model="m", precision="bf16", checkpointing=False,
-                           batch_size=2, seq_len=8)])
+    df = to_frame(with_kinds([
+        _record(status="ok", model="m", precision="bf16", checkpointing=False, batch_size=1, seq_len=8),
+        _record(peak_allocated_bytes=20 * GiB, model="m", precision="bf16", checkpointing=False, batch_size=2, seq_len=8)]))
     assert list(df["kind"]) == ["fits", "activations"]
 
 

@@ -85,3 +85,8 @@ def kind(rec: dict) -> tuple[str, str]:
                                f"({g(allocated - static)} above it), does not")
     return "fragmentation", (f"allocated {g(allocated)} fits {g(room)}; reserved {g(reserved)} "
                              f"({g(reserved - allocated)} cached but unallocated) does not")
+
+
+def with_kinds(rows: list[dict]) -> list[dict]:
+    """The rows with a `kind` column: the kind of memory behind each one's peak."""
+    return [{**r, "kind": kind(r)[0]} for r in rows]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from harness.analysis.kinds import kind
+from harness.analysis.kinds import with_kinds
 from harness.analysis.verdict import verdicts
 from harness.config.compose import as_dict, compose, expand_grid, split_overrides
 from harness.config.validate import validate
@@ -48,7 +48,7 @@ def aggregate(path: Path, expected: int | None = None) -> int:
     if not rows:
         print(f"harness: error: no result.json under {path}", file=sys.stderr)
         return EXIT_ROW_ERROR
-    df = results.to_frame([{**r, "kind": kind(r)[0]} for r in rows])  # the kind behind each peak
+    df = results.to_frame(with_kinds(rows))
     judged = verdicts(df)
     df = df.merge(judged[["run_id", "verdict", "detail"]].rename(columns={"detail": "verdict_detail"}),
                   on="run_id", how="left")
