@@ -18,7 +18,7 @@ if you give one, else forward + `loss` + backward + `optimizer.step()` + `zero_g
 measured step the code must not read tensor values (`.item()`, `bool(t)`, `if t > 0:`): the virtual
 GPU has none; the harness names the line if it does. Code written for a GPU runs as it is: on the
 virtual GPU, "cuda" devices, `.cuda()`, `torch.autocast("cuda")` and `torch.cuda.synchronize()`
-are mapped onto the trace (harness/probe/cuda_script.py).
+are mapped onto the trace (harness/probe/sim/cuda_script.py).
 """
 
 from __future__ import annotations

@@ -38,6 +38,10 @@ def test_a_grid_file_by_path_is_swept_like_a_named_one(tmp_path):
 def test_a_missing_grid_file_is_a_one_line_error(tmp_path, capsys):
     assert entry(["sweep", f"sweeps={tmp_path}/nope.yaml"]) == 2
     assert capsys.readouterr().err.strip() == f"harness: error: sweeps: no such grid file: {tmp_path}/nope.yaml"
+    (tmp_path / "headless.yaml").write_text("hydra:\n  sweeper:\n    params:\n      batch_size: 1,2\n")
+    assert entry(["sweep", f"sweeps={tmp_path}/headless.yaml"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("harness: error: sweeps: grid file ") and "@package _global_" in err[0]
 
 
 def test_a_user_config_directory_adds_cards_and_grids(tmp_path):

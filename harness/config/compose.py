@@ -160,6 +160,9 @@ def with_grid_files(overrides: list[str]) -> list[str]:
         path = Path(value).expanduser().resolve()
         if not path.is_file():
             raise ConfigError("sweeps", f"no such grid file: {value}")
+        if path.read_text(errors="replace").split("\n", 1)[0].strip() != "# @package _global_":
+            raise ConfigError("sweeps", f"grid file {value}: its first line must be '# @package _global_' "
+                              "(a grid sets the point's own keys, as harness/conf/sweeps/*.yaml do)")
         # A built-in grid of the same name would be found first (the package's config leads the path).
         name = path.stem if not (CONF_DIR / "sweeps" / f"{path.stem}.yaml").exists() else f"{path.stem}-file"
         if path not in _STAGED:
