@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from harness.allocator.settings import K_LARGE_BUFFER, SIZE_MAX, AllocSettings
+from harness.units import MiB
 
-MiB = 1024 * 1024
 K_MIN_BLOCK = 512
 K_SMALL_SIZE = MiB  # requests up to 1 MiB (rounded) go to the small pool
 K_SMALL_BUFFER = 2 * MiB  # small-pool segment size and small expandable page

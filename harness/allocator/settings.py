@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harness.config import alloc_conf
+from harness.units import MiB
 
-MiB = 1024 * 1024
 SIZE_MAX = (1 << 64) - 1
 K_LARGE_BUFFER = 20 * MiB  # default max_non_split_rounding and large segment/page size
 N_DIVISION_INTERVALS = 16  # roundup_power2_divisions table: [1 MiB, 2 MiB) ... [32 GiB, inf)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-MiB = 1024**2
+from harness.units import MiB
 
 # A climb smaller than this per step is noise (e.g. a lazily created buffer), not a leak.
 CLIMB_BYTES = 1 * MiB

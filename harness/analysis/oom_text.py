@@ -10,9 +10,10 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from harness.units import GiB, MiB
+
 _UNITS = {"bytes": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
 _SIZE = r"([\d.]+ (?:bytes|KiB|MiB|GiB|TiB))"
-MiB = 1024**2
 
 _TRIED = re.compile(rf"Tried to allocate {_SIZE}")
 _OLD = re.compile(rf"\(GPU (\d+); {_SIZE} total capacity; {_SIZE} already allocated; {_SIZE} free; "
@@ -96,7 +97,6 @@ def parse(text: str) -> OomReading:
 
 def judge(r: OomReading) -> OomReading:
     """The verdict, with the numbers behind it in `reasoning`."""
-    gib = 1024**3
     if r.capacity_bytes is None or r.allocated_bytes is None:
         r.reasoning.append("The message lacks the capacity or allocated figures; no verdict.")
         return r
@@ -113,7 +113,7 @@ def judge(r: OomReading) -> OomReading:
     r.margin_bytes = max(512 * MiB, r.capacity_bytes // 50)
     need = r.allocated_bytes + r.tried_bytes
     r.headroom_bytes = limit - need
-    g = lambda n: f"{n / gib:.2f} GiB"  # noqa: E731
+    g = lambda n: f"{n / GiB:.2f} GiB"  # noqa: E731
     r.reasoning.append(f"PyTorch holds {g(r.allocated_bytes)} allocated and {g(r.reserved_unallocated_bytes or 0)} "
                        f"reserved but unallocated; it asked for {g(r.tried_bytes)} more. The card has "
                        f"{g(r.capacity_bytes)}, of which {g(r.non_pytorch_bytes)} is outside PyTorch "

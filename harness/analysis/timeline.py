@@ -6,8 +6,7 @@ from collections import defaultdict
 
 from harness.allocator import snapshot as snap
 from harness.allocator.replay import replay_snapshot
-
-GiB = 1024**3
+from harness.units import GiB
 
 
 def _site(frames: list) -> str:

@@ -12,8 +12,7 @@ from __future__ import annotations
 import pandas as pd
 
 from harness.config import cards as catalog
-
-GiB = 1024**3
+from harness.units import GiB
 
 # The cost of each remedy, shown with it (and used to order them: cheapest first).
 _COST = {

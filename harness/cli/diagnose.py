@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 from harness.errors import EXIT_OK, EXIT_USAGE
-
-GIB = 1024**3
+from harness.units import GiB
 
 
 def _fail(message: str) -> int:
@@ -49,7 +48,7 @@ def _message(text: str, as_json: bool) -> int:
     for key in ("tried_bytes", "capacity_bytes", "free_bytes", "allocated_bytes", "reserved_unallocated_bytes",
                 "process_bytes", "non_pytorch_bytes", "other_processes_bytes", "allowed_bytes", "headroom_bytes"):
         if out[key] is not None:
-            print(f"  {key:28s} {out[key] / GIB:9.2f} GiB")
+            print(f"  {key:28s} {out[key] / GiB:9.2f} GiB")
     print(out["reasoning"])
     return EXIT_OK
 
@@ -67,17 +66,17 @@ def _snapshot(path: Path, as_json: bool) -> int:
         print(json.dumps(out, indent=1))
         return EXIT_OK
     print(f"{path}: kind {out['kind']}, shape {out['shape']} ({out['shape_numbers']})")
-    print(f"  at the peak ({out['peak_requested_bytes'] / GIB:.2f} GiB requested): "
-          f"{out['resident_at_peak_bytes'] / GIB:.2f} GiB resident (allocated before the trace or still allocated "
-          f"at its end), {out['transient_at_peak_bytes'] / GIB:.2f} GiB transient (freed within it); "
-          f"{out['fragmentation_bytes'] / GIB:.2f} GiB reserved but unallocated at the reserved peak")
+    print(f"  at the peak ({out['peak_requested_bytes'] / GiB:.2f} GiB requested): "
+          f"{out['resident_at_peak_bytes'] / GiB:.2f} GiB resident (allocated before the trace or still allocated "
+          f"at its end), {out['transient_at_peak_bytes'] / GiB:.2f} GiB transient (freed within it); "
+          f"{out['fragmentation_bytes'] / GiB:.2f} GiB reserved but unallocated at the reserved peak")
     print("  what the peak is made of:")
     for s in out["peak_sites"]:
-        print(f"    {s['bytes'] / GIB:8.2f} GiB  {s['site']}")
+        print(f"    {s['bytes'] / GiB:8.2f} GiB  {s['site']}")
     if out["growing_sites"]:
         print("  what keeps growing:")
         for s in out["growing_sites"]:
-            print("    " + " -> ".join(f"{b / GIB:.2f}" for b in s["bytes"]) + f" GiB  {s['site']}")
+            print("    " + " -> ".join(f"{b / GiB:.2f}" for b in s["bytes"]) + f" GiB  {s['site']}")
     return EXIT_OK
 
 

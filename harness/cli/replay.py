@@ -6,8 +6,7 @@ import json
 import sys
 
 from harness.errors import EXIT_OK, EXIT_USAGE, ConfigError
-
-GIB = 1024**3
+from harness.units import GiB
 
 
 def _parse(args: list[str]) -> tuple[str, dict, bool]:
@@ -90,7 +89,7 @@ def main(args: list[str]) -> int:
 
 def _print(out: dict, result) -> None:
     def g(n):
-        return f"{n / GIB:.3f} GiB"
+        return f"{n / GiB:.3f} GiB"
 
     print(f"snapshot          {out['snapshot']}")
     print(f"settings          {out['settings'] or '(default)'}" + (f" on {out['gpu']}" if out["gpu"] else ""))

@@ -16,8 +16,8 @@ from omegaconf import DictConfig
 from harness.config import cards as catalog
 from harness.errors import ConfigError
 from harness.plan import fit, search, serving
+from harness.units import GiB
 
-GIB = 1024**3
 DEFAULT_HI = {"batch_size": 256}
 DEFAULT_STEP = {"batch_size": 1, "seq_len": 128}
 
@@ -123,7 +123,7 @@ class Planner:
             row = self.run([*g.overrides, f"{axis}={v}"])
             rows_by_value[v] = row
             peak = row.get("peak_reserved_bytes") or row["peak_allocated_bytes"]
-            self.say(f"{' '.join(g.overrides)} {axis}={v}: {peak / GIB:.2f} GiB reserved "
+            self.say(f"{' '.join(g.overrides)} {axis}={v}: {peak / GiB:.2f} GiB reserved "
                      f"(probe {len(rows_by_value)})")
             return search.Probe(v, int(peak), {k: bool(fit.fits(row, c, plan.margin)) for k, c in by_key.items()})
 

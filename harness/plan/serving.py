@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+from harness.units import GiB
+
 # Bytes per element of the KV cache: under autocast the k/v projections produce the autocast dtype.
 _KV_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "amp_bf16": 2, "amp_fp16": 2}
 
@@ -62,18 +64,17 @@ def compare(card: dict, cfg, serve: dict, largest: int | None, row: dict | None)
 
 
 def _why(card, s: dict, axis: str, largest, row, batch: int, context: int) -> str:
-    gib = 1024**3
-    head = (f"vLLM: {s['gpu_memory_utilization']:.2f} x {card['memory_bytes'] / gib:.1f} GiB less weights "
-            f"{s['weights_bytes'] / gib:.2f}, profiled activations {s['activation_peak_bytes'] / gib:.2f} "
-            f"({s['profile_tokens']} tokens) and non-PyTorch {card['non_pytorch_bytes'] / gib:.2f} GiB leaves "
-            f"{max(0, s['vllm_kv_bytes']) / gib:.2f} GiB = {s['vllm_blocks']} blocks of {s['block_size']} "
+    head = (f"vLLM: {s['gpu_memory_utilization']:.2f} x {card['memory_bytes'] / GiB:.1f} GiB less weights "
+            f"{s['weights_bytes'] / GiB:.2f}, profiled activations {s['activation_peak_bytes'] / GiB:.2f} "
+            f"({s['profile_tokens']} tokens) and non-PyTorch {card['non_pytorch_bytes'] / GiB:.2f} GiB leaves "
+            f"{max(0, s['vllm_kv_bytes']) / GiB:.2f} GiB = {s['vllm_blocks']} blocks of {s['block_size']} "
             f"tokens for the KV cache")
     if largest is None or row is None:
         return head + "; the harness's run (HF generate) does not fit even at the smallest value."
     n_b, n_s = (largest, context) if axis == "batch_size" else (batch, largest)
     cache = n_b * n_s * s["kv_bytes_per_token"]
     return (head + f". The harness runs HF generate: all {n_b} x {n_s} tokens prefilled at once into a "
-            f"DynamicCache ({cache / gib:.2f} GiB at full context, grown by concatenation); its peak is in "
-            f"{row.get('peak_phase')} at {row.get('peak_module')} with {(row.get('activations_bytes') or 0) / gib:.2f} "
+            f"DynamicCache ({cache / GiB:.2f} GiB at full context, grown by concatenation); its peak is in "
+            f"{row.get('peak_phase')} at {row.get('peak_module')} with {(row.get('activations_bytes') or 0) / GiB:.2f} "
             f"GiB of activations and cache, where vLLM chunks prefill to {s['profile_tokens'] + 1} tokens and "
             f"preallocates its paged cache.")

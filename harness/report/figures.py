@@ -11,8 +11,8 @@ import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
 from harness.report.tables import group_label
+from harness.units import GiB
 
-GIB = 1024**3
 # The breakdown at the peak, in the allocator's order of permanence.
 PARTS = [("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer state"),
          ("activations_bytes", "activations"), ("temporaries_bytes", "temporaries"),
@@ -51,18 +51,18 @@ def peak_vs_batch(df: pd.DataFrame, cards: list[dict]) -> plt.Figure | None:
         for i, (variant, v) in enumerate(sorted(g.groupby(g.apply(_variant, axis=1)), key=lambda x: x[0])):
             v = v.sort_values("batch_size")
             color = f"C{i % 10}"
-            res = v["peak_reserved_bytes"].fillna(v["peak_allocated_bytes"]) / GIB
+            res = v["peak_reserved_bytes"].fillna(v["peak_allocated_bytes"]) / GiB
             ax.plot(v["batch_size"], res, "-o", color=color, label=variant, ms=4)
-            ax.plot(v["batch_size"], v["peak_allocated_bytes"] / GIB, ":", color=color, lw=1)
+            ax.plot(v["batch_size"], v["peak_allocated_bytes"] / GiB, ":", color=color, lw=1)
             top = max(top, float(res.max()))
         near = _cards_near(cards, top)
         smallest = min(cards, key=lambda c: c["memory_bytes"])
-        if (smallest["memory_bytes"] - smallest["non_pytorch_bytes"]) / GIB > top * 3:  # no line drawn
+        if (smallest["memory_bytes"] - smallest["non_pytorch_bytes"]) / GiB > top * 3:  # no line drawn
             ax.text(0.02, 0.7, f"every card holds these runs\n(smallest: {smallest['key']}, "
-                    f"{(smallest['memory_bytes'] - smallest['non_pytorch_bytes']) / GIB:.1f} GiB)",
+                    f"{(smallest['memory_bytes'] - smallest['non_pytorch_bytes']) / GiB:.1f} GiB)",
                     transform=ax.transAxes, fontsize=7, color="0.3")
         for card in near:
-            room = (card["memory_bytes"] - card["non_pytorch_bytes"]) / GIB
+            room = (card["memory_bytes"] - card["non_pytorch_bytes"]) / GiB
             ax.axhline(room, color="0.5", lw=0.8, ls="--")
             ax.annotate(card["key"], (1.0, room), xycoords=("axes fraction", "data"), fontsize=7,
                         ha="right", va="bottom", color="0.3")
@@ -82,9 +82,9 @@ def _cards_near(cards: list[dict], top_gib: float) -> list[dict]:
     """The cards below the plot's top, and the first one above it (the card that would hold it
     all) unless it is so far above that the runs would shrink to a line at the bottom."""
     rooms = sorted(cards, key=lambda c: c["memory_bytes"])
-    below = [c for c in rooms if (c["memory_bytes"] - c["non_pytorch_bytes"]) / GIB <= top_gib * 1.05]
+    below = [c for c in rooms if (c["memory_bytes"] - c["non_pytorch_bytes"]) / GiB <= top_gib * 1.05]
     above = [c for c in rooms if c not in below][:1]
-    above = [c for c in above if (c["memory_bytes"] - c["non_pytorch_bytes"]) / GIB <= top_gib * 3]
+    above = [c for c in above if (c["memory_bytes"] - c["non_pytorch_bytes"]) / GiB <= top_gib * 3]
     return below + above
 
 
@@ -109,7 +109,7 @@ def step_timeline(df: pd.DataFrame, limit: int = 12) -> plt.Figure | None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, r in enumerate(reps.itertuples(index=False)):
         steps = list(r.step_allocated_bytes)
-        ax.plot(range(1, len(steps) + 1), [s / GIB for s in steps], "-o", color=f"C{i % 10}", ms=4,
+        ax.plot(range(1, len(steps) + 1), [s / GiB for s in steps], "-o", color=f"C{i % 10}", ms=4,
                 label=f"{r.model} {_label(r)}" + (f" [{r.kind}]" if isinstance(r.kind, str) else ""))
     ax.set_xlabel("step")
     ax.set_ylabel("allocated after the step, GiB")
@@ -133,13 +133,13 @@ def breakdown(df: pd.DataFrame, limit: int = 40) -> plt.Figure | None:
     fig, ax = plt.subplots(figsize=(10, 0.32 * len(d) + 1.6))
     left = pd.Series(0.0, index=d.index)
     for i, (col, name) in enumerate(PARTS):
-        vals = d[col].fillna(0) / GIB
+        vals = d[col].fillna(0) / GiB
         ax.barh(labels, vals, left=left, color=f"C{i}", label=name)
         left += vals
-    other = (d["peak_allocated_bytes"] / GIB - left).clip(lower=0)
+    other = (d["peak_allocated_bytes"] / GiB - left).clip(lower=0)
     ax.barh(labels, other, left=left, color="0.75", label="other allocated")
     left += other
-    frag = ((d["peak_reserved_bytes"] - d["peak_allocated_bytes"]).fillna(0) / GIB).clip(lower=0)
+    frag = ((d["peak_reserved_bytes"] - d["peak_allocated_bytes"]).fillna(0) / GiB).clip(lower=0)
     ax.barh(labels, frag, left=left, color="white", edgecolor="C3", hatch="//", label="reserved, not allocated")
     ax.invert_yaxis()
     ax.set_xlabel("GiB at the peak")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pandas as pd
 
-GIB = 1024**3
+from harness.units import GiB
+
 Table = tuple[list[str], list[list[str]]]
 
 
 def gib(nbytes) -> str:
-    return "-" if nbytes is None or pd.isna(nbytes) else f"{nbytes / GIB:.2f}"
+    return "-" if nbytes is None or pd.isna(nbytes) else f"{nbytes / GiB:.2f}"
 
 
 def _ckpt(v) -> str:

@@ -14,8 +14,6 @@ from collections import Counter
 
 import torch
 
-GiB = 1024**3
-
 
 def _describe(obj) -> str:
     if isinstance(obj, torch.Tensor):
