@@ -53,8 +53,8 @@ def _card(key="c", memory=10 * GIB, non_pytorch=512 * MIB):
 
 def test_margin_counts_as_memory_kept_from_pytorch():
     card = _card()
-    assert fit.room(card) == 10 * GIB - 512 * MIB
-    assert fit.room(card, 0.1) == 10 * GIB - 512 * MIB - int(0.1 * 10 * GIB)
+    assert catalog.room(card) == 10 * GIB - 512 * MIB
+    assert catalog.room(card, 0.1) == 10 * GIB - 512 * MIB - int(0.1 * 10 * GIB)
     row = {"run_id": "r", "fits_cards": ["c"], "peak_allocated_bytes": 8 * GIB, "peak_reserved_bytes": 9 * GIB}
     assert fit.fits(row, card) is True  # no margin: the allocator model's verdict as recorded
     assert fit.fits(row, card, 0.1) is False  # 8 GiB allocated > 8.5 GiB room? no: 8 < 8.5; reserved 9 > 8.5

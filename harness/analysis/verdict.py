@@ -112,7 +112,7 @@ def _card_needed(job, cards: dict) -> str:
     if not fitting:
         return "no remedy in the sweep fits, and no card of the catalog fits the job as it is"
     smallest = min(fitting, key=lambda c: c["memory_bytes"])
-    room = smallest["memory_bytes"] - smallest["non_pytorch_bytes"]
+    room = catalog.room(smallest)
     headroom = room - int(job.get("peak_reserved_bytes") or 0)
     return (f"no remedy in the sweep fits; the smallest card that fits it as it is: {smallest['key']} "
             f"({headroom / GiB:.2f} GiB headroom, {100 * headroom / smallest['memory_bytes']:.0f}% of the card)")

@@ -7,19 +7,7 @@ import functools
 import pandas as pd
 
 from harness.config import cards as catalog
-
-
-def with_margin(card: dict, margin: float) -> dict:
-    """The card as the plan sees it: `margin` x its memory kept free, counted as if outside PyTorch."""
-    if not margin:
-        return card
-    return {**card, "non_pytorch_bytes": card["non_pytorch_bytes"] + int(margin * card["memory_bytes"])}
-
-
-def room(card: dict, margin: float = 0.0) -> int:
-    """Bytes PyTorch's allocator may reserve on `card` with `margin` kept free."""
-    c = with_margin(card, margin)
-    return c["memory_bytes"] - c["non_pytorch_bytes"]
+from harness.config.cards import room, with_margin
 
 
 def _missing(v) -> bool:

@@ -129,7 +129,7 @@ class Planner:
 
         ident = _group_columns(cfg, axis)
         try:
-            s = search.search(probe, {k: fit.room(c, plan.margin) for k, c in by_key.items()}, g.values,
+            s = search.search(probe, {k: catalog.room(c, plan.margin) for k, c in by_key.items()}, g.values,
                               self.width, lambda vs: _together(probe, vs))
             serve = self._serving(g) if cfg.workload.name == "infer" else None
         except ProbeFailed as e:

@@ -10,6 +10,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
+from harness.config.cards import room
 from harness.report.tables import group_label
 from harness.units import GiB
 
@@ -57,14 +58,14 @@ def peak_vs_batch(df: pd.DataFrame, cards: list[dict]) -> plt.Figure | None:
             top = max(top, float(res.max()))
         near = _cards_near(cards, top)
         smallest = min(cards, key=lambda c: c["memory_bytes"])
-        if (smallest["memory_bytes"] - smallest["non_pytorch_bytes"]) / GiB > top * 3:  # no line drawn
+        if room(smallest) / GiB > top * 3:  # no line drawn
             ax.text(0.02, 0.7, f"every card holds these runs\n(smallest: {smallest['key']}, "
-                    f"{(smallest['memory_bytes'] - smallest['non_pytorch_bytes']) / GiB:.1f} GiB)",
+                    f"{room(smallest) / GiB:.1f} GiB)",
                     transform=ax.transAxes, fontsize=7, color="0.3")
         for card in near:
-            room = (card["memory_bytes"] - card["non_pytorch_bytes"]) / GiB
-            ax.axhline(room, color="0.5", lw=0.8, ls="--")
-            ax.annotate(card["key"], (1.0, room), xycoords=("axes fraction", "data"), fontsize=7,
+            room_gib = room(card) / GiB
+            ax.axhline(room_gib, color="0.5", lw=0.8, ls="--")
+            ax.annotate(card["key"], (1.0, room_gib), xycoords=("axes fraction", "data"), fontsize=7,
                         ha="right", va="bottom", color="0.3")
         ax.set_xscale("log", base=2)
         ax.set_title(f"{model} {workload}, seq {seq}", fontsize=10)
@@ -82,9 +83,9 @@ def _cards_near(cards: list[dict], top_gib: float) -> list[dict]:
     """The cards below the plot's top, and the first one above it (the card that would hold it
     all) unless it is so far above that the runs would shrink to a line at the bottom."""
     rooms = sorted(cards, key=lambda c: c["memory_bytes"])
-    below = [c for c in rooms if (c["memory_bytes"] - c["non_pytorch_bytes"]) / GiB <= top_gib * 1.05]
+    below = [c for c in rooms if room(c) / GiB <= top_gib * 1.05]
     above = [c for c in rooms if c not in below][:1]
-    above = [c for c in above if (c["memory_bytes"] - c["non_pytorch_bytes"]) / GiB <= top_gib * 3]
+    above = [c for c in above if room(c) / GiB <= top_gib * 3]
     return below + above
 
 

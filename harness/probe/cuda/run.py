@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from harness.allocator.settings import AllocSettings
+from harness.config.cards import room
 from harness.probe.cuda.job import measure
 
 # Memory history entries kept for a snapshot: a 7B training step makes ~10^5 allocator events.
@@ -53,7 +54,7 @@ def emulation_fraction(card: dict, device_name: str, device_bytes: int) -> float
         raise CardTooLarge(f"gpu={card['name']} ({card['memory_bytes'] / 2**30:.2f} GiB) is larger than this "
                            f"device, {device_name} ({device_bytes / 2**30:.2f} GiB): a card can only be "
                            "emulated on a larger one")
-    return (card["memory_bytes"] - card["non_pytorch_bytes"]) / device_bytes
+    return room(card) / device_bytes
 
 
 def run_cuda(point: dict, run_dir: Path) -> dict:

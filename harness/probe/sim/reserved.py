@@ -10,12 +10,13 @@ from harness.allocator import snapshot as snap
 from harness.allocator.model import Device
 from harness.allocator.replay import replay_events
 from harness.allocator.settings import AllocSettings
+from harness.config import cards
 
 
 def fits_by_numbers(card: dict, peak_reserved_bytes: int, peak_allocated_bytes: int) -> bool | None:
     """True/False where the unlimited replay's peaks settle whether the job fits `card`; None where
     only a replay on the card can tell (the release-and-retry ladder might still save it)."""
-    room = card["memory_bytes"] - card["non_pytorch_bytes"]
+    room = cards.room(card)
     if peak_reserved_bytes <= room:
         return True
     if peak_allocated_bytes > room:
