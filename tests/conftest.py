@@ -6,6 +6,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from harness.config import cards
+from harness.config.point import Point
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -16,11 +19,11 @@ def model_cfg(name: str, **hf) -> dict:
 
 
 def train_point(model="tiny", precision="bf16", batch_size=2, seq_len=64, checkpointing=False,
-                optimizer="adamw", impl="auto", steps=3, **hf) -> dict:
-    return dict(model=model_cfg(model, **hf), precision=precision, batch_size=batch_size,
-                seq_len=seq_len, checkpointing=checkpointing,
-                workload=dict(name="train", steps=steps, new_tokens=16),
-                optimizer=dict(name=optimizer, impl=impl, lr=1e-4))
+                optimizer="adamw", impl="auto", steps=3, **hf) -> Point:
+    return Point.from_dict(dict(model=model_cfg(model, **hf), precision=precision, batch_size=batch_size,
+                                seq_len=seq_len, checkpointing=checkpointing,
+                                workload=dict(name="train", steps=steps, new_tokens=16),
+                                optimizer=dict(name=optimizer, impl=impl, lr=1e-4), gpu=cards.by_key()["a100-80gb"]))
 
 
 def run_cli(*args, cwd=None, timeout=600):

@@ -12,21 +12,21 @@ from harness.probe.jobs import optimizer_kwargs, precision_dtypes
 from harness.probe.sim import cuda_emulation as cu
 
 
-def memtracker_peak(point: dict) -> int:
+def memtracker_peak(point) -> int:
     from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import AutoModelForCausalLM
 
-    param_dtype, _ = precision_dtypes(point["precision"])
+    param_dtype, _ = precision_dtypes(point.precision)
     with FakeTensorMode(), cu.unpacked_sequences(), cu.cuda_kernels():
-        model = AutoModelForCausalLM.from_config(hf_config(point["model"]), dtype=param_dtype)
+        model = AutoModelForCausalLM.from_config(hf_config(point.model), dtype=param_dtype)
         model.train()
-        opt = steps.build_optimizer(point["optimizer"]["name"], model.parameters(),
-                                    optimizer_kwargs(point["optimizer"]["impl"]), 1e-4)
-        ids = torch.randint(0, model.config.vocab_size, (point["batch_size"], point["seq_len"]))
+        opt = steps.build_optimizer(point.optimizer.name, model.parameters(),
+                                    optimizer_kwargs(point.optimizer.impl), 1e-4)
+        ids = torch.randint(0, model.config.vocab_size, (point.batch_size, point.seq_len))
         mt = MemTracker()
         mt.track_external(model, opt)
         with mt:
-            for step in range(point["workload"]["steps"]):
+            for step in range(point.workload.steps):
                 loss = model(input_ids=ids, labels=ids, use_cache=False).loss
                 loss.backward()
                 del loss

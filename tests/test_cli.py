@@ -8,6 +8,7 @@ import stat
 import pandas as pd
 import pytest
 
+from harness.config.point import Card
 from harness.launch import runner
 from harness.record.row import COLUMNS
 from tests.conftest import run_cli, train_point
@@ -109,9 +110,7 @@ def test_a_killed_worker_is_an_error_row(tmp_path, monkeypatch):
     suicide.chmod(suicide.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("HARNESS_ZYGOTE", "0")  # a fresh interpreter per point: the one we replace
     monkeypatch.setattr(runner.sys, "executable", str(suicide))
-    point = {**train_point(), "backend": "sim", "timeout_s": 60, "sweep": "t",
-             "allocator": {"name": "default", "conf": ""},
-             "gpu": {"name": "T4", "memory_bytes": 1, "non_pytorch_bytes": 0}}
+    point = train_point().replace(backend="sim", timeout_s=60, sweep="t", gpu=Card(name="T4", memory_bytes=1))
     rec = runner.run_point(point, tmp_path / "run")
     assert rec["status"] == "error" and "SIGKILL" in rec["error"]
     assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "error"
@@ -123,9 +122,8 @@ def test_a_forked_point_killed_mid_run_is_an_error_row(tmp_path):
     import time as _time
 
     from harness.launch import zygote
-    point = {**train_point(model="7b", seq_len=64), "backend": "sim", "timeout_s": 120, "sweep": "t",
-             "allocator": {"name": "default", "conf": ""},
-             "gpu": {"name": "T4", "device_name": "Tesla T4", "memory_bytes": 16 * 1024**3, "non_pytorch_bytes": 0}}
+    point = train_point(model="7b", seq_len=64).replace(
+        backend="sim", timeout_s=120, sweep="t", gpu=Card(name="T4", device_name="Tesla T4", memory_bytes=16 * 1024**3))
     run_dir = tmp_path / "run"
 
     def kill_when_running():

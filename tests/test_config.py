@@ -149,6 +149,6 @@ def test_slurm_launcher_picks_the_card_from_the_catalog():
 def test_every_card_cites_its_capacity():
     from harness.config import cards as catalog
     cards = catalog.cards()
-    assert {c["key"] for c in cards} >= {"t4", "l4", "a10g", "rtx4090", "a100-40gb", "a100-80gb",
+    assert {c.key for c in cards} >= {"t4", "l4", "a10g", "rtx4090", "a100-40gb", "a100-80gb",
                                          "h100-80gb", "h200", "b200", "mi300x"}
-    assert all(c["memory_bytes"] > 10 * 1024**3 and c["source"] for c in cards)
+    assert all(c.memory_bytes > 10 * 1024**3 and c.source for c in cards)

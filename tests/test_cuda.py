@@ -21,7 +21,7 @@ def _native_card() -> str | None:
     import torch
 
     name = torch.cuda.get_device_name(0)
-    return next((c["key"] for c in catalog.cards() if c["device_name"] == name), None)
+    return next((c.key for c in catalog.cards() if c.device_name == name), None)
 
 
 def _rows(out) -> pd.DataFrame:

@@ -2,6 +2,7 @@
 OOM rows from every wording, record assembly from the allocator's readings, one point per GPU,
 calibration, and the errors a machine without a GPU gets. The GPU itself: tests/test_cuda.py."""
 
+import dataclasses
 import subprocess
 import sys
 import threading
@@ -14,6 +15,7 @@ from harness.allocator.settings import AllocSettings
 from harness.analysis import calibration
 from harness.analysis.kinds import kind
 from harness.analysis.oom_text import oom_columns
+from harness.config.point import Card
 from harness.errors import ConfigError
 from harness.launch import gpus
 from harness.launch.gpus import check_cards, resolve_backend
@@ -28,9 +30,9 @@ from tests.test_diagnose import MESSAGES, SHARED
 
 GiB, MiB = 1024**3, 1024**2
 H200 = ("NVIDIA H200", 150_109_106_995)
-T4 = {"name": "T4", "device_name": "Tesla T4", "memory_bytes": 15_633_680_957, "non_pytorch_bytes": 512 * MiB}
-B200 = {"name": "B200", "device_name": "NVIDIA B200", "memory_bytes": 191_000_000_000, "non_pytorch_bytes": 512 * MiB}
-H200_CARD = {"name": "H200", "device_name": "NVIDIA H200", "memory_bytes": H200[1], "non_pytorch_bytes": 512 * MiB}
+T4 = Card(name="T4", device_name="Tesla T4", memory_bytes=15_633_680_957, non_pytorch_bytes=512 * MiB)
+B200 = Card(name="B200", device_name="NVIDIA B200", memory_bytes=191_000_000_000, non_pytorch_bytes=512 * MiB)
+H200_CARD = Card(name="H200", device_name="NVIDIA H200", memory_bytes=H200[1], non_pytorch_bytes=512 * MiB)
 
 
 # ---- environment and allocator settings ----------------------------------------------------
@@ -82,15 +84,15 @@ def test_the_device_itself_is_not_emulated():
 
 
 def test_the_device_with_less_memory_asked_for_is_emulated():
-    smaller = {**H200_CARD, "memory_bytes": 40 * GiB}  # gpu=h200 gpu.memory_bytes=...
+    smaller = dataclasses.replace(H200_CARD, memory_bytes=40 * GiB)  # gpu=h200 gpu.memory_bytes=...
     assert emulation_fraction(smaller, *H200) == pytest.approx((40 * GiB - 512 * MiB) / H200[1])
-    assert emulation_fraction({**H200_CARD, "memory_bytes": H200[1] + 5 * MiB}, *H200) is None  # catalog rounding
+    assert emulation_fraction(dataclasses.replace(H200_CARD, memory_bytes=H200[1] + 5 * MiB), *H200) is None  # catalog rounding
 
 
 def test_a_smaller_card_caps_reserved_at_its_room():
     fraction = emulation_fraction(T4, *H200)
     # reserved bytes are capped at the T4's memory less its CUDA context: what a T4 gives PyTorch
-    assert fraction * H200[1] == pytest.approx(T4["memory_bytes"] - T4["non_pytorch_bytes"])
+    assert fraction * H200[1] == pytest.approx(T4.memory_bytes - T4.non_pytorch_bytes)
 
 
 def test_a_larger_card_is_an_error_naming_both():

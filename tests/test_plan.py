@@ -7,6 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from harness.config import cards as catalog
+from harness.config.point import Card
 from harness.plan import fit, serving
 from harness.record import trace_store
 from tests.conftest import REPO, model_cfg, run_cli
@@ -36,7 +37,7 @@ def test_kv_bytes_per_token_of_every_preset_follow_its_config(model):
 
 
 def test_vllm_arithmetic_gives_the_rest_of_the_budget_to_kv_blocks():
-    card = {"memory_bytes": 80 * GIB, "non_pytorch_bytes": 512 * MIB}
+    card = Card(memory_bytes=80 * GIB, non_pytorch_bytes=512 * MIB)
     v = serving.vllm_capacity(card, 0.9, weights_bytes=15 * GIB, activation_peak_bytes=2 * GIB,
                               kv_per_token=131_072, block_size=16, context=8192)
     assert v["vllm_budget_bytes"] == int(72 * GIB)
@@ -48,13 +49,13 @@ def test_vllm_arithmetic_gives_the_rest_of_the_budget_to_kv_blocks():
 
 
 def _card(key="c", memory=10 * GIB, non_pytorch=512 * MIB):
-    return {"key": key, "memory_bytes": memory, "non_pytorch_bytes": non_pytorch}
+    return Card(key=key, memory_bytes=memory, non_pytorch_bytes=non_pytorch)
 
 
 def test_margin_counts_as_memory_kept_from_pytorch():
     card = _card()
-    assert catalog.room(card) == 10 * GIB - 512 * MIB
-    assert catalog.room(card, 0.1) == 10 * GIB - 512 * MIB - int(0.1 * 10 * GIB)
+    assert card.room() == 10 * GIB - 512 * MIB
+    assert card.room(0.1) == 10 * GIB - 512 * MIB - int(0.1 * 10 * GIB)
     row = {"run_id": "r", "fits_cards": ["c"], "peak_allocated_bytes": 8 * GIB, "peak_reserved_bytes": 9 * GIB}
     assert fit.fits(row, card) is True  # no margin: the allocator model's verdict as recorded
     assert fit.fits(row, card, 0.1) is False  # 8 GiB allocated > 8.5 GiB room? no: 8 < 8.5; reserved 9 > 8.5
@@ -85,9 +86,9 @@ def test_fit_table_has_a_row_per_run_and_card_with_headroom():
     long = fit.fit_table(df)
     assert len(long) == len(cards)
     t4 = long[long["card"] == "t4"].iloc[0]
-    card = next(c for c in cards if c["key"] == "t4")
-    assert t4["fits"] and t4["headroom_bytes"] == card["memory_bytes"] - card["non_pytorch_bytes"] - 12 * GIB
-    assert t4["headroom_pct"] == pytest.approx(100 * t4["headroom_bytes"] / card["memory_bytes"])
+    card = next(c for c in cards if c.key == "t4")
+    assert t4["fits"] and t4["headroom_bytes"] == card.memory_bytes - card.non_pytorch_bytes - 12 * GIB
+    assert t4["headroom_pct"] == pytest.approx(100 * t4["headroom_bytes"] / card.memory_bytes)
 
 
 @pytest.mark.parametrize("args,key", [
@@ -132,7 +133,7 @@ def test_frontier_agrees_with_the_exhaustive_sweep_at_a_fraction_of_its_points(t
     rows = pd.read_parquet(sweep_dir / "results.parquet").to_dict("records")
     assert len(rows) == 32
     assert sum(isinstance(r["reused_from"], str) for r in rows) == probes  # the plan's probes were not run again
-    cards = {c["key"]: c for c in catalog.cards()}
+    cards = {c.key: c for c in catalog.cards()}
     for f in fr.itertuples():
         fitting = [r["batch_size"] for r in rows if fit.fits(r, cards[f.card], margin)]
         assert 1 < max(fitting) < 32, "the boundary must lie inside the grid for this test to mean anything"
@@ -151,7 +152,7 @@ def test_a_serving_plan_puts_the_harness_beside_vllms_arithmetic(tmp_path):
     kv = serving.kv_bytes_per_token(model_cfg("tiny"), "bf16")
     assert row["kv_bytes_per_token"] == kv == 2 * 2 * 2 * 16 * 2
     assert row["profile_tokens"] == 2047 and row["gpu_memory_utilization"] == pytest.approx(0.038)
-    t4 = next(c for c in catalog.cards() if c["key"] == "t4")
+    t4 = next(c for c in catalog.cards() if c.key == "t4")
     expected = serving.vllm_capacity(t4, 0.038, row["weights_bytes"], row["activation_peak_bytes"], kv, 16, 1024)
     assert row["vllm_max_seqs"] == row["vllm_largest"] == expected["vllm_max_seqs"]
     assert row["largest"] >= 1 and "DynamicCache" in row["why"] and "vLLM" in row["why"]

@@ -7,6 +7,7 @@ import pytest
 
 from harness.allocator.replay import replay_events
 from harness.allocator.settings import AllocSettings
+from harness.config.point import Card
 from harness.probe.sim import reserved
 from tests.conftest import run_cli
 
@@ -22,7 +23,7 @@ def _small_then_large():
 
 
 def _card(mib):
-    return {"key": f"c{mib}", "name": f"{mib} MiB card", "memory_bytes": mib * MiB, "non_pytorch_bytes": 0}
+    return Card(key=f"c{mib}", name=f"{mib} MiB card", memory_bytes=mib * MiB, non_pytorch_bytes=0)
 
 
 def test_a_card_between_allocated_and_reserved_fits_by_the_retry_ladder():

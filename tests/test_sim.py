@@ -1,5 +1,6 @@
 """The virtual GPU: faithful to real execution, and to what eager CUDA would allocate."""
 
+import dataclasses
 import gc
 
 import pytest
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from harness.config.point import Workload
 from harness.probe.jobs import optimizer_kwargs
 from harness.probe.sim import cuda_emulation as cu
 from harness.probe.sim.trace import run_point
@@ -28,8 +30,7 @@ def test_tiny_fake_trace_equals_real_cpu_execution_byte_for_byte(precision, chec
 
 
 def test_tiny_infer_fake_equals_real():
-    point = train_point()
-    point["workload"] = dict(name="infer", steps=1, new_tokens=4)
+    point = train_point().replace(workload=Workload(name="infer", steps=1, new_tokens=4))
     fake, _ = run_point(point, emulate_cuda=False, fake=True)
     real, _ = run_point(point, emulate_cuda=False, fake=False)
     assert fake["peak_allocated_bytes"] == real["peak_allocated_bytes"] > 0
@@ -59,7 +60,7 @@ def test_foreach_adamw_sqrt_temporaries_of_every_parameter_appear():
     m, tr = run_point(point)
     params = m["params_bytes"]
     assert _phase_peak_temporaries(tr, "optimizer") >= 0.99 * params
-    point["optimizer"]["impl"] = "forloop"
+    point = point.replace(optimizer=dataclasses.replace(point.optimizer, impl="forloop"))
     m2, tr2 = run_point(point)
     assert _phase_peak_temporaries(tr2, "optimizer") < 0.5 * params
 
@@ -127,8 +128,7 @@ def test_cublas_workspace_one_per_thread():
     _, tr = run_point(train_point())
     ws = [e for e in tr.events if e[4] == "workspace"]
     assert [e[3] for e in ws] == [CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACE_BYTES]
-    point = train_point()
-    point["workload"] = dict(name="infer", steps=1, new_tokens=2)
+    point = train_point().replace(workload=Workload(name="infer", steps=1, new_tokens=2))
     _, tr = run_point(point)
     assert len([e for e in tr.events if e[4] == "workspace"]) == 1
 

@@ -1,5 +1,7 @@
 """Code problem or card problem, and the leaks that make memory climb."""
 
+import dataclasses
+
 import pandas as pd
 import pytest
 
@@ -54,7 +56,7 @@ def test_a_remedy_never_introduces_a_leak():
 @pytest.mark.parametrize("leak", ["graph", "cycle"])
 def test_leaks_make_allocated_climb_and_name_their_holder(leak):
     point = train_point(steps=4)
-    point["workload"]["leak"] = leak
+    point = point.replace(workload=dataclasses.replace(point.workload, leak=leak))
     m, _ = run_point(point)
     after = m["step_allocated_bytes"]
     assert after[1] < after[2] < after[3] and m["retained_bytes"] > 0

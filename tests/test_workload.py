@@ -1,23 +1,22 @@
 """Your own job (harness.workload): the examples measured on the virtual GPU equal the same steps
 on real CPU tensors; value reads in the step are refused with the user's line; sweeps of user jobs."""
 
+import dataclasses
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
+from harness.config.point import Point, Workload
 from harness.probe.jobs import UserCodeError
 from harness.probe.sim.trace import run_point
 from tests.conftest import REPO, run_cli, train_point
 
 
-def custom_point(target: str, args: dict | None = None, **kw) -> dict:
-    point = train_point(**kw)
-    point["workload"] = {"name": "custom", "steps": 3, "target": target, "args": args or {}, "leak": "none",
-                         "new_tokens": 16}
-    point["cwd"] = str(REPO)
-    return point
+def custom_point(target: str, args: dict | None = None, **kw) -> Point:
+    return train_point(**kw).replace(workload=Workload(name="custom", steps=3, target=target, args=args or {}),
+                                     cwd=str(REPO))
 
 
 SMALL = {
@@ -54,7 +53,7 @@ def test_the_cuda_emulations_apply_to_a_users_optimizer():
     # torch.optim picks foreach on CUDA when the user leaves it unset: its temporaries show.
     point = custom_point("examples.gpt:build", {"layers": 2, "d_model": 128, "vocab": 512}, batch_size=1, seq_len=32)
     on_cuda, _ = run_point(point, emulate_cuda=True)
-    point["optimizer"]["impl"] = "forloop"
+    point = point.replace(optimizer=dataclasses.replace(point.optimizer, impl="forloop"))
     forloop, _ = run_point(point, emulate_cuda=True)
     assert on_cuda["peak_allocated_bytes"] > forloop["peak_allocated_bytes"]
 

@@ -167,9 +167,8 @@ class Device:
 
     @classmethod
     def for_card(cls, card, fraction: float | None = None) -> Device:
-        """A catalog card (conf/gpu): what PyTorch gets is its memory less non-PyTorch memory."""
-        return cls(capacity=card["memory_bytes"] - card["non_pytorch_bytes"], total=card["memory_bytes"],
-                   fraction=fraction)
+        """A card (config.point.Card: its `room()` and `memory_bytes`): what PyTorch gets is its room."""
+        return cls(capacity=card.room(), total=card.memory_bytes, fraction=fraction)
 
 
 class CachingAllocator:

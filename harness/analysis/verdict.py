@@ -12,6 +12,7 @@ from __future__ import annotations
 import pandas as pd
 
 from harness.config import cards as catalog
+from harness.config.point import Card
 from harness.units import GiB
 
 # The cost of each remedy, shown with it (and used to order them: cheapest first).
@@ -74,8 +75,8 @@ def _comparable(job, other) -> bool:
 
 def verdicts(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (job, card) that does not fit: verdict, remedies that fit, or the card needed."""
-    cards = {c["key"]: c for c in catalog.cards()}
-    by_name = {c["name"]: c for c in cards.values()}
+    cards = {c.key: c for c in catalog.cards()}
+    by_name = {c.name: c for c in cards.values()}
     rows = df.to_dict("records")
     out = []
     for job in rows:
@@ -84,13 +85,13 @@ def verdicts(df: pd.DataFrame) -> pd.DataFrame:
             continue
         fixes = []
         for other in rows:
-            if _comparable(job, other) and _fits(other, card["key"]):
+            if _comparable(job, other) and _fits(other, card.key):
                 diff = _remedy(job, other)
                 if diff:
                     rank = sum(_COST[k][0] for k, _d in diff) + len(diff) * 10  # fewer changes first
                     fixes.append((rank, " + ".join(f"{d} ({_COST[k][1]})" for k, d in diff)))
         fixes = sorted(set(fixes))[:3]
-        entry = {"run_id": job.get("run_id"), "job": job_label(job), "card": card["key"], "kind": job.get("kind")}
+        entry = {"run_id": job.get("run_id"), "job": job_label(job), "card": card.key, "kind": job.get("kind")}
         if fixes:
             entry.update(verdict="code problem", detail=" | ".join(f"fits with {desc}" for _r, desc in fixes))
         else:
@@ -107,12 +108,12 @@ def job_label(row) -> str:
             f"ckpt={'yes' if row.get('checkpointing') else 'no'}{alloc}{leak}")
 
 
-def _card_needed(job, cards: dict) -> str:
-    fitting = [c for c in cards.values() if _fits(job, c["key"])]
+def _card_needed(job, cards: dict[str, Card]) -> str:
+    fitting = [c for c in cards.values() if _fits(job, c.key)]
     if not fitting:
         return "no remedy in the sweep fits, and no card of the catalog fits the job as it is"
-    smallest = min(fitting, key=lambda c: c["memory_bytes"])
-    room = catalog.room(smallest)
+    smallest = min(fitting, key=lambda c: c.memory_bytes)
+    room = smallest.room()
     headroom = room - int(job.get("peak_reserved_bytes") or 0)
-    return (f"no remedy in the sweep fits; the smallest card that fits it as it is: {smallest['key']} "
-            f"({headroom / GiB:.2f} GiB headroom, {100 * headroom / smallest['memory_bytes']:.0f}% of the card)")
+    return (f"no remedy in the sweep fits; the smallest card that fits it as it is: {smallest.key} "
+            f"({headroom / GiB:.2f} GiB headroom, {100 * headroom / smallest.memory_bytes:.0f}% of the card)")

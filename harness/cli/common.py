@@ -10,7 +10,8 @@ from omegaconf import DictConfig
 
 from harness.analysis.kinds import with_kinds
 from harness.analysis.verdict import verdicts
-from harness.config.compose import as_dict, compose, expand_grid, split_overrides
+from harness.config.compose import compose, expand_grid, split_overrides
+from harness.config.point import Card
 from harness.config.validate import validate
 from harness.errors import EXIT_OK, EXIT_ROW_ERROR, ConfigError
 from harness.plan import fit
@@ -18,7 +19,7 @@ from harness.record import results
 from harness.report import console, document
 
 
-def prepare(verb: str, overrides: list[str]) -> tuple[list[list[str]], DictConfig, list[dict]]:
+def prepare(verb: str, overrides: list[str]) -> tuple[list[list[str]], DictConfig, list[Card]]:
     """Every point composed and validated; returns (points, the base config with hydra, the cards
     the points ask for)."""
     points = expand_grid(overrides) if verb == "sweep" else [overrides]
@@ -29,14 +30,12 @@ def prepare(verb: str, overrides: list[str]) -> tuple[list[list[str]], DictConfi
             continue
         seen.add(key)
         try:
-            cfg = compose(p)
-            validate(cfg)
+            point = validate(compose(p))
         except ConfigError as e:
             if len(points) > 1:
                 raise ConfigError(e.key, f"{e.message} (point: {' '.join(p)})")
             raise
-        card = as_dict(cfg.gpu)
-        cards[card["name"], card["memory_bytes"]] = card
+        cards[point.gpu.name, point.gpu.memory_bytes] = point.gpu
     plain, _ = split_overrides(overrides)
     return points, compose(plain, with_hydra=True), list(cards.values())
 

@@ -50,7 +50,7 @@ def main(cfg) -> str:
 
     from harness.launch.runner import run_point
     from harness.launch.slurm import slurm_job_id
-    from harness.record.row import base_record, write_row
+    from harness.record.row import config_error_row, write_row
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
@@ -61,15 +61,9 @@ def main(cfg) -> str:
     results_dir = Path(to_absolute_path(cfg.results_dir))
     try:
         validate(cfg)
-        point = to_point(cfg, overrides, hc.runtime.cwd, results_dir=results_dir)
+        point = to_point(cfg, overrides, hc.runtime.cwd, results_dir=results_dir, job_id=job_id)
     except ConfigError as e:  # validated up front; a worker composing differently still leaves a row
-        point = as_dict(cfg)
-        point.pop("hydra", None)
-        point["job_id"] = job_id
-        rec = base_record(point)
-        rec.update(status="error", error=str(e))
-        return write_row(run_dir, rec)["status"]
-    point["job_id"] = job_id  # the cluster's id for this point's job, to find its logs and accounting
+        return write_row(run_dir, config_error_row(as_dict(cfg), str(e), job_id))["status"]
     reuse = results_dir if hc.mode == RunMode.MULTIRUN else None
     return run_point(point, run_dir, reuse)["status"]
 
@@ -79,7 +73,7 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
-def _gpu_launch(cards: list[dict], multirun: bool) -> list[str]:
+def _gpu_launch(cards: list, multirun: bool) -> list[str]:
     """For cuda points on this machine: every card asked for must fit the devices; the devices go
     to the points (GPU_DEVICES_ENV), one point per card at a time, as many at once as cards."""
     from harness.launch import gpus

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+from harness.config.compose import as_dict
+from harness.config.point import Card
 from harness.errors import EXIT_OK, EXIT_USAGE, ConfigError
 from harness.units import GiB
 
@@ -48,7 +50,7 @@ def _what_if(overrides: dict):
         if "allocator" in overrides or "allocator.conf" in overrides:
             settings = AllocSettings.from_conf(cfg.allocator.conf)
         if "gpu" in overrides:
-            device = Device.for_card(cfg.gpu, fraction)
+            device = Device.for_card(Card.from_dict(as_dict(cfg.gpu)), fraction)
             card = cfg.gpu.name
     return settings, device, card
 

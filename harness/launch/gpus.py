@@ -14,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from harness.config.point import Card
 from harness.errors import ConfigError
 from harness.launch import slots
 from harness.probe.cuda.run import CardTooLarge, emulation_fraction
@@ -100,7 +101,7 @@ def resolve_backend(backend: str, cluster: bool = False) -> str:
     raise ConfigError("backend", "cuda asked for, but no GPU is visible (use backend=sim or auto)")
 
 
-def check_cards(cards: list[dict], devices: list[tuple[str, int]]) -> None:
+def check_cards(cards: list[Card], devices: list[tuple[str, int]]) -> None:
     """Every card asked for can run on every device a point may get: the device itself, or a
     smaller card emulated on it. A larger card is a config error, not a silent run."""
     for card in cards:

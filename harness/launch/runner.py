@@ -16,37 +16,38 @@ import sys
 import time
 from pathlib import Path
 
+from harness.config.point import Backend, Point
 from harness.launch import gpus
 from harness.record.results import find_done
-from harness.record.row import RESULT_FILE, base_record, run_id, write_row
+from harness.record.row import POINT_FILE, RESULT_FILE, base_record, run_id, write_row
 
 
-def run_point(point: dict, run_dir: Path, results_dir: Path | None = None) -> dict:
+def run_point(point: Point, run_dir: Path, results_dir: Path | None = None) -> dict:
     """The row for `point`, written to run_dir/result.json."""
     run_dir.mkdir(parents=True, exist_ok=True)
     rid = run_id(point)
     if results_dir is not None:
-        done = find_done(results_dir, point.get("sweep") or "", rid, run_dir)
+        done = find_done(results_dir, point.sweep, rid, run_dir)
         if done is not None:
             rec = json.loads(done.read_text())
             rec["reused_from"] = str(done)
             return write_row(run_dir, rec)
-    (run_dir / "point.json").write_text(json.dumps(point, indent=1, default=str))
+    (run_dir / POINT_FILE).write_text(json.dumps(point.to_dict(), indent=1, default=str))
     log = run_dir / "worker.log"
-    if point["backend"] == "cuda":
+    if point.backend == Backend.cuda:
         device, lock = _take_gpu()
         with lock:
             t0 = time.perf_counter()
-            rc = _run_subprocess(run_dir, log, point["timeout_s"], gpus.worker_env(device, point["allocator"]["conf"]))
+            rc = _run_subprocess(run_dir, log, point.timeout_s, gpus.worker_env(device, point.allocator.conf))
     else:
         t0 = time.perf_counter()
-        rc = _run_forked(run_dir, point["timeout_s"]) if _zygote_enabled() else _NO_ZYGOTE
+        rc = _run_forked(run_dir, point.timeout_s) if _zygote_enabled() else _NO_ZYGOTE
         if rc is _NO_ZYGOTE:
-            rc = _run_subprocess(run_dir, log, point["timeout_s"])
+            rc = _run_subprocess(run_dir, log, point.timeout_s)
     if rc is _TIMED_OUT:
         rec = base_record(point)
         rec.update(status="timeout", wall_s=time.perf_counter() - t0,
-                   error=f"point did not finish within timeout_s={point['timeout_s']} s")
+                   error=f"point did not finish within timeout_s={point.timeout_s} s")
         return write_row(run_dir, rec)
     result = run_dir / RESULT_FILE
     if rc == 0 and result.exists():

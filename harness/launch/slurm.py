@@ -30,6 +30,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLaunche
 from omegaconf import OmegaConf, open_dict
 
 from harness.config.compose import as_dict
+from harness.config.point import Point
 from harness.record.results import find_done
 from harness.record.row import RESULT_FILE, write_row
 
@@ -53,7 +54,7 @@ class _Point:
     idx: int
     overrides: list[str]
     run_dir: Path
-    point: dict
+    point: Point
     params: dict
 
 
@@ -64,7 +65,7 @@ def slurm_job_id(env: Mapping[str, str]) -> str | None:
     return env.get("SLURM_JOB_ID")
 
 
-def job_row(point: dict, job_id: str | None, status: str, error: str) -> dict:
+def job_row(point: Point, job_id: str | None, status: str, error: str) -> dict:
     """A row the launcher writes for a point whose job could not write its own."""
     from harness.record.row import base_record
 
@@ -73,7 +74,7 @@ def job_row(point: dict, job_id: str | None, status: str, error: str) -> dict:
     return rec
 
 
-def ended_row(point: dict, job_id: str | None, state: str, log_path: str | None, detail: str = "",
+def ended_row(point: Point, job_id: str | None, state: str, log_path: str | None, detail: str = "",
               in_last_minutes: bool = False) -> dict:
     """The row of a job that ended without writing one: `timeout` when its time limit ended it
     (Slurm's TIMEOUT; or submitit stopping it at Slurm's warning signal, which comes once the job is
@@ -128,7 +129,7 @@ class SlurmArrays(SlurmLauncher):
 
         todo, rows = [], {}
         for p in points:
-            done = find_done(results_dir, p.point.get("sweep") or "", run_id(p.point), p.run_dir)
+            done = find_done(results_dir, p.point.sweep or "", run_id(p.point), p.run_dir)
             if done is not None:  # an earlier run has it: no job
                 rec = json.loads(done.read_text())
                 rec["reused_from"] = str(done)

@@ -7,27 +7,27 @@ import functools
 import pandas as pd
 
 from harness.config import cards as catalog
-from harness.config.cards import room, with_margin
+from harness.config.point import Card
 
 
 def _missing(v) -> bool:
     return v is None or (isinstance(v, float) and pd.isna(v))
 
 
-def fits(row: dict, card: dict, margin: float = 0.0) -> bool | None:
+def fits(row: dict, card: Card, margin: float = 0.0) -> bool | None:
     """Whether the run of `row` fits `card` with `margin` kept free: the allocator model's verdict
     (a replay of the run's trace on the card where the peaks alone do not settle it); None when
     the row has no numbers (an error)."""
     from harness.probe.sim import reserved
     listed = row.get("fits_cards")
     if not margin and not _missing(listed):
-        return card["key"] in list(listed)
+        return card.key in list(listed)
     alloc = row.get("peak_allocated_bytes")
     if _missing(alloc):
         return None
     res = row.get("peak_reserved_bytes")
     res = alloc if _missing(res) else res
-    c = with_margin(card, margin)
+    c = card.with_margin(margin)
     known = reserved.fits_by_numbers(c, int(res), int(alloc))
     if known is not None:
         return known
@@ -43,36 +43,36 @@ def _trace_rows(path: str) -> list[tuple]:
     return trace_store.replay_rows(pd.read_parquet(path))
 
 
-def _replay(row: dict, card: dict):
+def _replay(row: dict, card: Card):
     from harness.allocator.settings import AllocSettings
     from harness.probe.sim import reserved
     settings = AllocSettings.from_conf(row.get("allocator_conf") or "")
     return reserved.replay_on(_trace_rows(str(row["trace_path"])), settings, card)
 
 
-def _fits_by_trace(row: dict, card: dict) -> bool:
+def _fits_by_trace(row: dict, card: Card) -> bool:
     return not _replay(row, card).ooms
 
 
-def cache_flushes(row: dict, card: dict, margin: float = 0.0) -> int | None:
+def cache_flushes(row: dict, card: Card, margin: float = 0.0) -> int | None:
     """How often the run's allocator must free its cache and retry on `card` (num_alloc_retries;
     each a device synchronization): 0 when its reserved peak fits; None when unknown."""
     res = row.get("peak_reserved_bytes")
     if _missing(res):
         return None
-    if int(res) <= room(card, margin):
+    if int(res) <= card.room(margin):
         return 0
     if _missing(row.get("trace_path")):
         return None
-    return _replay(row, with_margin(card, margin)).num_alloc_retries
+    return _replay(row, card.with_margin(margin)).num_alloc_retries
 
 
-def headroom_bytes(row: dict, card: dict, margin: float = 0.0) -> int | None:
+def headroom_bytes(row: dict, card: Card, margin: float = 0.0) -> int | None:
     """Room left on `card` at the run's peak reserved bytes (allocated where reserved is unknown)."""
     peak = row.get("peak_reserved_bytes")
     if _missing(peak):
         peak = row.get("peak_allocated_bytes")
-    return None if _missing(peak) else room(card, margin) - int(peak)
+    return None if _missing(peak) else card.room(margin) - int(peak)
 
 
 def fit_table(df: pd.DataFrame, margin: float = 0.0) -> pd.DataFrame:
@@ -83,9 +83,9 @@ def fit_table(df: pd.DataFrame, margin: float = 0.0) -> pd.DataFrame:
         for card in cards:
             head = headroom_bytes(row, card, margin)
             out.append({
-                "run_id": row["run_id"], "card": card["key"], "card_memory_bytes": card["memory_bytes"],
+                "run_id": row["run_id"], "card": card.key, "card_memory_bytes": card.memory_bytes,
                 "fits": fits(row, card, margin), "headroom_bytes": head,
-                "headroom_pct": None if head is None else 100.0 * head / card["memory_bytes"],
+                "headroom_pct": None if head is None else 100.0 * head / card.memory_bytes,
                 "margin": margin,
             })
     return pd.DataFrame(out)

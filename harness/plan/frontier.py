@@ -14,6 +14,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from harness.config import cards as catalog
+from harness.config.point import Card
 from harness.errors import ConfigError
 from harness.plan import fit, search, serving
 from harness.units import GiB
@@ -110,13 +111,13 @@ class Planner:
             return [r for rows in pool.map(self.plan_group, groups) for r in rows]
 
     @staticmethod
-    def cards(g: Group) -> list[dict]:
-        return [c for c in catalog.cards() if not g.cfg.plan.cards or c["key"] in g.cfg.plan.cards]
+    def cards(g: Group) -> list[Card]:
+        return [c for c in catalog.cards() if not g.cfg.plan.cards or c.key in g.cfg.plan.cards]
 
     def plan_group(self, g: Group) -> list[dict]:
         cfg = g.cfg
         plan, axis = cfg.plan, cfg.plan.axis
-        by_key = {c["key"]: c for c in self.cards(g)}
+        by_key = {c.key: c for c in self.cards(g)}
         rows_by_value: dict[int, dict] = {}
 
         def probe(v: int) -> search.Probe:
@@ -129,7 +130,7 @@ class Planner:
 
         ident = _group_columns(cfg, axis)
         try:
-            s = search.search(probe, {k: catalog.room(c, plan.margin) for k, c in by_key.items()}, g.values,
+            s = search.search(probe, {k: c.room(plan.margin) for k, c in by_key.items()}, g.values,
                               self.width, lambda vs: _together(probe, vs))
             serve = self._serving(g) if cfg.workload.name == "infer" else None
         except ProbeFailed as e:
@@ -138,7 +139,7 @@ class Planner:
         for key, f in s.frontiers.items():
             card = by_key[key]
             row = rows_by_value.get(f.largest) if f.largest is not None else None
-            rec = {**ident, "card": key, "card_memory_bytes": card["memory_bytes"], "status": "ok",
+            rec = {**ident, "card": key, "card_memory_bytes": card.memory_bytes, "status": "ok",
                    "error": None, "largest": f.largest, "first_oom": f.first_oom,
                    "monotone": f.monotone, "probes": len(s.probes), "grid_points": len(g.values),
                    "lo": g.values[0], "hi": g.values[-1], "step": _step(g.values),

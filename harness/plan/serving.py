@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from harness.config.point import Card
 from harness.units import GiB
 
 # Bytes per element of the KV cache: under autocast the k/v projections produce the autocast dtype.
@@ -32,11 +33,11 @@ def kv_bytes_per_token(model_cfg, precision: str) -> int:
     return 2 * layers * kv_heads * head_dim * _KV_ELEMENT_BYTES[precision]
 
 
-def vllm_capacity(card: dict, utilization: float, weights_bytes: int, activation_peak_bytes: int,
+def vllm_capacity(card: Card, utilization: float, weights_bytes: int, activation_peak_bytes: int,
                   kv_per_token: int, block_size: int, context: int) -> dict:
     """What vLLM's startup arithmetic gives on `card`: KV bytes, blocks, sequences of `context`."""
-    budget = int(card["memory_bytes"] * utilization)
-    kv_bytes = budget - weights_bytes - activation_peak_bytes - card["non_pytorch_bytes"]
+    budget = int(card.memory_bytes * utilization)
+    kv_bytes = budget - weights_bytes - activation_peak_bytes - card.non_pytorch_bytes
     blocks = max(0, kv_bytes // (block_size * kv_per_token))
     return {
         "vllm_budget_bytes": budget,
@@ -46,7 +47,7 @@ def vllm_capacity(card: dict, utilization: float, weights_bytes: int, activation
     }
 
 
-def compare(card: dict, cfg, serve: dict, largest: int | None, row: dict | None) -> dict:
+def compare(card: Card, cfg, serve: dict, largest: int | None, row: dict | None) -> dict:
     """The harness's frontier for this card beside vLLM's arithmetic, and why they differ."""
     plan, axis = cfg.plan, cfg.plan.axis
     utilization = 1.0 - plan.margin
@@ -64,9 +65,9 @@ def compare(card: dict, cfg, serve: dict, largest: int | None, row: dict | None)
 
 
 def _why(card, s: dict, axis: str, largest, row, batch: int, context: int) -> str:
-    head = (f"vLLM: {s['gpu_memory_utilization']:.2f} x {card['memory_bytes'] / GiB:.1f} GiB less weights "
+    head = (f"vLLM: {s['gpu_memory_utilization']:.2f} x {card.memory_bytes / GiB:.1f} GiB less weights "
             f"{s['weights_bytes'] / GiB:.2f}, profiled activations {s['activation_peak_bytes'] / GiB:.2f} "
-            f"({s['profile_tokens']} tokens) and non-PyTorch {card['non_pytorch_bytes'] / GiB:.2f} GiB leaves "
+            f"({s['profile_tokens']} tokens) and non-PyTorch {card.non_pytorch_bytes / GiB:.2f} GiB leaves "
             f"{max(0, s['vllm_kv_bytes']) / GiB:.2f} GiB = {s['vllm_blocks']} blocks of {s['block_size']} "
             f"tokens for the KV cache")
     if largest is None or row is None:

@@ -8,6 +8,7 @@ from typing import Protocol
 
 import torch
 
+from harness.config.point import Point
 from harness.workload import Job, Knobs, checkpoint_blocks
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -34,14 +35,14 @@ def precision_dtypes(precision: str) -> tuple[torch.dtype, torch.dtype | None]:
     return DTYPES[precision], None
 
 
-def knobs(point: dict) -> Knobs:
-    return Knobs(batch_size=point["batch_size"], seq_len=point["seq_len"], precision=point["precision"],
-                 checkpointing=bool(point["checkpointing"]), args=dict(point["workload"].get("args") or {}))
+def knobs(point: Point) -> Knobs:
+    return Knobs(batch_size=point.batch_size, seq_len=point.seq_len, precision=point.precision,
+                 checkpointing=bool(point.checkpointing), args=dict(point.workload.args or {}))
 
 
-def check_job(job, point: dict) -> None:
+def check_job(job, point: Point) -> None:
     if not isinstance(job, Job):
-        raise UserCodeError(f"{point['workload']['target']} returned {type(job).__name__}, not a harness.workload.Job")
+        raise UserCodeError(f"{point.workload.target} returned {type(job).__name__}, not a harness.workload.Job")
 
 
 def apply_checkpointing(job: Job, k: Knobs) -> None:

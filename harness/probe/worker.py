@@ -11,10 +11,11 @@ import time
 import traceback
 from pathlib import Path
 
-from harness.record.row import base_record
+from harness.config.point import Point
+from harness.record.row import POINT_FILE, base_record, write_row
 
 
-def run_sim(point: dict, run_dir: Path) -> dict:
+def run_sim(point: Point, run_dir: Path) -> dict:
     """Trace the point (or reuse the trace of a point that differs only in allocator or card),
     then replay it through the allocator model for reserved bytes and each card's verdict."""
     import torch
@@ -29,7 +30,7 @@ def run_sim(point: dict, run_dir: Path) -> dict:
     t0 = time.perf_counter()
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
     tid = trace_store.trace_id(point, versions)
-    cache = Path(point["trace_cache"]) if point.get("trace_cache") else None
+    cache = Path(point.trace_cache) if point.trace_cache else None
     trace_path = run_dir / trace_store.TRACE_FILE
     cached = trace_store.load_cached(cache, tid)
     rec = base_record(point)
@@ -45,18 +46,18 @@ def run_sim(point: dict, run_dir: Path) -> dict:
         trace_store.save_cached(cache, tid, trace_path, m)
     rec.update(m)
     rec["peak_tensor_bytes"] = m["peak_allocated_bytes"]  # storages rounded to 512 B (the tracker)
-    gpu = point["gpu"]
-    rec.update(status="ok", device_name=f"virtual {gpu['device_name']}", trace_path=str(trace_path),
+    gpu = point.gpu
+    rec.update(status="ok", device_name=f"virtual {gpu.device_name}", trace_path=str(trace_path),
                torch_version=torch.__version__, transformers_version=transformers.__version__)
-    settings = AllocSettings.from_conf(point["allocator"]["conf"])
-    snapshot = run_dir / "snapshot.pickle" if point.get("snapshot") else None
+    settings = AllocSettings.from_conf(point.allocator.conf)
+    snapshot = run_dir / "snapshot.pickle" if point.snapshot else None
     rec.update(reserved.analyse(trace_store.replay_rows(df), settings, gpu, catalog.cards(),
                                 torch.__version__, snapshot))
     rec["wall_s"] = time.perf_counter() - t0
     return rec
 
 
-def run_cuda(point: dict, run_dir: Path) -> dict:
+def run_cuda(point: Point, run_dir: Path) -> dict:
     """Measure the point on this process's GPU; each card's verdict from the measured peaks."""
     import transformers
 
@@ -69,8 +70,8 @@ def run_cuda(point: dict, run_dir: Path) -> dict:
     if rec["status"] == "ok":
         # Measured reserved within a card's room settles it; between allocated and reserved only a
         # replay could tell, and a cuda run has no trace: counted as not fitting.
-        rec["fits_cards"] = [c["key"] for c in catalog.cards()
-                             if c["name"] == point["gpu"]["name"] or reserved.fits_by_numbers(
+        rec["fits_cards"] = [c.key for c in catalog.cards()
+                             if c.name == point.gpu.name or reserved.fits_by_numbers(
                                  c, rec["peak_reserved_bytes"], rec["peak_allocated_bytes"])]
     else:  # how much it needed is unknown past the OOM: no card is known to hold it
         rec["fits_cards"] = []
@@ -79,14 +80,14 @@ def run_cuda(point: dict, run_dir: Path) -> dict:
 
 
 def main(run_dir: Path) -> int:
-    point = json.loads((run_dir / "point.json").read_text())
+    point = Point.from_dict(json.loads((run_dir / POINT_FILE).read_text()))
     try:
-        rec = run_cuda(point, run_dir) if point["backend"] == "cuda" else run_sim(point, run_dir)
+        rec = run_cuda(point, run_dir) if point.backend == "cuda" else run_sim(point, run_dir)
     except Exception as e:
         rec = base_record(point)
         rec.update(status="error", error=f"{type(e).__name__}: {e}")
         (run_dir / "traceback.txt").write_text(traceback.format_exc())
-    (run_dir / "result.json").write_text(json.dumps(rec, indent=1, default=str))
+    write_row(run_dir, rec)
     return 0
 
 

@@ -6,8 +6,11 @@ import hashlib
 import json
 from pathlib import Path
 
+from harness.config.point import Point, WorkloadName
+
 STATUSES = ("ok", "oom", "error", "timeout")
 RESULT_FILE = "result.json"  # one row per run dir
+POINT_FILE = "point.json"  # the point the row is of (Point.to_dict)
 
 # Every column a row carries (DESIGN.md "The record"); absent values are None.
 COLUMNS = (
@@ -28,49 +31,63 @@ COLUMNS = (
 )
 
 
-def point_identity(point: dict) -> dict:
+def point_identity(point: Point) -> dict:
     """What defines a run: everything that can change its numbers or its status."""
+    d = point.to_dict()
+    custom = point.workload.name == WorkloadName.custom
+    # source_sha is the user's code, so a custom job's alone (its workload has always carried it)
+    workload = d["workload"] if custom else {k: v for k, v in d["workload"].items() if k != "source_sha"}
     ident = {
-        "model": point["model"], "workload": point["workload"], "batch_size": point["batch_size"],
-        "seq_len": point["seq_len"], "precision": point["precision"], "optimizer": point["optimizer"],
-        "checkpointing": point["checkpointing"], "allocator_conf": point["allocator"]["conf"],
-        "backend": point["backend"], "gpu": point["gpu"]["name"],
-        "gpu_memory_bytes": point["gpu"]["memory_bytes"],
+        "model": d["model"], "workload": workload, "batch_size": point.batch_size,
+        "seq_len": point.seq_len, "precision": point.precision, "optimizer": d["optimizer"],
+        "checkpointing": point.checkpointing, "allocator_conf": point.allocator.conf,
+        "backend": point.backend, "gpu": point.gpu.name, "gpu_memory_bytes": point.gpu.memory_bytes,
     }
-    if point["workload"]["name"] == "custom":  # the user's job is its build function and its keys
-        ident["target"] = point["workload"]["target"]
-        ident["args"] = point["workload"].get("args") or {}
-        ident["source_sha"] = point["workload"].get("source_sha")
+    if custom:  # the user's job is its build function, its keys and its code
+        ident["target"] = point.workload.target
+        ident["args"] = point.workload.args or {}
+        ident["source_sha"] = point.workload.source_sha
     return ident
 
 
-def run_id(point: dict) -> str:
+def run_id(point: Point) -> str:
     blob = json.dumps(point_identity(point), sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 
-def base_record(point: dict) -> dict:
+def base_record(point: Point) -> dict:
     """The row's identity columns, filled before anything runs (so a failure is still a row)."""
     import harness
 
+    w, gpu = point.workload, point.gpu
     rec = dict.fromkeys(COLUMNS)
     rec.update(
-        run_id=run_id(point), sweep=point.get("sweep"), backend=point["backend"],
-        gpu=point["gpu"]["name"], gpu_memory_bytes=point["gpu"]["memory_bytes"],
-        gpu_non_pytorch_bytes=point["gpu"]["non_pytorch_bytes"], model=point["model"]["name"],
-        workload=point["workload"]["name"], leak=point["workload"].get("leak", "none"),
-        batch_size=point["batch_size"], seq_len=point["seq_len"],
-        precision=point["precision"], optimizer=point["optimizer"]["name"],
-        optimizer_impl=point["optimizer"]["impl"], checkpointing=point["checkpointing"],
-        allocator_conf=point["allocator"]["conf"], harness_version=harness.__version__,
-        overrides=point.get("overrides"), job_id=point.get("job_id"),
+        run_id=run_id(point), sweep=point.sweep, backend=str(point.backend),
+        gpu=gpu.name, gpu_memory_bytes=gpu.memory_bytes, gpu_non_pytorch_bytes=gpu.non_pytorch_bytes,
+        model=point.model.name, workload=str(w.name), leak=str(w.leak),
+        batch_size=point.batch_size, seq_len=point.seq_len, precision=str(point.precision),
+        optimizer=str(point.optimizer.name), optimizer_impl=str(point.optimizer.impl),
+        checkpointing=point.checkpointing, allocator_conf=point.allocator.conf,
+        harness_version=harness.__version__, overrides=point.overrides, job_id=point.job_id,
     )
-    if point["workload"]["name"] == "custom":
-        rec["model"] = point["workload"]["target"]  # until the job names itself (Job.name or its class)
-        rec["workload_target"] = point["workload"]["target"]
-        rec["workload_args"] = json.dumps(point["workload"].get("args") or {}, sort_keys=True, default=str)
-        for key, value in (point["workload"].get("args") or {}).items():
+    if w.name == WorkloadName.custom:
+        rec["model"] = w.target  # until the job names itself (Job.name or its class)
+        rec["workload_target"] = w.target
+        rec["workload_args"] = json.dumps(w.args or {}, sort_keys=True, default=str)
+        for key, value in (w.args or {}).items():
             rec.setdefault(key, value)  # the user's keys become columns (never over ours)
+    return rec
+
+
+def config_error_row(data: dict, error: str, job_id: str | None = None) -> dict:
+    """The row of a config that is not a point (a bad value found only where the job ran): what it
+    says of itself, and the error."""
+    rec = dict.fromkeys(COLUMNS)
+    data = {k: v for k, v in data.items() if k != "hydra"}
+    rec.update({k: data.get(k) for k in ("sweep", "backend", "batch_size", "seq_len", "precision", "checkpointing")})
+    rec.update(run_id=hashlib.sha1(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12],
+               status="error", error=error, job_id=job_id, model=(data.get("model") or {}).get("name"),
+               workload=(data.get("workload") or {}).get("name"), gpu=(data.get("gpu") or {}).get("name"))
     return rec
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.config.point import Point
 from harness.probe.sim.tracker import round_request
 from harness.record.row import point_identity
 
@@ -19,7 +20,7 @@ MEASUREMENTS_FILE = "measurements.json"
 COLUMNS = ["seq", "action", "key", "size", "kind", "phase", "step", "module"]
 
 
-def trace_id(point: dict, versions: dict) -> str:
+def trace_id(point: Point, versions: dict) -> str:
     """Everything that shapes the trace; allocator settings and the card do not."""
     ident = point_identity(point)
     for replay_only in ("allocator_conf", "gpu", "gpu_memory_bytes"):

@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
-from harness.config.cards import room
+from harness.config.point import Card
 from harness.report.tables import group_label
 from harness.units import GiB
 
@@ -37,7 +37,7 @@ def _label(r) -> str:
     return f"b{r.batch_size} s{r.seq_len} {_variant(r)}"
 
 
-def peak_vs_batch(df: pd.DataFrame, cards: list[dict]) -> plt.Figure | None:
+def peak_vs_batch(df: pd.DataFrame, cards: list[Card]) -> plt.Figure | None:
     """Peak reserved (solid) and allocated (dotted) vs batch, one panel per model/workload/sequence,
     one line per precision x checkpointing (x allocator, leak); each card's room drawn across."""
     d = _measured(df)
@@ -57,15 +57,15 @@ def peak_vs_batch(df: pd.DataFrame, cards: list[dict]) -> plt.Figure | None:
             ax.plot(v["batch_size"], v["peak_allocated_bytes"] / GiB, ":", color=color, lw=1)
             top = max(top, float(res.max()))
         near = _cards_near(cards, top)
-        smallest = min(cards, key=lambda c: c["memory_bytes"])
-        if room(smallest) / GiB > top * 3:  # no line drawn
-            ax.text(0.02, 0.7, f"every card holds these runs\n(smallest: {smallest['key']}, "
-                    f"{room(smallest) / GiB:.1f} GiB)",
+        smallest = min(cards, key=lambda c: c.memory_bytes)
+        if smallest.room() / GiB > top * 3:  # no line drawn
+            ax.text(0.02, 0.7, f"every card holds these runs\n(smallest: {smallest.key}, "
+                    f"{smallest.room() / GiB:.1f} GiB)",
                     transform=ax.transAxes, fontsize=7, color="0.3")
         for card in near:
-            room_gib = room(card) / GiB
+            room_gib = card.room() / GiB
             ax.axhline(room_gib, color="0.5", lw=0.8, ls="--")
-            ax.annotate(card["key"], (1.0, room_gib), xycoords=("axes fraction", "data"), fontsize=7,
+            ax.annotate(card.key, (1.0, room_gib), xycoords=("axes fraction", "data"), fontsize=7,
                         ha="right", va="bottom", color="0.3")
         ax.set_xscale("log", base=2)
         ax.set_title(f"{model} {workload}, seq {seq}", fontsize=10)
@@ -79,13 +79,13 @@ def peak_vs_batch(df: pd.DataFrame, cards: list[dict]) -> plt.Figure | None:
     return fig
 
 
-def _cards_near(cards: list[dict], top_gib: float) -> list[dict]:
+def _cards_near(cards: list[Card], top_gib: float) -> list[Card]:
     """The cards below the plot's top, and the first one above it (the card that would hold it
     all) unless it is so far above that the runs would shrink to a line at the bottom."""
-    rooms = sorted(cards, key=lambda c: c["memory_bytes"])
-    below = [c for c in rooms if room(c) / GiB <= top_gib * 1.05]
+    rooms = sorted(cards, key=lambda c: c.memory_bytes)
+    below = [c for c in rooms if c.room() / GiB <= top_gib * 1.05]
     above = [c for c in rooms if c not in below][:1]
-    above = [c for c in above if room(c) / GiB <= top_gib * 3]
+    above = [c for c in above if c.room() / GiB <= top_gib * 3]
     return below + above
 
 

@@ -10,6 +10,7 @@ import torch
 
 from harness.allocator.model import round_size
 from harness.analysis.oom_text import oom_columns
+from harness.config.point import Point
 from harness.config.target import load_target
 from harness.probe import steps
 from harness.probe.cuda.watch import CudaWatch, measurements
@@ -49,14 +50,14 @@ def _state_bytes(optimizer) -> int:
                          if isinstance(v, torch.Tensor) and v.is_cuda)
 
 
-def measure(point: dict) -> dict:
+def measure(point: Point) -> dict:
     """Record columns for the point on cuda:0: status ok or oom, peaks, per-step readings."""
-    leak = point["workload"].get("leak", "none")
+    leak = point.workload.leak
     watch = CudaWatch(collect=leak != "cycle")
     facts: dict = {}
     out: dict = {"status": "ok"}
     try:
-        if point["workload"]["name"] == "custom":
+        if point.workload.name == "custom":
             _custom(point, watch, facts)
         else:
             _preset(point, watch, facts)
@@ -65,7 +66,7 @@ def measure(point: dict) -> dict:
         out.update(status="oom", oom_phase=failing.phase, oom_step=failing.step, **oom_columns(str(e)))
     finally:
         gc.enable()
-    trains = facts.pop("trains", point["workload"]["name"] == "train")
+    trains = facts.pop("trains", point.workload.name == "train")
     tokens = facts.pop("tokens_per_step", 0)
     phases = watch.all_phases()
     out.update(facts)
@@ -79,18 +80,18 @@ def measure(point: dict) -> dict:
     return out
 
 
-def _preset(point: dict, watch: CudaWatch, facts: dict) -> None:
+def _preset(point: Point, watch: CudaWatch, facts: dict) -> None:
     from transformers import AutoModelForCausalLM
 
     from harness.config.models import hf_config
 
-    config = hf_config(point["model"])
-    param_dtype, amp_dtype = precision_dtypes(point["precision"])
+    config = hf_config(point.model)
+    param_dtype, amp_dtype = precision_dtypes(point.precision)
     region = (lambda: torch.autocast("cuda", dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
-    train = point["workload"]["name"] == "train"
-    n_tokens = point["seq_len"] - (0 if train else point["workload"]["new_tokens"])
-    b = point["batch_size"]
-    facts.update(trains=train, tokens_per_step=b * point["seq_len"] if train else b)
+    train = point.workload.name == "train"
+    n_tokens = point.seq_len - (0 if train else point.workload.new_tokens)
+    b = point.batch_size
+    facts.update(trains=train, tokens_per_step=b * point.seq_len if train else b)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=param_dtype)
@@ -99,18 +100,18 @@ def _preset(point: dict, watch: CudaWatch, facts: dict) -> None:
     watch.set_phase("input")
     input_ids = torch.randint(0, config.vocab_size, (b, n_tokens), device="cuda")
     if not train:
-        steps.infer(model, input_ids, point["workload"]["new_tokens"], watch, region)
+        steps.infer(model, input_ids, point.workload.new_tokens, watch, region)
         return
-    if point["checkpointing"]:
+    if point.checkpointing:
         # Non-reentrant checkpointing restores the forward's autocast state on recompute by itself.
         steps.enable_checkpointing(model)
-    opt = point["optimizer"]
-    optimizer = steps.build_optimizer(opt["name"], params, optimizer_kwargs(opt["impl"]), opt["lr"])
+    opt = point.optimizer
+    optimizer = steps.build_optimizer(opt.name, params, optimizer_kwargs(opt.impl), opt.lr)
     _watch_training(optimizer, params, facts)
-    if point["workload"].get("leak") == "cycle":
+    if point.workload.leak == "cycle":
         gc.disable()  # as on the virtual GPU: the cycle lives until the collector runs, after the steps
-    kept = steps.train(model, optimizer, input_ids, point["workload"]["steps"], watch, region,
-                       point["workload"].get("leak", "none"))
+    kept = steps.train(model, optimizer, input_ids, point.workload.steps, watch, region,
+                       point.workload.leak)
     del kept
 
 
@@ -120,10 +121,10 @@ def _watch_training(optimizer, params, facts: dict) -> None:
     optimizer.register_step_post_hook(lambda o, *_: facts.__setitem__("optimizer_bytes", _state_bytes(o)))
 
 
-def _custom(point: dict, watch: CudaWatch, facts: dict) -> None:
+def _custom(point: Point, watch: CudaWatch, facts: dict) -> None:
     """The user's build function and step, as they are, on the card: tensors made without a device
     land on it, and amp_* is CUDA's own autocast."""
-    build = load_target(point["workload"]["target"], point.get("cwd"))
+    build = load_target(point.workload.target, point.cwd)
     k = knobs(point)
     amp = k.autocast_dtype
     region = (lambda: torch.autocast("cuda", dtype=amp)) if amp is not None else contextlib.nullcontext
@@ -139,7 +140,7 @@ def _custom(point: dict, watch: CudaWatch, facts: dict) -> None:
                      n_params=sum(p.numel() for p in params), params_bytes=storage_bytes(params),
                      tokens_per_step=k.batch_size * k.seq_len)
         if opt is not None:
-            prepare_optimizer(opt, point["optimizer"]["impl"])
+            prepare_optimizer(opt, point.optimizer.impl)
             _watch_training(opt, params, facts)
             optimizer_phases(opt, watch)
             # The first gradient to land marks backward (the user's step calls backward itself).
@@ -148,7 +149,7 @@ def _custom(point: dict, watch: CudaWatch, facts: dict) -> None:
                     p.register_post_accumulate_grad_hook(
                         lambda _p: watch.set_phase("backward") if watch.phase == "forward" else None)
         step = job_step(job, region)
-        for i in range(point["workload"]["steps"]):
+        for i in range(point.workload.steps):
             watch.begin_step(i)
             watch.set_phase("forward")
             step()

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from harness.allocator.settings import AllocSettings
-from harness.config.cards import room
+from harness.config.point import Card, Point
 from harness.probe.cuda.job import measure
 
 # Memory history entries kept for a snapshot: a 7B training step makes ~10^5 allocator events.
@@ -41,47 +41,47 @@ def settings_mismatch(conf: str, recorded: dict) -> str | None:
     return "; ".join(diffs) or None
 
 
-def emulation_fraction(card: dict, device_name: str, device_bytes: int) -> float | None:
+def emulation_fraction(card: Card, device_name: str, device_bytes: int) -> float | None:
     """The per-process fraction that makes this device behave like `card`, or None when the device
     is that card. The cap is on reserved bytes (set_per_process_memory_fraction), so it is the
     card's room for PyTorch: its memory less what its CUDA context and libraries take. A card
     larger than the device cannot be emulated."""
-    same_card = device_name == card["device_name"]
+    same_card = device_name == card.device_name
     # The catalog's capacity is as a device of that card reports it, to a few MiB.
-    if same_card and card["memory_bytes"] >= device_bytes * 0.99:
+    if same_card and card.memory_bytes >= device_bytes * 0.99:
         return None
-    if card["memory_bytes"] > device_bytes:
-        raise CardTooLarge(f"gpu={card['name']} ({card['memory_bytes'] / 2**30:.2f} GiB) is larger than this "
+    if card.memory_bytes > device_bytes:
+        raise CardTooLarge(f"gpu={card.name} ({card.memory_bytes / 2**30:.2f} GiB) is larger than this "
                            f"device, {device_name} ({device_bytes / 2**30:.2f} GiB): a card can only be "
                            "emulated on a larger one")
-    return room(card) / device_bytes
+    return card.room() / device_bytes
 
 
-def run_cuda(point: dict, run_dir: Path) -> dict:
+def run_cuda(point: Point, run_dir: Path) -> dict:
     """Measure the point on this process's one GPU; returns the record's measured columns."""
     import torch
 
     if not torch.cuda.is_available():
         raise RuntimeError("backend=cuda but this process sees no GPU "
                            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
-    snapshot = run_dir / "snapshot.pickle" if point.get("snapshot") else None
+    snapshot = run_dir / "snapshot.pickle" if point.snapshot else None
     if snapshot is not None:  # before the first allocation, so the trace replays from an empty device
         torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_MAX_ENTRIES, stacks="python")
     props = torch.cuda.get_device_properties(0)
     out: dict = {"device_name": props.name, "device_memory_bytes": props.total_memory,
                  "torch_version": torch.__version__}
-    fraction = emulation_fraction(point["gpu"], props.name, props.total_memory)
+    fraction = emulation_fraction(point.gpu, props.name, props.total_memory)
     if fraction is not None:
         torch.cuda.set_per_process_memory_fraction(fraction, 0)
         out["emulated_gpu"] = True
-        out["device_name"] = f"{point['gpu']['device_name']} (emulated on {props.name}, reserved capped at " \
+        out["device_name"] = f"{point.gpu.device_name} (emulated on {props.name}, reserved capped at " \
                              f"{fraction * props.total_memory / 2**30:.2f} GiB)"
     else:
         out["emulated_gpu"] = False
     torch.cuda.init()
-    mismatch = settings_mismatch(point["allocator"]["conf"], torch.cuda.memory._snapshot().get("allocator_settings", {}))
+    mismatch = settings_mismatch(point.allocator.conf, torch.cuda.memory._snapshot().get("allocator_settings", {}))
     if mismatch:
-        raise RuntimeError(f"the allocator did not take allocator.conf={point['allocator']['conf']!r}: {mismatch}")
+        raise RuntimeError(f"the allocator did not take allocator.conf={point.allocator.conf!r}: {mismatch}")
 
     try:
         out.update(measure(point))

@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._pytree import tree_leaves
 
+from harness.config.point import Point
 from harness.config.target import load_target
 from harness.probe.jobs import (
     UserCodeError,
@@ -113,15 +114,15 @@ def _shape_only_init():
         torch.nn.init.trunc_normal_ = original
 
 
-def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tuple[dict, StorageTracker]:
+def run_custom(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tuple[dict, StorageTracker]:
     """Trace the user's job: (measurements, tracker), like sim.run_point."""
-    build = load_target(point["workload"]["target"], point.get("cwd"))
+    build = load_target(point.workload.target, point.cwd)
     k = knobs(point)
     autocast_mode = cu.CudaAutocast(k.autocast_dtype) if k.autocast_dtype is not None else None
     region = (lambda: cu.autocast_region(autocast_mode)) if autocast_mode else contextlib.nullcontext
     tracker = StorageTracker(emulate_cublas_workspace=emulate_cuda)
     tracker.auto_backward = True
-    n_steps = point["workload"]["steps"]
+    n_steps = point.workload.steps
     torch.manual_seed(0)
     # unpacked_sequences: transformers models read position_ids values (see cuda_emulation);
     # cuda_script_on_cpu: a script's "cuda" devices, autocast and synchronize, on the trace's CPU.
@@ -142,7 +143,7 @@ def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tup
         opt = job.optimizer
         if opt is not None:
             if emulate_cuda:
-                prepare_optimizer(opt, point["optimizer"]["impl"])
+                prepare_optimizer(opt, point.optimizer.impl)
             host_steps = not any(g.get("fused") for g in opt.param_groups) or not emulate_cuda
             watch_training(tracker, job.model, opt, host_steps)
             optimizer_phases(opt, tracker)
@@ -158,7 +159,7 @@ def run_custom(point: dict, emulate_cuda: bool = True, fake: bool = True) -> tup
             tracker.end_step()
         tracker.findings = {"retained_holder": find_holders(tracker, n_steps)}
         params = list(job.model.parameters())
-        m = measurements(tracker, {"name": "train" if opt is not None else "infer"},
+        m = measurements(tracker, opt is not None,
                           sum(p.numel() for p in params), sum(tracker.allocated_bytes_of(p) for p in params),
                           optimizer_state_bytes(tracker, opt) if opt is not None else 0)
         m["model"] = job.name or type(job.model).__name__

@@ -69,10 +69,10 @@ def _retag_state(tracker: StorageTracker, optimizer, host_steps: bool) -> None:
                 tracker.retag(v, "optimizer_state")
 
 
-def measurements(tracker: StorageTracker, workload: dict, n_params: int, params_bytes: int,
+def measurements(tracker: StorageTracker, trains: bool, n_params: int, params_bytes: int,
                   state_bytes: int) -> dict:
     per_step = tracker.steps
-    if workload["name"] == "train":
+    if trains:
         # Step 1 creates the optimizer state; the steady state is from step 2 on.
         window = per_step[1:] if len(per_step) > 1 else per_step
     else:
@@ -82,7 +82,7 @@ def measurements(tracker: StorageTracker, workload: dict, n_params: int, params_
     after = [s.allocated_after_bytes for s in per_step]
     findings = getattr(tracker, "findings", {})
     return {
-        "retained_bytes": max(0, after[-1] - after[1]) if len(after) > 2 and workload["name"] == "train" else 0,
+        "retained_bytes": max(0, after[-1] - after[1]) if len(after) > 2 and trains else 0,
         "retained_holder": findings.get("retained_holder"),
         "n_params": n_params,
         "peak_allocated_bytes": peak.peak_allocated_bytes,

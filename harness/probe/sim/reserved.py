@@ -10,13 +10,13 @@ from harness.allocator import snapshot as snap
 from harness.allocator.model import Device
 from harness.allocator.replay import replay_events
 from harness.allocator.settings import AllocSettings
-from harness.config import cards
+from harness.config.point import Card
 
 
-def fits_by_numbers(card: dict, peak_reserved_bytes: int, peak_allocated_bytes: int) -> bool | None:
+def fits_by_numbers(card: Card, peak_reserved_bytes: int, peak_allocated_bytes: int) -> bool | None:
     """True/False where the unlimited replay's peaks settle whether the job fits `card`; None where
     only a replay on the card can tell (the release-and-retry ladder might still save it)."""
-    room = cards.room(card)
+    room = card.room()
     if peak_reserved_bytes <= room:
         return True
     if peak_allocated_bytes > room:
@@ -24,26 +24,26 @@ def fits_by_numbers(card: dict, peak_reserved_bytes: int, peak_allocated_bytes: 
     return None
 
 
-def replay_on(rows: list[tuple], settings: AllocSettings, card: dict):
+def replay_on(rows: list[tuple], settings: AllocSettings, card: Card):
     """The replay on `card`: its OOMs and the cache flushes (num_alloc_retries) it took."""
     return replay_events(rows, settings, Device.for_card(card))[0]
 
 
-def fits_by_replay(rows: list[tuple], settings: AllocSettings, card: dict) -> bool:
+def fits_by_replay(rows: list[tuple], settings: AllocSettings, card: Card) -> bool:
     return not replay_on(rows, settings, card).ooms
 
 
-def fits(rows: list[tuple], settings: AllocSettings, card: dict, unlimited) -> bool:
+def fits(rows: list[tuple], settings: AllocSettings, card: Card, unlimited) -> bool:
     """Whether the job runs on `card` without an OOM."""
     known = fits_by_numbers(card, unlimited.peak_reserved_bytes, unlimited.peak_allocated_bytes)
     return known if known is not None else fits_by_replay(rows, settings, card)
 
 
-def analyse(rows: list[tuple], settings: AllocSettings, card: dict, catalog: list[dict],
+def analyse(rows: list[tuple], settings: AllocSettings, card: Card, catalog: list[Card],
             torch_version: str, snapshot_path: Path | None = None) -> dict:
     """Record fields for the run's card and the whole catalog."""
     # Unlimited memory, but the card's size for what depends on it (expandable address ranges).
-    unlimited, _ = replay_events(rows, settings, Device(total=card["memory_bytes"]))
+    unlimited, _ = replay_events(rows, settings, Device(total=card.memory_bytes))
     trace: list[dict] = []
 
     def on_event(action, addr, size, stream, tag):
@@ -60,7 +60,7 @@ def analyse(rows: list[tuple], settings: AllocSettings, card: dict, catalog: lis
         "fragmentation_bytes": unlimited.fragmentation_at_peak_bytes,
         "num_alloc_retries": on_card.num_alloc_retries,
         "num_ooms": len(on_card.ooms),
-        "fits_cards": [c["key"] for c in catalog if fits(rows, settings, c, unlimited)],
+        "fits_cards": [c.key for c in catalog if fits(rows, settings, c, unlimited)],
     }
     if on_card.ooms:
         oom = on_card.ooms[0]

@@ -1,0 +1,279 @@
+"""The point: one run's whole config, typed and frozen, validated once, handed to every layer.
+
+Hydra composes the config (schema.py: what the YAML may say); `Point.from_config` makes it this
+typed value, and each part checks its own values on construction, naming the dotted key of the
+first bad one (ConfigError). The choices are StrEnums: they compare, print and serialise as the
+strings the YAML and the record use ("bf16" == Precision.bf16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from harness.config import alloc_conf
+from harness.errors import ConfigError
+
+
+class Precision(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    amp_bf16 = "amp_bf16"  # fp32 master weights + autocast
+    amp_fp16 = "amp_fp16"
+
+    @property
+    def is_amp(self) -> bool:
+        return self.startswith("amp_")
+
+
+class WorkloadName(StrEnum):
+    train = "train"
+    infer = "infer"
+    custom = "custom"
+
+
+class Leak(StrEnum):
+    none = "none"
+    graph = "graph"  # a loss kept with its graph across steps
+    cycle = "cycle"  # a reference cycle holding the step's outputs
+
+
+class OptimizerName(StrEnum):
+    adamw = "adamw"
+    sgd = "sgd"
+    adafactor = "adafactor"
+
+
+class OptimizerImpl(StrEnum):
+    auto = "auto"  # what torch.optim picks on CUDA (foreach)
+    foreach = "foreach"
+    fused = "fused"
+    forloop = "forloop"
+
+
+class Backend(StrEnum):
+    auto = "auto"
+    sim = "sim"
+    cuda = "cuda"
+
+
+class PlanAxis(StrEnum):
+    batch_size = "batch_size"
+    seq_len = "seq_len"
+
+
+def _choice(key: str, enum: type[StrEnum], value: Any) -> Any:
+    try:
+        return enum(value)
+    except ValueError:
+        raise ConfigError(key, f"'{value}' is not one of {', '.join(enum)}") from None
+
+
+def _at_least(key: str, value: float, low: float, why: str = "") -> None:
+    if value < low:
+        raise ConfigError(key, f"must be >= {low}{why}, got {value}")
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str = ""
+    arch: str = "llama"  # transformers config class family: llama | qwen2 | mistral | auto
+    config_json: str | None = None  # a local HF config.json (or its folder)
+    hf: dict[str, Any] = field(default_factory=dict)  # config-class keyword arguments
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: WorkloadName = WorkloadName.train
+    steps: int = 3  # train: steps run; the peak is read from step 2 on (step 1 creates optimizer state)
+    new_tokens: int = 16  # infer: tokens decoded after the prefill; prompt = seq_len - new_tokens
+    leak: Leak = Leak.none
+    target: str | None = None  # custom: the user's build function, 'module:function'
+    args: dict[str, Any] = field(default_factory=dict)  # custom: the user's own keys
+    source_sha: str | None = None  # custom: the fingerprint of the user's code (config/target.py)
+
+    def __post_init__(self):
+        object.__setattr__(self, "name", _choice("workload.name", WorkloadName, self.name))
+        object.__setattr__(self, "leak", _choice("workload.leak", Leak, self.leak))
+        if self.leak != Leak.none and self.name != WorkloadName.train:
+            raise ConfigError("workload.leak", "the leaks reproduce training-loop mistakes: use workload=train")
+        if self.name != WorkloadName.infer:
+            _at_least("workload.steps", self.steps, 2, " (the peak is read from step 2 on)")
+        if self.name == WorkloadName.custom and not self.target:
+            raise ConfigError("workload.target", "workload=custom needs workload.target=module:function "
+                              "(a build function, see harness/workload.py)")
+
+    @property
+    def trains(self) -> bool:
+        return self.name == WorkloadName.train
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    name: OptimizerName = OptimizerName.adamw
+    impl: OptimizerImpl = OptimizerImpl.auto
+    lr: float = 1e-4
+
+    def __post_init__(self):
+        object.__setattr__(self, "name", _choice("optimizer.name", OptimizerName, self.name))
+        object.__setattr__(self, "impl", _choice("optimizer.impl", OptimizerImpl, self.impl))
+        if self.name == OptimizerName.adafactor and self.impl == OptimizerImpl.fused:
+            raise ConfigError("optimizer.impl", "torch.optim.Adafactor has no fused implementation")
+        if self.lr <= 0:
+            raise ConfigError("optimizer.lr", f"must be > 0, got {self.lr}")
+
+
+@dataclass(frozen=True)
+class Allocator:
+    name: str = "default"
+    conf: str = ""  # the exact PYTORCH_ALLOC_CONF string
+
+    def __post_init__(self):
+        alloc_conf.parse(self.conf)  # ConfigError naming allocator.conf, as PyTorch would refuse it
+
+
+@dataclass(frozen=True)
+class Slurm:
+    gres: str | None = None
+    constraint: str | None = None
+    partition: str | None = None
+
+
+@dataclass(frozen=True)
+class Card:
+    """A GPU as the point sees it: what torch reports as total memory, and what lives outside PyTorch."""
+    name: str = ""
+    device_name: str = ""
+    memory_bytes: int = 0  # torch.cuda.get_device_properties().total_memory
+    non_pytorch_bytes: int = 0  # CUDA context etc., outside PyTorch's allocator
+    source: str = ""
+    slurm: Slurm = field(default_factory=Slurm)
+    key: str = ""  # its name in the catalog (harness/conf/gpu/<key>.yaml), where known
+
+    def with_margin(self, margin: float) -> Card:
+        """The card as a plan sees it: `margin` x its memory kept free, counted as outside PyTorch."""
+        if not margin:
+            return self
+        return dataclasses.replace(self, non_pytorch_bytes=self.non_pytorch_bytes + int(margin * self.memory_bytes))
+
+    def room(self, margin: float = 0.0) -> int:
+        """Bytes PyTorch's allocator may reserve on the card with `margin` kept free."""
+        c = self.with_margin(margin)
+        return c.memory_bytes - c.non_pytorch_bytes
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Card:
+        return _build(cls, data, "gpu.")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """`python -m harness plan`: per card, the largest `axis` value that fits (searched, not swept)."""
+    axis: PlanAxis = PlanAxis.batch_size
+    lo: int = 1
+    hi: int = 0  # 0: 256 for batch_size, the model's max_position_embeddings for seq_len
+    step: int = 0  # 0: 1 for batch_size, 128 for seq_len
+    margin: float = 0.0  # share of the card's total memory kept free, beyond non-PyTorch memory
+    cards: tuple[str, ...] = ()  # catalog keys; empty: every card
+    block_size: int = 16  # serving: vLLM's KV block, tokens
+    max_num_batched_tokens: int = 8192  # serving: vLLM's profile-run tokens
+
+    def __post_init__(self):
+        object.__setattr__(self, "axis", _choice("plan.axis", PlanAxis, self.axis))
+        object.__setattr__(self, "cards", tuple(self.cards))
+        _at_least("plan.lo", self.lo, 1)
+        if self.hi and self.hi < self.lo:
+            raise ConfigError("plan.hi", f"must be >= plan.lo ({self.lo}), got {self.hi}")
+        if self.step < 0:
+            raise ConfigError("plan.step", f"must be >= 0 (0: the axis's default), got {self.step}")
+        if not 0 <= self.margin < 1:
+            raise ConfigError("plan.margin", f"must be in [0, 1) (a share of the card's memory), got {self.margin}")
+        _at_least("plan.block_size", self.block_size, 1)
+        _at_least("plan.max_num_batched_tokens", self.max_num_batched_tokens, 2)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One run: the knobs, the card it is judged against, and where it was asked from."""
+    model: Model = field(default_factory=Model)
+    workload: Workload = field(default_factory=Workload)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    allocator: Allocator = field(default_factory=Allocator)
+    gpu: Card = field(default_factory=Card)
+    batch_size: int = 1  # sequences per step (train) or concurrent sequences (infer)
+    seq_len: int = 1024  # tokens per sequence (infer: the whole context)
+    precision: Precision = Precision.bf16
+    checkpointing: bool = False
+    backend: Backend = Backend.auto
+    results_dir: str = "results"
+    sweep: str = "adhoc"
+    timeout_s: int = 1800
+    snapshot: bool = False
+    plan: Plan = field(default_factory=Plan)
+    # Where the point was asked from (set by launch.point.to_point): not part of its identity.
+    overrides: str = ""  # the command line's overrides for this point
+    cwd: str = ""  # where the user ran us: their workload module is found from here
+    trace_cache: str | None = None  # one trace serves every allocator setting and card
+    job_id: str | None = None  # the cluster's id for this point's job
+
+    def __post_init__(self):
+        _at_least("batch_size", self.batch_size, 1)
+        _at_least("seq_len", self.seq_len, 1)
+        object.__setattr__(self, "precision", _choice("precision", Precision, self.precision))
+        object.__setattr__(self, "backend", _choice("backend", Backend, self.backend))
+        if self.workload.name == WorkloadName.infer and not 1 <= self.workload.new_tokens < self.seq_len:
+            raise ConfigError("workload.new_tokens", f"must be in [1, seq_len) = [1, {self.seq_len}), "
+                              f"got {self.workload.new_tokens}")
+        if self.timeout_s <= 0:
+            raise ConfigError("timeout_s", f"must be > 0, got {self.timeout_s}")
+        if self.gpu.memory_bytes <= 0:
+            raise ConfigError("gpu.memory_bytes", f"must be > 0, got {self.gpu.memory_bytes}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Point:
+        """A point from plain data (a composed config's container, point.json); missing keys take the
+        schema's defaults, unknown ones are refused by name."""
+        return _build(cls, data, "")
+
+    @classmethod
+    def from_config(cls, cfg) -> Point:
+        """A point from a composed config (its `hydra` node, if any, is not the point's)."""
+        from harness.config.compose import as_dict
+
+        data = as_dict(cfg)
+        data.pop("hydra", None)
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (enums as their strings): point.json, and the identity that run_id hashes."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> Point:
+        return dataclasses.replace(self, **changes)
+
+
+def _build(cls, data: dict[str, Any], prefix: str):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}", "unknown key")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        nested = _dataclass_of(hint)
+        if nested is not None and isinstance(value, dict):
+            value = _build(nested, value, f"{prefix}{name}.")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _dataclass_of(hint) -> type | None:
+    """The dataclass a field holds (Card, or Card in `Card | None`), else None."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    return next((a for a in options if isinstance(a, type) and dataclasses.is_dataclass(a)), None)
