@@ -243,11 +243,15 @@ class Point:
     @classmethod
     def from_config(cls, cfg) -> Point:
         """A point from a composed config (its `hydra` node, if any, is not the point's)."""
+        from omegaconf import open_dict
+
         from harness.config.compose import as_dict
 
-        data = as_dict(cfg)
-        data.pop("hydra", None)
-        return cls.from_dict(data)
+        if "hydra" in cfg:  # a sweep's config before its job ran: Hydra's runtime keys are not set yet
+            cfg = cfg.copy()
+            with open_dict(cfg):
+                del cfg["hydra"]
+        return cls.from_dict(as_dict(cfg))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (enums as their strings): point.json, and the identity that run_id hashes."""
