@@ -1,10 +1,11 @@
 """What the cuda probe's readings cost a step: `python benchmarks/cuda_watch_overhead.py [model]`.
 
-The same training steps (steps.train, bf16 AdamW, batch 4 x 1,024 tokens) timed twice on the GPU:
+The same training steps (the preset's TrainStep, bf16 AdamW, batch 4 x 1,024 tokens) timed twice on the GPU:
 with synchronize-and-time hooks only, and with CudaWatch (memory_stats() and a peak reset at each
 of the step's phases). Prints median step times and the overhead in percent. Needs a GPU.
 """
 
+import contextlib
 import json
 import statistics
 import sys
@@ -15,8 +16,10 @@ from omegaconf import OmegaConf
 
 from harness.config.compose import CONF_DIR
 from harness.config.models import hf_config
-from harness.probe import steps
+from harness.config.point import Leak
 from harness.probe.cuda.watch import CudaWatch
+from harness.probe.jobs import watching
+from harness.probe.presets import TrainStep
 
 
 class TimingOnly:
@@ -35,6 +38,15 @@ class TimingOnly:
         self.times.append(time.perf_counter() - self.t0)
 
 
+def _train(model, optimizer, ids, n_steps: int, watch) -> None:
+    step = TrainStep(contextlib.nullcontext, Leak.none)
+    with watching(watch):
+        for i in range(n_steps):
+            watch.begin_step(i)
+            step(model, optimizer, ids)
+            watch.end_step()
+
+
 def main(model_name: str = "demo-1b", n_steps: int = 10, rounds: int = 2) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -46,10 +58,10 @@ def main(model_name: str = "demo-1b", n_steps: int = 10, rounds: int = 2) -> dic
     plain, watched = [], []
     for _ in range(rounds):  # alternate, so clocks and caches warm both alike
         t = TimingOnly()
-        steps.train(model, optimizer, ids, n_steps, t)
+        _train(model, optimizer, ids, n_steps, t)
         plain += t.times[1:]
         w = CudaWatch()
-        steps.train(model, optimizer, ids, n_steps, w)
+        _train(model, optimizer, ids, n_steps, w)
         watched += [s.time_s for s in w.steps[1:]]
     p, w = statistics.median(plain), statistics.median(watched)
     return {"model": model_name, "device": torch.cuda.get_device_name(0), "steps": len(plain),

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -59,7 +59,11 @@ class Job:
     `loss(model, batch) -> scalar tensor`, or `step(model, optimizer, batch)` for a whole training
     step of your own (a plain script's step function as it is). Neither: forward only, as in
     inference (`model(batch)` under torch.no_grad). `blocks`: the module class to checkpoint one
-    by one when the sweep sets checkpointing=true. `name`: the row's `model` column."""
+    by one when the sweep sets checkpointing=true. `name`: the row's `model` column.
+    `autocast=False`: for amp_* precisions your step enters `torch.autocast("cuda", ...)` itself
+    (the harness then enters none). `steps`: how many steps to run (default `workload.steps`);
+    `tokens_per_step`: for tokens_per_s (default batch_size x seq_len). The harness's own presets
+    (workload=train|infer) are Jobs too (harness/probe/presets.py)."""
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer | None
     batch: Any
@@ -67,6 +71,25 @@ class Job:
     step: Callable[[torch.nn.Module, Any, Any], Any] | None = None
     blocks: type | tuple[type, ...] | None = None
     name: str | None = None
+    autocast: bool = True
+    steps: int | None = None
+    tokens_per_step: int | None = None
+
+
+class _Phases(Protocol):
+    def set_phase(self, phase: str) -> None: ...
+
+
+_watch: _Phases | None = None  # the harness's watch while it builds and steps a job
+
+
+def phase(name: str) -> None:
+    """Name the phase of your step that starts here (e.g. "forward", "backward", "optimizer", or one
+    of your own): rows' peak_phase and oom_phase use it. Without it, the harness tells forward,
+    backward (autograd's engine) and optimizer (its hooks) apart by itself. Outside the harness, or
+    in code it does not measure, it does nothing."""
+    if _watch is not None:
+        _watch.set_phase(name)
 
 
 def checkpoint_blocks(model: torch.nn.Module, block_cls) -> int:

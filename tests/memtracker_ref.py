@@ -7,7 +7,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.config.models import hf_config
-from harness.probe import steps
+from harness.probe import presets
 from harness.probe.jobs import optimizer_kwargs, precision_dtypes
 from harness.probe.sim import cuda_emulation as cu
 
@@ -20,7 +20,7 @@ def memtracker_peak(point) -> int:
     with FakeTensorMode(), cu.unpacked_sequences(), cu.cuda_kernels():
         model = AutoModelForCausalLM.from_config(hf_config(point.model), dtype=param_dtype)
         model.train()
-        opt = steps.build_optimizer(point.optimizer.name, model.parameters(),
+        opt = presets.build_optimizer(point.optimizer.name, model.parameters(),
                                     optimizer_kwargs(point.optimizer.impl), 1e-4)
         ids = torch.randint(0, model.config.vocab_size, (point.batch_size, point.seq_len))
         mt = MemTracker()

@@ -142,3 +142,15 @@ def test_a_scripts_autocast_regions_nest_as_on_cuda():
         assert (a @ a).dtype == torch.float32
     with torch.autocast("cpu", dtype=torch.bfloat16):  # untouched once the script is done
         assert (a @ a).dtype == torch.bfloat16
+
+
+def test_a_step_names_its_own_phases_and_enters_its_own_autocast():
+    """harness.workload.phase() labels the trace; Job(autocast=False) leaves autocast to the step,
+    whose bf16 projection is then half the size it would be in fp32; Job.steps sets the count."""
+    point = custom_point("tests.jobs.named_phases:build", batch_size=64, precision="amp_bf16")
+    m, tracker = run_point(point)
+    phases = {e[5] for e in tracker.events if e[6] >= 0}
+    assert {"embed", "head", "backward", "optimizer"} <= phases
+    assert m["peak_phase"] in {"head", "backward"} and len(m["step_peak_bytes"]) == 4
+    head_out = [e[3] for e in tracker.events if e[1] == "alloc" and e[5] == "head" and e[6] == 1]
+    assert 64 * 8192 * 2 in head_out and 64 * 8192 * 4 not in head_out  # bf16 under the step's autocast

@@ -4,10 +4,12 @@ The backends differ only in the watch they hand in and the tensors underneath.""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Protocol
 
 import torch
 
+from harness import workload
 from harness.config.point import Point
 from harness.workload import Job, Knobs, checkpoint_blocks
 
@@ -22,6 +24,16 @@ class Watch(Protocol):
     def set_phase(self, phase: str) -> None: ...
 
     def end_step(self) -> None: ...
+
+
+@contextlib.contextmanager
+def watching(watch: Watch):
+    """harness.workload.phase() names this watch's phases while a job is built and stepped."""
+    previous, workload._watch = workload._watch, watch
+    try:
+        yield
+    finally:
+        workload._watch = previous
 
 
 class UserCodeError(RuntimeError):
@@ -84,11 +96,13 @@ def prepare_optimizer(opt, impl: str) -> None:
 def job_step(job: Job, region):
     """One step of the job. For amp_* precisions autocast covers the forward and the loss, as
     training code writes it (`with autocast(): loss = ...` then `loss.backward()`); around a step of
-    the user's own it covers the whole step (better: the step enters torch.autocast("cuda") itself)."""
+    the user's own it covers the whole step, unless the job enters autocast itself (autocast=False)."""
     if job.step is not None:
+        step = job.step
+
         def own():
-            with region():
-                job.step(job.model, job.optimizer, job.batch)
+            with region() if job.autocast else contextlib.nullcontext():
+                step(job.model, job.optimizer, job.batch)
         return own
     if job.loss is None:
         def forward_only():

@@ -1,5 +1,5 @@
-"""The work measured on a real card: a preset (steps.py) or the user's job, built on the device and
-run under CudaWatch. An out-of-memory error ends the work, not the row."""
+"""The work measured on a real card: a Job (a preset's, probe/presets.py, or the user's), built on
+the device and run under CudaWatch. An out-of-memory error ends the work, not the row."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 
 from harness.allocator.model import round_size
 from harness.analysis.oom_text import oom_columns
-from harness.config.point import Point
+from harness.config.point import Leak, Point, WorkloadName
 from harness.config.target import load_target
-from harness.probe import steps
+from harness.probe import presets
 from harness.probe.cuda.watch import CudaWatch, measurements
 from harness.probe.jobs import (
     apply_checkpointing,
@@ -20,8 +20,8 @@ from harness.probe.jobs import (
     job_step,
     knobs,
     optimizer_phases,
-    precision_dtypes,
     prepare_optimizer,
+    watching,
 )
 
 
@@ -40,11 +40,6 @@ def storage_bytes(tensors) -> int:
     return total
 
 
-def optimizer_kwargs(impl: str) -> dict:
-    """impl=auto leaves the choice to torch.optim (foreach on CUDA); the others force it."""
-    return {"auto": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}.get(impl, {"foreach": False})
-
-
 def _state_bytes(optimizer) -> int:
     return storage_bytes(v for state in optimizer.state.values() for v in state.values()
                          if isinstance(v, torch.Tensor) and v.is_cuda)
@@ -52,21 +47,18 @@ def _state_bytes(optimizer) -> int:
 
 def measure(point: Point) -> dict:
     """Record columns for the point on cuda:0: status ok or oom, peaks, per-step readings."""
-    leak = point.workload.leak
-    watch = CudaWatch(collect=leak != "cycle")
+    cycle = point.workload.leak == Leak.cycle
+    watch = CudaWatch(collect=not cycle)
     facts: dict = {}
     out: dict = {"status": "ok"}
     try:
-        if point.workload.name == "custom":
-            _custom(point, watch, facts)
-        else:
-            _preset(point, watch, facts)
+        _run(point, watch, facts)
     except torch.OutOfMemoryError as e:
         failing = watch.at_failure()
         out.update(status="oom", oom_phase=failing.phase, oom_step=failing.step, **oom_columns(str(e)))
     finally:
         gc.enable()
-    trains = facts.pop("trains", point.workload.name == "train")
+    trains = facts.pop("trains")
     tokens = facts.pop("tokens_per_step", 0)
     phases = watch.all_phases()
     out.update(facts)
@@ -80,76 +72,46 @@ def measure(point: Point) -> dict:
     return out
 
 
-def _preset(point: Point, watch: CudaWatch, facts: dict) -> None:
-    from transformers import AutoModelForCausalLM
-
-    from harness.config.models import hf_config
-
-    config = hf_config(point.model)
-    param_dtype, amp_dtype = precision_dtypes(point.precision)
-    region = (lambda: torch.autocast("cuda", dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
-    train = point.workload.name == "train"
-    n_tokens = point.seq_len - (0 if train else point.workload.new_tokens)
-    b = point.batch_size
-    facts.update(trains=train, tokens_per_step=b * point.seq_len if train else b)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=param_dtype)
-    params = list(model.parameters())
-    facts.update(n_params=sum(p.numel() for p in params), params_bytes=storage_bytes(params))
-    watch.set_phase("input")
-    input_ids = torch.randint(0, config.vocab_size, (b, n_tokens), device="cuda")
-    if not train:
-        steps.infer(model, input_ids, point.workload.new_tokens, watch, region)
-        return
-    if point.checkpointing:
-        # Non-reentrant checkpointing restores the forward's autocast state on recompute by itself.
-        steps.enable_checkpointing(model)
-    opt = point.optimizer
-    optimizer = steps.build_optimizer(opt.name, params, optimizer_kwargs(opt.impl), opt.lr)
-    _watch_training(optimizer, params, facts)
-    if point.workload.leak == "cycle":
-        gc.disable()  # as on the virtual GPU: the cycle lives until the collector runs, after the steps
-    kept = steps.train(model, optimizer, input_ids, point.workload.steps, watch, region,
-                       point.workload.leak)
-    del kept
-
-
 def _watch_training(optimizer, params, facts: dict) -> None:
     """Gradient bytes (they match the trainable weights) and the optimizer state after each step."""
     facts["grads_bytes"] = storage_bytes(p for p in params if p.requires_grad)
     optimizer.register_step_post_hook(lambda o, *_: facts.__setitem__("optimizer_bytes", _state_bytes(o)))
 
 
-def _custom(point: Point, watch: CudaWatch, facts: dict) -> None:
-    """The user's build function and step, as they are, on the card: tensors made without a device
-    land on it, and amp_* is CUDA's own autocast."""
-    build = load_target(point.workload.target, point.cwd)
+def _run(point: Point, watch: CudaWatch, facts: dict) -> None:
+    """The job (a preset's or the user's build function and step), as it is, on the card: tensors
+    made without a device land on it, and amp_* is CUDA's own autocast."""
+    custom = point.workload.name == WorkloadName.custom
+    build = load_target(point.workload.target, point.cwd) if custom else presets.builder(point)
     k = knobs(point)
     amp = k.autocast_dtype
     region = (lambda: torch.autocast("cuda", dtype=amp)) if amp is not None else contextlib.nullcontext
+    cycle = point.workload.leak == Leak.cycle
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device("cuda"), watching(watch):
         job = build(k)
         check_job(job, point)
         apply_checkpointing(job, k)
         params = list(job.model.parameters())
         opt = job.optimizer
-        facts.update(trains=opt is not None, model=job.name or type(job.model).__name__,
-                     optimizer=type(opt).__name__ if opt is not None else None,
-                     n_params=sum(p.numel() for p in params), params_bytes=storage_bytes(params),
-                     tokens_per_step=k.batch_size * k.seq_len)
+        facts.update(trains=opt is not None, n_params=sum(p.numel() for p in params), params_bytes=storage_bytes(params),
+                     tokens_per_step=job.tokens_per_step or k.batch_size * k.seq_len)
+        if custom:  # the job names itself; a preset's row keeps the config's names
+            facts.update(model=job.name or type(job.model).__name__,
+                         optimizer=type(opt).__name__ if opt is not None else None)
         if opt is not None:
             prepare_optimizer(opt, point.optimizer.impl)
             _watch_training(opt, params, facts)
             optimizer_phases(opt, watch)
-            # The first gradient to land marks backward (the user's step calls backward itself).
+            # The first gradient to land marks backward (a user's step calls backward itself).
             for p in params:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(
                         lambda _p: watch.set_phase("backward") if watch.phase == "forward" else None)
         step = job_step(job, region)
-        for i in range(point.workload.steps):
+        if cycle:
+            gc.disable()  # as on the virtual GPU: the cycle lives until the collector runs, after the steps
+        for i in range(job.steps or point.workload.steps):
             watch.begin_step(i)
             watch.set_phase("forward")
             step()

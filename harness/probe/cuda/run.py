@@ -1,7 +1,7 @@
 """The real card: one point on CUDA, measured by the caching allocator's own counters.
 
 Runs in a fresh process whose environment already carries the allocator settings and its one
-device (runner + gpus.worker_env). The same steps as the virtual GPU (steps.py, or the user's job);
+device (runner + gpus.worker_env). The same Job as the virtual GPU (a preset, probe/presets.py, or the user's);
 an out-of-memory error becomes the row's data, with the stats at that moment and the numbers of
 its message. A card smaller than the device is emulated by capping reserved bytes.
 """

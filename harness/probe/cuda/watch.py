@@ -1,7 +1,7 @@
 """What the real allocator's counters say about one run: read at every phase boundary, assembled
 into the record's columns.
 
-`CudaWatch` is the probe's `hooks` (begin_step / set_phase / end_step, see steps.py). At each phase
+`CudaWatch` is the probe's `hooks` (begin_step / set_phase / end_step: probe/jobs.py Watch). At each phase
 boundary it reads the peaks since the last boundary and resets them (`reset_peak_memory_stats`:
 host-side counters, no synchronisation), so every step and phase has its own peak. The allocator
 counts on the host when a kernel is enqueued, so the readings need no synchronize; step times do.

@@ -3,31 +3,10 @@ the holders of memory that outlived its step, and the record's columns from the 
 
 from __future__ import annotations
 
-import gc
-
 import torch
 
 from harness.probe.sim.holders import collect_cycles, old_tensors
 from harness.probe.sim.tracker import StorageTracker
-
-
-class TrackerWatch:
-    """The tracker as a preset's watch: the libraries' own cycles collected before each reading."""
-
-    def __init__(self, tracker: StorageTracker, collect: bool = True):
-        self.t = tracker
-        self.collect = collect
-
-    def begin_step(self, step):
-        self.t.begin_step(step)
-
-    def set_phase(self, phase):
-        self.t.set_phase(phase)
-
-    def end_step(self):
-        if self.collect:
-            gc.collect()  # cycles of the libraries' own making are freed before the reading
-        self.t.end_step()
 
 
 def watch_training(tracker: StorageTracker, model, optimizer, host_steps: bool) -> None:

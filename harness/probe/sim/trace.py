@@ -1,7 +1,10 @@
-"""The virtual GPU: the real transformers model and step under FakeTensorMode, tracked per storage.
+"""The virtual GPU: a Job (a preset's or the user's) built and stepped under FakeTensorMode, every
+storage tracked.
 
 No memory is allocated and no arithmetic is done; the tracker sees every storage the step would
-create on CUDA (see cuda_emulation for the differences from CPU that are reproduced).
+create on CUDA (see cuda_emulation for the differences from CPU that are reproduced). Phases come
+from the job: the presets name theirs (harness.workload.phase); in a user's step, forward until
+autograd's engine runs (backward) and the optimizer's step hooks (optimizer).
 """
 
 from __future__ import annotations
@@ -11,86 +14,95 @@ import gc
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves
 
-from harness.config.point import Point
-from harness.probe import steps
-from harness.probe.jobs import optimizer_kwargs, precision_dtypes
-from harness.probe.sim import cuda_emulation as cu
-from harness.probe.sim.custom import run_custom
-from harness.probe.sim.measure import (
-    TrackerWatch,
-    find_holders,
-    measurements,
-    optimizer_state_bytes,
-    watch_training,
+from harness.config.point import Leak, Point, WorkloadName
+from harness.config.target import load_target
+from harness.probe import presets
+from harness.probe.jobs import (
+    apply_checkpointing,
+    check_job,
+    job_step,
+    knobs,
+    optimizer_phases,
+    prepare_optimizer,
+    watching,
 )
+from harness.probe.sim import cuda_emulation as cu
+from harness.probe.sim.cuda_script import cuda_script_on_cpu
+from harness.probe.sim.fake_code import VALUE_READS, explain, module_conversion_on_fake_tensors, shape_only_init
+from harness.probe.sim.measure import find_holders, measurements, optimizer_state_bytes, watch_training
 from harness.probe.sim.tracker import StorageTracker
 
 
 def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tuple[dict, StorageTracker]:
-    """Trace one config point; returns (measurements, tracker with the event trace).
+    """Trace one point; returns (measurements, tracker with the event trace).
 
     `fake=False` runs the same steps on real CPU tensors under the same tracker (used to check
     the fake trace against real execution for small models).
     """
-    if point.workload.name == "custom":
-        return run_custom(point, emulate_cuda, fake)
-    from transformers import AutoModelForCausalLM
-
-    from harness.config.models import hf_config
-
-    config = hf_config(point.model)
-    param_dtype, amp_dtype = precision_dtypes(point.precision)
-    if amp_dtype is not None and not emulate_cuda:
+    custom = point.workload.name == WorkloadName.custom
+    build = load_target(point.workload.target, point.cwd) if custom else presets.builder(point)
+    k = knobs(point)
+    if k.autocast_dtype is not None and not emulate_cuda:
         raise ValueError("amp_* precisions are traced with CUDA's autocast policy only")
-    autocast_mode = cu.CudaAutocast(amp_dtype) if amp_dtype is not None else None
+    autocast_mode = cu.CudaAutocast(k.autocast_dtype) if k.autocast_dtype is not None else None
     region = (lambda: cu.autocast_region(autocast_mode)) if autocast_mode else contextlib.nullcontext
     tracker = StorageTracker(emulate_cublas_workspace=emulate_cuda)
-    train = point.workload.name == "train"
-    # infer: the prompt; the rest of the context is decoded
-    n_tokens = point.seq_len - (0 if train else point.workload.new_tokens)
-
+    tracker.auto_backward = True
+    cycle = point.workload.leak == Leak.cycle
     torch.manual_seed(0)
+    # unpacked_sequences: transformers models read position_ids values (see cuda_emulation);
+    # cuda_script_on_cpu: a script's "cuda" devices, autocast and synchronize, on the trace's CPU.
     with FakeTensorMode() if fake else contextlib.nullcontext(), cu.unpacked_sequences(), \
-            cu.cuda_kernels() if emulate_cuda else contextlib.nullcontext(), tracker:
+            cu.cuda_kernels() if emulate_cuda else contextlib.nullcontext(), cuda_script_on_cpu(), tracker, \
+            watching(tracker):
         tracker.set_phase("setup")
-        model = AutoModelForCausalLM.from_config(config, dtype=param_dtype)
-        for t in (*model.parameters(), *model.buffers()):
+        try:
+            with module_conversion_on_fake_tensors() if fake else contextlib.nullcontext(), shape_only_init():
+                job = build(k)
+        except VALUE_READS as e:
+            raise explain(e, "while building the job") from e
+        check_job(job, point)
+        for t in (*job.model.parameters(), *job.model.buffers()):
             tracker.track(t, "parameter")
-        tracker.attach_modules(model)
-        tracker.set_phase("input")
-        input_ids = torch.randint(0, config.vocab_size, (point.batch_size, n_tokens))
-        if train:
-            state_bytes = _trace_train(point, model, input_ids, tracker, region, emulate_cuda)
-        else:
-            steps.infer(model, input_ids, point.workload.new_tokens, TrackerWatch(tracker), region)
-            state_bytes = 0
-        n_params = sum(p.numel() for p in model.parameters())
-        params_bytes = sum(tracker.allocated_bytes_of(p) for p in model.parameters())
-    return measurements(tracker, point.workload.trains, n_params, params_bytes, state_bytes), tracker
-
-
-def _trace_train(point, model, input_ids, tracker, region, emulate_cuda) -> int:
-    """The training steps under the tracker; returns the optimizer state's bytes."""
-    if point.checkpointing:
-        # The recompute runs inside backward, outside the emulated autocast region: re-enter it.
-        steps.enable_checkpointing(model, region if point.precision.startswith("amp_") else None)
-    opt = point.optimizer
-    opt_kwargs = optimizer_kwargs(opt.impl) if emulate_cuda else {}
-    optimizer = steps.build_optimizer(opt.name, model.parameters(), opt_kwargs, opt.lr)
-    host_steps = opt.impl != "fused" or not emulate_cuda
-    watch_training(tracker, model, optimizer, host_steps)
-    leak = point.workload.leak
-    n_steps = point.workload.steps
-    if leak == "cycle":
-        gc.disable()  # the cycle lives until the GC gets round to it; here, not during the steps
-    try:
-        kept = steps.train(model, optimizer, input_ids, n_steps, TrackerWatch(tracker, collect=leak != "cycle"),
-                           region, leak)
-        tracker.findings = {"retained_holder": find_holders(tracker, n_steps)}
-        del kept
-    finally:
-        gc.enable()
-    return optimizer_state_bytes(tracker, optimizer)
-
-
+        for t in tree_leaves(job.batch):
+            if isinstance(t, torch.Tensor):
+                tracker.retag(t, "input")
+        tracker.attach_modules(job.model)
+        apply_checkpointing(job, k)
+        opt = job.optimizer
+        if opt is not None:
+            if emulate_cuda:
+                prepare_optimizer(opt, point.optimizer.impl)
+            # torch.optim keeps step counts on the host unless fused (or capturable)
+            host_steps = not any(g.get("fused") for g in opt.param_groups) or not emulate_cuda
+            watch_training(tracker, job.model, opt, host_steps)
+            optimizer_phases(opt, tracker)
+        step = job_step(job, region)
+        n_steps = job.steps or point.workload.steps
+        if cycle:
+            gc.disable()  # the cycle lives until the GC gets round to it; here, not during the steps
+        try:
+            for i in range(n_steps):
+                tracker.begin_step(i)
+                tracker.set_phase("forward")
+                try:
+                    step()
+                except VALUE_READS as e:
+                    raise explain(e, "inside the measured step") from e
+                if not cycle:
+                    gc.collect()  # cycles of the libraries' own making are freed before the reading
+                tracker.end_step()
+            if custom or opt is not None:  # a decode's cache grows by design: no holder to look for
+                tracker.findings = {"retained_holder": find_holders(tracker, n_steps)}
+        finally:
+            gc.enable()
+        params = list(job.model.parameters())
+        m = measurements(tracker, opt is not None,
+                         sum(p.numel() for p in params), sum(tracker.allocated_bytes_of(p) for p in params),
+                         optimizer_state_bytes(tracker, opt) if opt is not None else 0)
+        if custom:  # the job names itself; a preset's row keeps the config's names
+            m["model"] = job.name or type(job.model).__name__
+            m["optimizer"] = type(opt).__name__ if opt is not None else None
+    return m, tracker

@@ -84,7 +84,9 @@ class StorageTracker(TorchDispatchMode):
         self.phase = phase
 
     def _phase(self) -> str:
-        if self.auto_backward and self.phase == "forward" and torch._C._current_graph_task_id() != -1:
+        # Inside autograd's engine it is backward, whatever the step last named (its forward, or a
+        # phase of its own such as "head").
+        if self.auto_backward and torch._C._current_graph_task_id() != -1:
             return "backward"
         return self.phase
 
@@ -159,13 +161,13 @@ class StorageTracker(TorchDispatchMode):
 
     def _default_kind(self) -> str:
         phase = self._phase()
-        if phase in ("forward", "prefill", "decode"):
-            return "activation"
         if phase == "setup":
             return "parameter"
         if phase == "input":
             return "input"
-        return "temporary"  # backward, optimizer: retagged when they become grads / state
+        if phase in ("backward", "optimizer", "zero_grad"):
+            return "temporary"  # retagged when they become grads / optimizer state
+        return "activation"  # forward, prefill, decode, or a forward phase a job named itself
 
     def _workspace(self, func) -> None:
         # One workspace per CPU thread that issues GEMMs: the caller's thread for forward and

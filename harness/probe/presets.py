@@ -1,0 +1,143 @@
+"""The preset workloads as Jobs (harness.workload): a transformers model by its config, no weights,
+and the training step (`workload=train`, with the classic leaks) or prefill + decode
+(`workload=infer`). They run through the same path as a user's job on every backend; their steps
+name their phases themselves and enter CUDA's autocast for amp_* around the forward only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+
+import torch
+
+from harness.config.point import Leak, OptimizerName, Point, WorkloadName
+from harness.workload import Job, Knobs, phase
+
+
+def builder(point: Point) -> Callable[[Knobs], Job]:
+    """The build function of the point's preset (workload=train or infer)."""
+    def build(k: Knobs) -> Job:
+        from transformers import AutoModelForCausalLM
+
+        from harness.config.models import hf_config
+
+        config = hf_config(point.model)
+        model = AutoModelForCausalLM.from_config(config, dtype=k.dtype)
+        train = point.workload.name == WorkloadName.train
+        # infer: the prompt; the rest of the context is decoded
+        n_tokens = k.seq_len - (0 if train else point.workload.new_tokens)
+        phase("input")
+        input_ids = torch.randint(0, config.vocab_size, (k.batch_size, n_tokens))
+        region = autocast(k)
+        if not train:
+            return Job(model, None, input_ids, step=Decode(model, region), name=point.model.name, autocast=False,
+                       steps=point.workload.new_tokens + 1, tokens_per_step=k.batch_size)
+        if k.checkpointing:
+            # The recompute runs inside backward, outside the forward's autocast: re-enter it.
+            enable_checkpointing(model, region if k.autocast_dtype is not None else None)
+        optimizer = build_optimizer(point.optimizer.name, model.parameters(), {}, point.optimizer.lr)
+        return Job(model, optimizer, input_ids, step=TrainStep(region, point.workload.leak), name=point.model.name,
+                   autocast=False)
+    return build
+
+
+def autocast(k: Knobs) -> Callable[[], contextlib.AbstractContextManager]:
+    """CUDA's autocast for amp_* (on the virtual GPU, its emulation), else nothing."""
+    dtype = k.autocast_dtype
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast("cuda", dtype=dtype)
+
+
+def build_optimizer(name: str, params, opt_kwargs: dict, lr: float):
+    if name == OptimizerName.adamw:
+        return torch.optim.AdamW(params, lr=lr, **opt_kwargs)
+    if name == OptimizerName.sgd:
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, **opt_kwargs)
+    if name == OptimizerName.adafactor:
+        kw = {k: v for k, v in opt_kwargs.items() if k == "foreach"}  # Adafactor has no fused
+        return torch.optim.Adafactor(params, lr=lr, **kw)
+    raise ValueError(f"unknown optimizer {name}")
+
+
+def enable_checkpointing(model, recompute_ctx=None) -> None:
+    """Activation checkpointing per decoder layer (non-reentrant, as HF recommends)."""
+    kwargs: dict = {"use_reentrant": False}
+    if recompute_ctx is not None:
+        kwargs["context_fn"] = lambda: (contextlib.nullcontext(), recompute_ctx())
+    if hasattr(model, "activation_checkpointing_enable"):  # the newer transformers name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+class _StepState:
+    """What a training loop might keep per step, e.g. for logging."""
+
+    self: _StepState
+    outputs: object
+
+
+class TrainStep:
+    """forward, backward, optimizer step, zero_grad(set_to_none=True).
+
+    `leak` reproduces the classic mistakes: `graph` keeps the loss of an evaluation forward, with
+    its autograd graph and saved activations, across steps (history.append(loss) where loss.item()
+    was meant); `cycle` leaves a reference cycle holding the step's outputs, which only the cyclic
+    garbage collector frees. `history` is what the loop keeps (the graph leak's holder)."""
+
+    def __init__(self, region, leak: Leak):
+        self.region, self.leak = region, leak
+        self.history: list = []
+
+    def __call__(self, model, optimizer, input_ids) -> None:
+        model.train()
+        phase("forward")
+        with self.region():
+            out = model(input_ids=input_ids, labels=input_ids, use_cache=False)
+        loss = out.loss
+        if self.leak == Leak.cycle:
+            state = _StepState()
+            state.self, state.outputs = state, out  # unreachable after this step, but a cycle
+            del state
+        del out
+        phase("backward")
+        loss.backward()
+        del loss
+        phase("optimizer")
+        optimizer.step()
+        phase("zero_grad")
+        optimizer.zero_grad(set_to_none=True)
+        if self.leak == Leak.graph:
+            phase("forward")
+            with self.region():
+                self.history.append(model(input_ids=input_ids, labels=input_ids, use_cache=False).loss)
+
+
+class Decode:
+    """Step 0 prefills the prompt into a KV cache (HF DynamicCache); each later step decodes one
+    token (greedy), as `generate` does."""
+
+    def __init__(self, model, region):
+        self.region = region
+        self.cache = None
+        self.ids = None
+        # transformers renamed `past_key_values` to `cache`; use whichever this version takes
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def __call__(self, model, _optimizer, input_ids) -> None:
+        from transformers import DynamicCache
+
+        model.eval()
+        with torch.inference_mode():
+            first = self.cache is None
+            if first:
+                self.cache = DynamicCache(config=model.config)
+            phase("prefill" if first else "decode")
+            with self.region():
+                out = model(input_ids=input_ids if first else self.ids, **{self.cache_kwarg: self.cache},
+                            use_cache=True, logits_to_keep=1)
+            self.ids = out.logits[:, -1:].argmax(-1)
+            del out

@@ -1,0 +1,91 @@
+"""Code written for real tensors, run on fake ones: a build function's value-reading initialisers
+and dtype conversions made to work, and a value read inside the measured step named by the user's
+file and line (the virtual GPU has shapes, not values)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+)
+
+from harness.probe.jobs import (
+    UserCodeError,
+)
+
+VALUE_READS = (DataDependentOutputException, DynamicOutputShapeException)
+
+
+def _user_frame(tb) -> traceback.FrameSummary | None:
+    """The innermost frame of the user's code: not torch, not the harness, not an installed package."""
+    skip = [str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[2]), sys.prefix, sys.base_prefix]
+    frames = [f for f in traceback.extract_tb(tb) if not any(f.filename.startswith(s) for s in skip)]
+    return frames[-1] if frames else None
+
+
+def explain(e: Exception, where: str) -> UserCodeError:
+    frame = _user_frame(e.__traceback__)
+    at = f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`" if frame else "in the job"
+    op = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return UserCodeError(
+        f"{at} reads tensor values {where} ({op}): the virtual GPU has shapes, not values. Keep value "
+        "reads (.item(), bool(t), if t > 0, .tolist(), nonzero) out of the measured step - log them outside "
+        "the harness's steps, or run this job with backend=cuda")
+
+
+@contextlib.contextmanager
+def module_conversion_on_fake_tensors():
+    """Let `model.to(dtype)` work on fake parameters, as it does on real ones.
+
+    nn.Module._apply converts FakeTensor parameters with torch.utils.swap_tensors, which refuses a
+    tensor that has a weakref, and FakeTensorMode's own memo keeps weakrefs to the fake tensors it
+    made: `.to(torch.bfloat16)` on a model built under FakeTensorMode raises "Couldn't swap". For
+    fake tensors, move the converted data into the parameter instead (what _apply does for real
+    tensors): the parameter object stays, its storage is the converted one."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    original = torch.utils.swap_tensors
+
+    def swap(t1, t2):
+        if not isinstance(t1, FakeTensor):
+            return original(t1, t2)
+        with torch.no_grad():
+            t1.data = t2.data
+        return None
+
+    torch.utils.swap_tensors = swap
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original
+
+
+@contextlib.contextmanager
+def shape_only_init():
+    """Initialisers that read values, replaced by ones that don't: an initial value never changes
+    memory. torch's trunc_normal_ resamples until `mask.any()` is false (a value read: it raises
+    under fake tensors); the classic in-place version (uniform_, erfinv_, clamp_) allocates nothing."""
+    original = torch.nn.init.trunc_normal_
+
+    def trunc_normal_(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):
+        def cdf(x):
+            return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
+
+        with torch.no_grad():
+            lo, hi = cdf((a - mean) / std), cdf((b - mean) / std)
+            tensor.uniform_(2 * lo - 1, 2 * hi - 1, generator=generator)
+            tensor.erfinv_().mul_(std * math.sqrt(2.0)).add_(mean).clamp_(min=a, max=b)
+        return tensor
+
+    torch.nn.init.trunc_normal_ = trunc_normal_
+    try:
+        yield
+    finally:
+        torch.nn.init.trunc_normal_ = original
