@@ -130,10 +130,10 @@ def test_a_real_oom_row_is_explained_by_its_message():
             "params_bytes": 10 * GiB, "optimizer_bytes": 20 * GiB, "peak_allocated_bytes": 60 * GiB,
             "peak_reserved_bytes": 77 * GiB, "oom_allocated_bytes": 60 * GiB, "oom_tried_bytes": 2 * GiB,
             "oom_reserved_bytes": 77 * GiB}
-    assert kind({**base, "oom_verdict": "fragmentation"})[0] == "fragmentation"
-    k, why = kind({**base, "oom_verdict": "capacity"})
-    assert k == "activations" and "60.00 GiB allocated + 2.00 GiB asked" in why
-    assert kind({**base, "oom_verdict": "capacity", "params_bytes": 30 * GiB})[0] == "static"
+    assert kind({**base, "oom_verdict": "fragmentation"}).kind == "fragmentation"
+    k = kind({**base, "oom_verdict": "capacity"})
+    assert (k.kind, k.rule, k.oom_held_bytes, k.oom_asked_bytes) == ("activations", "oom_message", 60 * GiB, 2 * GiB)
+    assert kind({**base, "oom_verdict": "capacity", "params_bytes": 30 * GiB}).kind == "static"
 
 
 # ---- record assembly from the allocator's readings --------------------------------------------

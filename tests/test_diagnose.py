@@ -123,13 +123,13 @@ def _record(**kw):
     (_record(step_allocated_bytes=[8 * GiB, 9 * GiB, 10 * GiB, 11 * GiB]), "retained"),
 ])
 def test_a_run_is_named_by_the_memory_that_decides_its_peak(rec, expected):
-    assert kind(rec)[0] == expected
+    assert kind(rec).kind == expected
 
 
 def test_timeline_shapes():
-    assert shape([8, 8, 8], [8, 8, 8], True)[0] == "plateau"
-    assert shape([8 * GiB] * 3, [20 * GiB] * 3, True)[0] == "spike"
-    assert shape([8 * GiB, 9 * GiB, 10 * GiB, 11 * GiB], [12 * GiB] * 4, True)[0] == "staircase"
+    assert shape([8, 8, 8], [8, 8, 8], True).shape == "plateau"
+    assert shape([8 * GiB] * 3, [20 * GiB] * 3, True).shape == "spike"
+    assert shape([8 * GiB, 9 * GiB, 10 * GiB, 11 * GiB], [12 * GiB] * 4, True).shape == "staircase"
 
 
 def test_results_carry_a_kind_column():

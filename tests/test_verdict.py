@@ -6,7 +6,9 @@ import pandas as pd
 import pytest
 
 from harness.analysis.verdict import verdicts
+from harness.config import cards
 from harness.probe.sim.trace import run_point
+from harness.report import words
 from tests.conftest import run_cli, train_point
 
 GiB = 1024**3
@@ -21,30 +23,55 @@ def _row(**kw):
     return row
 
 
+def _changes(v) -> list[list[tuple]]:
+    return [[(c["kind"], c["value"], c["steps"]) for c in r["changes"]] for r in v["remedies"]]
+
+
 def test_a_remedy_that_fits_the_card_makes_it_a_code_problem():
     df = pd.DataFrame([_row(run_id="job"),
                        _row(run_id="ckpt", checkpointing=True, status="ok", fits_cards=["t4"]),
                        _row(run_id="micro", batch_size=2, status="ok", fits_cards=["t4", "l4"]),
                        _row(run_id="odd", batch_size=3, status="ok", fits_cards=["t4"])])  # 3 does not divide 8
     v = verdicts(df).set_index("run_id").loc["job"]
-    assert v["verdict"] == "code problem"
-    assert "activation checkpointing" in v["detail"] and "micro-batch 2 x 4 accumulation steps" in v["detail"]
-    assert "micro-batch 3" not in v["detail"]
+    assert v["verdict"] == "code problem" and v["card_needed"] is None
+    # cheapest first: accumulation (rank 2) before checkpointing (rank 3); batch 3 does not divide 8
+    assert _changes(v) == [[("accumulation", "2", 4)], [("checkpointing", "True", None)]]
+    assert [r["run_id"] for r in v["remedies"]] == ["micro", "ckpt"]
+    assert v["remedies"][0]["changes"][0]["cost"] == "more_smaller_steps"
 
 
 def test_inference_is_served_in_waves_not_accumulated():
     df = pd.DataFrame([_row(run_id="job", workload="infer"),
                        _row(run_id="fewer", workload="infer", batch_size=4, status="ok", fits_cards=["t4"])])
     v = verdicts(df).set_index("run_id").loc["job"]
-    assert v["verdict"] == "code problem" and "4 concurrent sequences x 2 waves" in v["detail"]
-    assert "accumulation" not in v["detail"]
+    assert v["verdict"] == "code problem" and _changes(v) == [[("waves", "4", 2)]]
 
 
 def test_no_remedy_fitting_makes_it_a_card_problem_naming_the_smallest_card():
     df = pd.DataFrame([_row(run_id="job", fits_cards=["a100-80gb", "h100-80gb", "h200"]),
                        _row(run_id="ckpt", checkpointing=True, status="oom", fits_cards=["a100-40gb"])])
     v = verdicts(df).set_index("run_id").loc["job"]
-    assert v["verdict"] == "card problem" and "a100-80gb" in v["detail"] and "headroom" in v["detail"]
+    a100 = cards.by_key()["a100-80gb"]
+    assert v["verdict"] == "card problem" and v["remedies"] == [] and v["card_needed"] == "a100-80gb"
+    assert v["card_headroom_bytes"] == a100.room() - 30 * GiB
+    assert v["card_headroom_pct"] == pytest.approx(100 * v["card_headroom_bytes"] / a100.memory_bytes)
+
+
+def test_a_verdict_in_words():
+    """The one test that reads the words: report/words.py's sentences from the verdict's data."""
+    df = pd.DataFrame([_row(run_id="job", leak="graph", retained_holder="a list holding Tensor()"),
+                       _row(run_id="fixed", status="ok", fits_cards=["t4"], batch_size=2,
+                            allocator_conf="expandable_segments:True")])
+    judged = words.worded_verdicts(verdicts(df), df)
+    v = judged.set_index("run_id").loc["job"]
+    assert v["job"] == "m train b8 s2048 bf16 ckpt=no leak=graph"
+    assert v["detail"] == ("fits with fix the graph leak (a list holding Tensor()) (no cost once the holder is fixed)"
+                           " + PYTORCH_ALLOC_CONF=expandable_segments:True (no compute cost)"
+                           " + micro-batch 2 x 4 accumulation steps (same effective batch; more, smaller steps)")
+    card = pd.DataFrame([_row(run_id="big", fits_cards=["h200"])])
+    detail = words.worded_verdicts(verdicts(card), card).set_index("run_id").loc["big", "detail"]
+    assert detail.startswith("no remedy in the sweep fits; the smallest card that fits it as it is: h200 (")
+    assert detail.endswith("% of the card)") and " GiB headroom, " in detail
 
 
 def test_a_remedy_never_introduces_a_leak():

@@ -2,12 +2,14 @@
 
 Kinds (DESIGN.md): `static` (weights + gradients + optimizer state exceed the card), `activations`
 (those fit, the peak does not), `fragmentation` (allocated fits, reserved does not), `retained`
-(allocated after each step climbs), or `fits`.
+(allocated after each step climbs), or `fits`. Readings are data; report/words.py words them.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 from harness.units import MiB
 
@@ -27,20 +29,28 @@ def climbing(after_step: list[int], first: int = 1) -> bool:
     return len(seq) >= 2 and all(b - a > CLIMB_BYTES for a, b in zip(seq, seq[1:]))
 
 
-def shape(after_step: list[int], step_peaks: list[int], train: bool) -> tuple[str, str]:
-    """(staircase | spike | plateau, the numbers behind it)."""
+@dataclass(frozen=True)
+class ShapeReading:
+    """The timeline's shape and the numbers behind it (bytes)."""
+    shape: str  # staircase | spike | plateau | unknown
+    after_step_bytes: tuple[int, ...] = ()  # allocated after each step
+    rise_bytes: int = 0  # the largest rise of a step's peak above where it started
+    rest_bytes: int = 0  # the lowest allocated after a step
+
+
+def shape(after_step: list[int], step_peaks: list[int], train: bool) -> ShapeReading:
+    """staircase (allocated after each step climbs), spike (each step rises well above its rest) or
+    plateau, from a run's per-step readings."""
     after, peaks = [int(x) for x in after_step], [int(x) for x in step_peaks]
     if not after or not peaks:
-        return "unknown", "no per-step readings"
+        return ShapeReading("unknown")
     if train and climbing(after):
-        steps = ", ".join(f"{a / 2**30:.2f}" for a in after)
-        return "staircase", f"allocated after each step climbs: {steps} GiB"
+        return ShapeReading("staircase", tuple(after))
     window = range(1, len(peaks)) if train and len(peaks) > 1 else range(len(peaks))
     rise = max(peaks[i] - after[i] for i in window)
     top = max(peaks[i] for i in window)
-    if top and rise / top > 0.2:
-        return "spike", f"each step rises {rise / 2**30:.2f} GiB above its resting {min(after) / 2**30:.2f} GiB"
-    return "plateau", f"the peak is within {rise / 2**30:.2f} GiB of the resting {min(after) / 2**30:.2f} GiB"
+    kind = "spike" if top and rise / top > 0.2 else "plateau"
+    return ShapeReading(kind, tuple(after), rise, min(after))
 
 
 def trains(rec: dict) -> bool:
@@ -56,37 +66,49 @@ def static_bytes(rec: dict) -> int:
     return params
 
 
-def kind(rec: dict) -> tuple[str, str]:
-    """(kind, the numbers behind it) for one record against its card."""
+@dataclass(frozen=True)
+class KindReading:
+    """The kind of memory behind a run's peak, the rule that decided it, and its numbers (bytes)."""
+    kind: str  # static | activations | fragmentation | retained | fits | unknown
+    rule: str  # what decided: status | climb | fits | static | peak | reserved | oom_message
+    room_bytes: int = 0  # what the card gives PyTorch
+    static_bytes: int = 0  # weights + gradients + optimizer state
+    allocated_bytes: int = 0
+    reserved_bytes: int = 0
+    after_step_bytes: tuple[int, ...] = ()
+    status: str | None = None
+    oom_held_bytes: int = 0  # a real OOM's message: allocated, asked for, cached but unallocated
+    oom_asked_bytes: int = 0
+    oom_cached_bytes: int = 0
+
+
+def kind(rec: dict) -> KindReading:
+    """The kind for one record against its card."""
     room = _num(rec.get("gpu_memory_bytes")) - _num(rec.get("gpu_non_pytorch_bytes"))
-    g = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
-    after = list(rec.get("step_allocated_bytes") or [])
-    train = trains(rec)
-    if rec.get("status") not in ("ok", "oom"):
-        return "unknown", f"status {rec.get('status')}"
-    if train and climbing(after):
-        return "retained", f"allocated after each step climbs ({', '.join(g(a) for a in after)})"
-    if rec.get("status") == "ok":
-        return "fits", f"peak reserved {g(_num(rec.get('peak_reserved_bytes')))} within {g(room)}"
-    static = static_bytes(rec)
+    after = tuple(int(x) for x in list(rec.get("step_allocated_bytes") or []))
     allocated, reserved = _num(rec.get("peak_allocated_bytes")), _num(rec.get("peak_reserved_bytes"))
-    if static > room:
-        return "static", f"weights + gradients + optimizer state = {g(static)} > {g(room)} for PyTorch"
+    base: dict[str, Any] = {"room_bytes": room, "allocated_bytes": allocated, "reserved_bytes": reserved,
+                            "after_step_bytes": after, "status": rec.get("status"), "static_bytes": static_bytes(rec)}
+    if rec.get("status") not in ("ok", "oom"):
+        return KindReading("unknown", "status", **base)
+    if trains(rec) and climbing(list(after)):
+        return KindReading("retained", "climb", **base)
+    if rec.get("status") == "ok":
+        return KindReading("fits", "fits", **base)
+    if base["static_bytes"] > room:
+        return KindReading("static", "static", **base)
     if rec.get("oom_verdict") is not None:
         # A real OOM (backend=cuda): the peaks stop where it failed, so the message's numbers decide.
-        held, asked = _num(rec.get("oom_allocated_bytes")), _num(rec.get("oom_tried_bytes"))
-        if rec["oom_verdict"] == "fragmentation":
-            return "fragmentation", (f"at the OOM {g(held)} allocated + {g(asked)} asked fits {g(room)}; "
-                                     f"{g(_num(rec.get('oom_reserved_bytes')) - held)} was cached but unallocated")
-        return "activations", (f"static {g(static)} fits {g(room)}; at the OOM {g(held)} allocated + "
-                               f"{g(asked)} asked does not")
+        held = _num(rec.get("oom_allocated_bytes"))
+        kind_ = "fragmentation" if rec["oom_verdict"] == "fragmentation" else "activations"
+        return KindReading(kind_, "oom_message", **base, oom_held_bytes=held,
+                           oom_asked_bytes=_num(rec.get("oom_tried_bytes")),
+                           oom_cached_bytes=_num(rec.get("oom_reserved_bytes")) - held)
     if allocated > room:
-        return "activations", (f"static {g(static)} fits {g(room)}; the peak, {g(allocated)} allocated "
-                               f"({g(allocated - static)} above it), does not")
-    return "fragmentation", (f"allocated {g(allocated)} fits {g(room)}; reserved {g(reserved)} "
-                             f"({g(reserved - allocated)} cached but unallocated) does not")
+        return KindReading("activations", "peak", **base)
+    return KindReading("fragmentation", "reserved", **base)
 
 
 def with_kinds(rows: list[dict]) -> list[dict]:
     """The rows with a `kind` column: the kind of memory behind each one's peak."""
-    return [{**r, "kind": kind(r)[0]} for r in rows]
+    return [{**r, "kind": kind(r).kind} for r in rows]

@@ -5,6 +5,9 @@ workload and sequence length, at the same effective batch (a micro-batch that di
 gradient accumulation) - fits that card: the differences between the two are the remedy, with their
 cost. It is a *card problem* when none does; the verdict then names the smallest card of the catalog
 that the job fits as it is, with its headroom.
+
+Everything here is data: a remedy is its changes (kind, the knob, its new value, the cost of it),
+and a card problem names a card and the headroom in bytes. report/words.py puts them in words.
 """
 
 from __future__ import annotations
@@ -13,18 +16,19 @@ import pandas as pd
 
 from harness.config import cards as catalog
 from harness.config.point import Card
-from harness.units import GiB
 
-# The cost of each remedy, shown with it (and used to order them: cheapest first).
-_COST = {
-    "leak": (0, "no cost once the holder is fixed"),
-    "allocator": (1, "no compute cost"),
-    "accumulation": (2, "same effective batch; more, smaller steps"),
-    "waves": (2, "the same sequences, fewer at a time; less throughput"),
-    "checkpointing": (3, "about 20-33% more compute (one more forward per layer)"),
-    "optimizer": (4, "changes the optimizer's behaviour"),
-    "precision": (5, "changes numerics"),
+# What each kind of remedy costs (a code, worded by the report), and its rank: cheapest first.
+COSTS = {
+    "leak": (0, "none_once_fixed"),
+    "allocator": (1, "none"),
+    "accumulation": (2, "more_smaller_steps"),
+    "waves": (2, "less_throughput"),
+    "checkpointing": (3, "recompute"),
+    "optimizer": (4, "optimizer_behaviour"),
+    "precision": (5, "numerics"),
 }
+VERDICT_COLUMNS = ["run_id", "card", "kind", "verdict", "remedies", "card_needed", "card_headroom_bytes",
+                   "card_headroom_pct"]
 
 
 def _leak(row) -> str:
@@ -37,25 +41,32 @@ def _fits(row, card_key: str) -> bool:
     return listed is not None and not (isinstance(listed, float) and pd.isna(listed)) and card_key in list(listed)
 
 
-def _remedy(job, other) -> list[tuple[str, str]]:
-    """(kind, description) of each way `other` differs from `job`."""
+def _change(kind: str, key: str, was, value, steps: int | None = None, holder: str | None = None) -> dict:
+    return {"kind": kind, "key": key, "was": str(was), "value": str(value), "steps": steps, "holder": holder,
+            "cost": COSTS[kind][1]}
+
+
+def remedy_changes(job, other) -> list[dict]:
+    """Each way `other` differs from `job`: kind, the knob (`key`), its value in the job (`was`) and
+    in the fitting run (`value`), `steps` for accumulation or waves, the leak's `holder`, and the
+    `cost` code."""
     out = []
     if _leak(job) != "none" and _leak(other) == "none":
-        out.append(("leak", f"fix the {_leak(job)} leak ({job.get('retained_holder') or 'see diagnose'})"))
+        out.append(_change("leak", "leak", _leak(job), "none", holder=_val(job.get("retained_holder"))))
     if (other.get("allocator_conf") or "") != (job.get("allocator_conf") or ""):
-        out.append(("allocator", f"PYTORCH_ALLOC_CONF={other.get('allocator_conf') or '(default)'}"))
+        out.append(_change("allocator", "allocator_conf", job.get("allocator_conf") or "", other.get("allocator_conf") or ""))
     if other["batch_size"] != job["batch_size"]:
-        steps = job["batch_size"] // other["batch_size"]
-        if job.get("workload") == "infer":  # no gradients to accumulate: serve in waves
-            out.append(("waves", f"{other['batch_size']} concurrent sequences x {steps} waves"))
-        else:
-            out.append(("accumulation", f"micro-batch {other['batch_size']} x {steps} accumulation steps"))
+        steps = int(job["batch_size"] // other["batch_size"])
+        # inference has no gradients to accumulate: it serves in waves
+        out.append(_change("waves" if job.get("workload") == "infer" else "accumulation", "batch_size",
+                           int(job["batch_size"]), int(other["batch_size"]), steps=steps))
     if bool(other.get("checkpointing")) and not bool(job.get("checkpointing")):
-        out.append(("checkpointing", "activation checkpointing"))
+        out.append(_change("checkpointing", "checkpointing", False, True))
     if other.get("optimizer") != job.get("optimizer") or other.get("optimizer_impl") != job.get("optimizer_impl"):
-        out.append(("optimizer", f"optimizer {other.get('optimizer')} ({other.get('optimizer_impl')})"))
+        out.append(_change("optimizer", "optimizer", f"{job.get('optimizer')} ({job.get('optimizer_impl')})",
+                           f"{other.get('optimizer')} ({other.get('optimizer_impl')})"))
     if other.get("precision") != job.get("precision"):
-        out.append(("precision", f"precision {other.get('precision')}"))
+        out.append(_change("precision", "precision", job.get("precision"), other.get("precision")))
     return out
 
 
@@ -74,7 +85,9 @@ def _comparable(job, other) -> bool:
 
 
 def verdicts(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per (job, card) that does not fit: verdict, remedies that fit, or the card needed."""
+    """One row per (job, card) that does not fit: the verdict, the remedies in the sweep that fit
+    (up to three, cheapest and fewest changes first: the fitting run and its changes), or the
+    smallest card of the catalog that fits the job as it is, with its headroom."""
     cards = {c.key: c for c in catalog.cards()}
     by_name = {c.name: c for c in cards.values()}
     rows = df.to_dict("records")
@@ -83,37 +96,31 @@ def verdicts(df: pd.DataFrame) -> pd.DataFrame:
         card = by_name.get(job.get("gpu"))
         if card is None or job.get("status") != "oom":
             continue
-        fixes = []
+        found: dict[str, tuple[int, dict]] = {}
         for other in rows:
             if _comparable(job, other) and _fits(other, card.key):
-                diff = _remedy(job, other)
-                if diff:
-                    rank = sum(_COST[k][0] for k, _d in diff) + len(diff) * 10  # fewer changes first
-                    fixes.append((rank, " + ".join(f"{d} ({_COST[k][1]})" for k, d in diff)))
-        fixes = sorted(set(fixes))[:3]
-        entry = {"run_id": job.get("run_id"), "job": job_label(job), "card": card.key, "kind": job.get("kind")}
-        if fixes:
-            entry.update(verdict="code problem", detail=" | ".join(f"fits with {desc}" for _r, desc in fixes))
+                changes = remedy_changes(job, other)
+                if changes:
+                    rank = sum(COSTS[c["kind"]][0] for c in changes) + len(changes) * 10  # fewer changes first
+                    key = repr([(c["kind"], c["value"], c["steps"]) for c in changes])  # one per distinct remedy
+                    found.setdefault(key, (rank, {"run_id": other.get("run_id"), "changes": changes}))
+        remedies = [r for _rank, r in sorted(found.values(), key=lambda x: (x[0], repr(x[1]["changes"])))[:3]]
+        entry = {"run_id": job.get("run_id"), "card": card.key, "kind": job.get("kind"), "remedies": remedies,
+                 "card_needed": None, "card_headroom_bytes": None, "card_headroom_pct": None}
+        if remedies:
+            entry["verdict"] = "code problem"
         else:
-            entry.update(verdict="card problem", detail=_card_needed(job, cards))
+            entry.update(verdict="card problem", **_card_needed(job, cards))
         out.append(entry)
-    return pd.DataFrame(out, columns=["run_id", "job", "card", "kind", "verdict", "detail"])
+    return pd.DataFrame(out, columns=VERDICT_COLUMNS)
 
 
-def job_label(row) -> str:
-    """A run in words: model, workload, batch, sequence, precision, checkpointing, allocator, leak."""
-    leak = f" leak={_leak(row)}" if _leak(row) != "none" else ""
-    alloc = f" alloc={row['allocator_conf']}" if row.get("allocator_conf") else ""
-    return (f"{row['model']} {row['workload']} b{row['batch_size']} s{row['seq_len']} {row['precision']} "
-            f"ckpt={'yes' if row.get('checkpointing') else 'no'}{alloc}{leak}")
-
-
-def _card_needed(job, cards: dict[str, Card]) -> str:
+def _card_needed(job, cards: dict[str, Card]) -> dict:
+    """The smallest card that fits the job as it is, and its headroom (none fits: all None)."""
     fitting = [c for c in cards.values() if _fits(job, c.key)]
     if not fitting:
-        return "no remedy in the sweep fits, and no card of the catalog fits the job as it is"
+        return {}
     smallest = min(fitting, key=lambda c: c.memory_bytes)
-    room = smallest.room()
-    headroom = room - int(job.get("peak_reserved_bytes") or 0)
-    return (f"no remedy in the sweep fits; the smallest card that fits it as it is: {smallest.key} "
-            f"({headroom / GiB:.2f} GiB headroom, {100 * headroom / smallest.memory_bytes:.0f}% of the card)")
+    headroom = smallest.room() - int(job.get("peak_reserved_bytes") or 0)
+    return {"card_needed": smallest.key, "card_headroom_bytes": headroom,
+            "card_headroom_pct": 100 * headroom / smallest.memory_bytes}

@@ -16,7 +16,7 @@ from harness.config.validate import validate
 from harness.errors import EXIT_OK, EXIT_ROW_ERROR, ConfigError
 from harness.plan import fit
 from harness.record import results
-from harness.report import console, document
+from harness.report import console, document, words
 
 
 def prepare(verb: str, overrides: list[str]) -> tuple[list[list[str]], DictConfig, list[Card]]:
@@ -48,9 +48,11 @@ def aggregate(path: Path, expected: int | None = None) -> int:
         print(f"harness: error: no result.json under {path}", file=sys.stderr)
         return EXIT_ROW_ERROR
     df = results.to_frame(with_kinds(rows))
-    judged = verdicts(df)
-    df = df.merge(judged[["run_id", "verdict", "detail"]].rename(columns={"detail": "verdict_detail"}),
-                  on="run_id", how="left")
+    judged = words.worded_verdicts(verdicts(df), df)
+    # the verdict's data (remedies, the card needed) and, derived from it, its words
+    columns = {"verdict": "verdict", "remedies": "verdict_remedies", "card_needed": "verdict_card_needed",
+               "card_headroom_bytes": "verdict_card_headroom_bytes", "detail": "verdict_detail"}
+    df = df.merge(judged[["run_id", *columns]].rename(columns=columns), on="run_id", how="left")
     target = path if path.is_dir() else path.parent
     out = results.write(df, target)
     frontier = results.load_frontier(target)

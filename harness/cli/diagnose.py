@@ -83,20 +83,21 @@ def _snapshot(path: Path, as_json: bool) -> int:
 def _runs(path: Path, as_json: bool) -> int:
     from harness.analysis.kinds import kind, shape
     from harness.record import results
+    from harness.report import words
 
     rows = results.load_rows(path)
     if not rows:
         return _fail(f"diagnose: no result.json under {path}")
     out = []
     for rec in rows:
-        k, why = kind(rec)
-        sh, sh_why = shape(rec.get("step_allocated_bytes") or [], rec.get("step_peak_bytes") or [],
-                           rec.get("workload") == "train")
+        k = kind(rec)
+        sh = shape(rec.get("step_allocated_bytes") or [], rec.get("step_peak_bytes") or [],
+                   rec.get("workload") == "train")
         out.append({"run_id": rec.get("run_id"), "model": rec.get("model"), "batch_size": rec.get("batch_size"),
                     "seq_len": rec.get("seq_len"), "precision": rec.get("precision"),
                     "checkpointing": rec.get("checkpointing"), "allocator_conf": rec.get("allocator_conf"),
-                    "gpu": rec.get("gpu"), "status": rec.get("status"), "kind": k, "why": why,
-                    "shape": sh, "shape_numbers": sh_why})
+                    "gpu": rec.get("gpu"), "status": rec.get("status"), "kind": k.kind, "why": words.kind_reason(k),
+                    "shape": sh.shape, "shape_numbers": words.shape_numbers(sh)})
     if as_json:
         print(json.dumps(out if len(out) > 1 or path.is_dir() else out[0], indent=1, default=str))
         return EXIT_OK

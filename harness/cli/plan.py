@@ -27,6 +27,7 @@ def main(overrides: list[str]) -> int:
     from harness.launch.point import to_point
     from harness.plan.frontier import Planner
     from harness.record import results
+    from harness.report import words
 
     flags = [a for a in overrides if a.startswith("-")]
     if flags:
@@ -51,5 +52,5 @@ def main(overrides: list[str]) -> int:
           file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     rows = planner.plan(groups, parallelism())
-    results.write_frontier(pd.DataFrame(rows), out)
+    results.write_frontier(pd.DataFrame(words.with_serving_why(rows)), out)
     return aggregate(out)

@@ -6,7 +6,6 @@ impossible value fails in a second with the key named, not an hour into a sweep.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import re
@@ -200,39 +199,27 @@ def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
     return plain, sweeps
 
 
+def _for_hydra(text: str) -> bool:
+    """An override of Hydra's own config (hydra.* keys, hydra/ groups), not of the point's."""
+    key = text.split("=", 1)[0].lstrip("+~")
+    return key == "hydra" or key.startswith(("hydra.", "hydra/"))
+
+
 def expand_grid(overrides: list[str]) -> list[list[str]]:
-    """Every point of the sweep: the sweeps/<name>.yaml grid with command-line sweeps on top."""
+    """Every point of the sweep, as Hydra's sweeper will launch them: its grid (hydra.sweeper.params
+    of the sweeps/<name>.yaml grid) with the command line's overrides after it, expanded by Hydra's
+    own BasicSweeper (a command-line sweep of a key replaces the grid's values, a plain value pins
+    it). Each point carries the overrides of Hydra's own config too, to compose like its job."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    plain, cli_sweeps = split_overrides(overrides)
-    hydra_cfg = compose(plain, with_hydra=True).hydra
-    params = hydra_cfg.sweeper.params  # None for a grid file that only sets values (a plan's)
-    params = as_dict(params, resolve=False) if params else {}
-    parser = OverridesParser.create()
-    axes: dict[str, list[str]] = {}
-    for key, value in params.items():
-        axes[key] = _values(parser, f"{key}={value}")
-    spelled = {key: key for key in axes}  # how each point writes the key (`+` adds a new one)
-    for text in cli_sweeps:  # a command-line sweep of the same key wins
-        written = text.split("=", 1)[0]
-        key = written.lstrip("+~")
-        axes[key] = _values(parser, text)
-        spelled[key] = written
-    for text in plain:  # a plain command-line value pins that axis
-        key = text.split("=", 1)[0].lstrip("+~")
-        if key in axes:
-            axes[key] = [text.split("=", 1)[1]]
-    fixed = [t for t in plain if t.split("=", 1)[0].lstrip("+~") not in axes]
-    keys = list(axes)
-    return [fixed + [f"{spelled[k]}={v}" for k, v in zip(keys, combo)]
-            for combo in itertools.product(*(axes[k] for k in keys))]
-
-
-def _values(parser, text: str) -> list[str]:
+    plain, _ = split_overrides(overrides)
+    params = compose(plain, with_hydra=True).hydra.sweeper.params  # None: a grid that only sets values
+    grid = [f"{k}={v}" for k, v in (as_dict(params, resolve=False) if params else {}).items()]
+    for_hydra = [t for t in overrides if _for_hydra(t)]
     try:
-        o = parser.parse_override(text)
-    except Exception as e:
+        parsed = OverridesParser.create().parse_overrides(grid + [t for t in overrides if not _for_hydra(t)])
+        (jobs,) = BasicSweeper.split_arguments(parsed, None)
+    except Exception as e:  # Hydra's parser and sweeper errors: bad input, named by its override
         raise friendly_error(e) from e
-    if o.is_sweep_override():
-        return list(o.sweep_string_iterator())
-    return [o.get_value_element_as_str()]
+    return [[*for_hydra, *job] for job in jobs]

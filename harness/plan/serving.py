@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 from harness.config.point import Card
-from harness.units import GiB
 
 # Bytes per element of the KV cache: under autocast the k/v projections produce the autocast dtype.
 _KV_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "amp_bf16": 2, "amp_fp16": 2}
@@ -48,7 +47,9 @@ def vllm_capacity(card: Card, utilization: float, weights_bytes: int, activation
 
 
 def compare(card: Card, cfg, serve: dict, largest: int | None, row: dict | None) -> dict:
-    """The harness's frontier for this card beside vLLM's arithmetic, and why they differ."""
+    """The harness's frontier for this card beside vLLM's arithmetic, and the numbers of why they
+    differ (report/words.serving_why words them): the harness's cache at its frontier, where its
+    peak was, and what the card keeps outside PyTorch."""
     plan, axis = cfg.plan, cfg.plan.axis
     utilization = 1.0 - plan.margin
     kv = serve["kv_bytes_per_token"]
@@ -59,23 +60,10 @@ def compare(card: Card, cfg, serve: dict, largest: int | None, row: dict | None)
         v["vllm_largest"] = (v["vllm_blocks"] // batch) * plan.block_size
     else:
         v["vllm_largest"] = v["vllm_max_seqs"]
-    out = {**v, **serve, "gpu_memory_utilization": utilization, "block_size": plan.block_size}
-    out["why"] = _why(card, out, axis, largest, row, batch, context)
+    out = {**v, **serve, "gpu_memory_utilization": utilization, "block_size": plan.block_size,
+           "card_non_pytorch_bytes": card.non_pytorch_bytes, "harness_sequences": None, "harness_context": None,
+           "harness_cache_bytes": None}
+    if largest is not None and row is not None:
+        n_b, n_s = (largest, context) if axis == "batch_size" else (batch, largest)
+        out.update(harness_sequences=n_b, harness_context=n_s, harness_cache_bytes=n_b * n_s * kv)
     return out
-
-
-def _why(card, s: dict, axis: str, largest, row, batch: int, context: int) -> str:
-    head = (f"vLLM: {s['gpu_memory_utilization']:.2f} x {card.memory_bytes / GiB:.1f} GiB less weights "
-            f"{s['weights_bytes'] / GiB:.2f}, profiled activations {s['activation_peak_bytes'] / GiB:.2f} "
-            f"({s['profile_tokens']} tokens) and non-PyTorch {card.non_pytorch_bytes / GiB:.2f} GiB leaves "
-            f"{max(0, s['vllm_kv_bytes']) / GiB:.2f} GiB = {s['vllm_blocks']} blocks of {s['block_size']} "
-            f"tokens for the KV cache")
-    if largest is None or row is None:
-        return head + "; the harness's run (HF generate) does not fit even at the smallest value."
-    n_b, n_s = (largest, context) if axis == "batch_size" else (batch, largest)
-    cache = n_b * n_s * s["kv_bytes_per_token"]
-    return (head + f". The harness runs HF generate: all {n_b} x {n_s} tokens prefilled at once into a "
-            f"DynamicCache ({cache / GiB:.2f} GiB at full context, grown by concatenation); its peak is in "
-            f"{row.get('peak_phase')} at {row.get('peak_module')} with {(row.get('activations_bytes') or 0) / GiB:.2f} "
-            f"GiB of activations and cache, where vLLM chunks prefill to {s['profile_tokens'] + 1} tokens and "
-            f"preallocates its paged cache.")

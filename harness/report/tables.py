@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from harness.report.words import job_label
 from harness.units import GiB
 
 Table = tuple[list[str], list[list[str]]]
@@ -114,8 +115,6 @@ def calibration_table(df: pd.DataFrame) -> Table:
     """Per point: status and peaks, predicted (sim) beside measured (cuda)."""
     header = ["point", "device", "status sim/cuda", "alloc GiB sim", "alloc GiB cuda", "alloc err",
               "reserved GiB sim", "reserved GiB cuda", "reserved err", "step s"]
-    from harness.analysis.verdict import job_label
-
     rows = [[f"{job_label(r)} on {r['gpu']}", str(r["device_name"]), f"{r['predicted_status']}/{r['measured_status']}",
              gib(r["predicted_allocated_bytes"]), gib(r["measured_allocated_bytes"]), _pct(r["allocated_error"]),
              gib(r["predicted_reserved_bytes"]), gib(r["measured_reserved_bytes"]), _pct(r["reserved_error"]),

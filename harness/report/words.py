@@ -1,0 +1,134 @@
+"""The analysis's records in words: a run's label, a remedy, a verdict. Every sentence the report,
+the console and results.csv show of a verdict is made here, from the data."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from harness.analysis.kinds import KindReading, ShapeReading
+from harness.units import gib
+
+# The cost codes of analysis.verdict.COSTS, as people read them.
+COST_WORDS = {
+    "none_once_fixed": "no cost once the holder is fixed",
+    "none": "no compute cost",
+    "more_smaller_steps": "same effective batch; more, smaller steps",
+    "less_throughput": "the same sequences, fewer at a time; less throughput",
+    "recompute": "about 20-33% more compute (one more forward per layer)",
+    "optimizer_behaviour": "changes the optimizer's behaviour",
+    "numerics": "changes numerics",
+}
+
+
+def _leak(row) -> str:
+    value = row.get("leak")
+    return value if isinstance(value, str) else "none"
+
+
+def job_label(row) -> str:
+    """A run in words: model, workload, batch, sequence, precision, checkpointing, allocator, leak."""
+    leak = f" leak={_leak(row)}" if _leak(row) != "none" else ""
+    alloc = f" alloc={row['allocator_conf']}" if row.get("allocator_conf") else ""
+    return (f"{row['model']} {row['workload']} b{row['batch_size']} s{row['seq_len']} {row['precision']} "
+            f"ckpt={'yes' if row.get('checkpointing') else 'no'}{alloc}{leak}")
+
+
+def change(c: dict) -> str:
+    """One change of a remedy (analysis.verdict.remedy_changes), without its cost."""
+    kind, value = c["kind"], c["value"]
+    if kind == "leak":
+        return f"fix the {c['was']} leak ({c.get('holder') or 'see diagnose'})"
+    if kind == "allocator":
+        return f"PYTORCH_ALLOC_CONF={value or '(default)'}"
+    if kind == "accumulation":
+        return f"micro-batch {value} x {c['steps']} accumulation steps"
+    if kind == "waves":
+        return f"{value} concurrent sequences x {c['steps']} waves"
+    if kind == "checkpointing":
+        return "activation checkpointing"
+    return f"{kind} {value}"  # optimizer, precision
+
+
+def remedy(r: dict) -> str:
+    return " + ".join(f"{change(c)} ({COST_WORDS[c['cost']]})" for c in r["changes"])
+
+
+def verdict_detail(v) -> str:
+    """What fits (a code problem), or which card is needed (a card problem)."""
+    remedies = list(v["remedies"]) if v["remedies"] is not None else []
+    if remedies:
+        return " | ".join(f"fits with {remedy(r)}" for r in remedies)
+    if v["card_needed"] is None or (isinstance(v["card_needed"], float) and pd.isna(v["card_needed"])):
+        return "no remedy in the sweep fits, and no card of the catalog fits the job as it is"
+    return (f"no remedy in the sweep fits; the smallest card that fits it as it is: {v['card_needed']} "
+            f"({gib(v['card_headroom_bytes'])} headroom, {v['card_headroom_pct']:.0f}% of the card)")
+
+
+def worded_verdicts(judged: pd.DataFrame, rows: pd.DataFrame) -> pd.DataFrame:
+    """The verdicts with their words: `job` (the run's label) and `detail`."""
+    by_id = {r["run_id"]: r for r in rows.to_dict("records")}
+    out = judged.copy()
+    out["job"] = [job_label(by_id[i]) for i in judged["run_id"]]
+    out["detail"] = [verdict_detail(v) for v in judged.to_dict("records")]
+    return out
+
+
+def _gib_list(values) -> str:
+    return ", ".join(f"{a / 2**30:.2f}" for a in values)
+
+
+def kind_reason(r: KindReading) -> str:
+    """The numbers behind a run's kind, in words."""
+    g = gib
+    if r.rule == "status":
+        return f"status {r.status}"
+    if r.rule == "climb":
+        return f"allocated after each step climbs ({', '.join(g(a) for a in r.after_step_bytes)})"
+    if r.rule == "fits":
+        return f"peak reserved {g(r.reserved_bytes)} within {g(r.room_bytes)}"
+    if r.rule == "static":
+        return f"weights + gradients + optimizer state = {g(r.static_bytes)} > {g(r.room_bytes)} for PyTorch"
+    if r.rule == "oom_message" and r.kind == "fragmentation":
+        return (f"at the OOM {g(r.oom_held_bytes)} allocated + {g(r.oom_asked_bytes)} asked fits {g(r.room_bytes)}; "
+                f"{g(r.oom_cached_bytes)} was cached but unallocated")
+    if r.rule == "oom_message":
+        return (f"static {g(r.static_bytes)} fits {g(r.room_bytes)}; at the OOM {g(r.oom_held_bytes)} allocated + "
+                f"{g(r.oom_asked_bytes)} asked does not")
+    if r.rule == "peak":
+        return (f"static {g(r.static_bytes)} fits {g(r.room_bytes)}; the peak, {g(r.allocated_bytes)} allocated "
+                f"({g(r.allocated_bytes - r.static_bytes)} above it), does not")
+    return (f"allocated {g(r.allocated_bytes)} fits {g(r.room_bytes)}; reserved {g(r.reserved_bytes)} "
+            f"({g(r.reserved_bytes - r.allocated_bytes)} cached but unallocated) does not")
+
+
+def shape_numbers(r: ShapeReading) -> str:
+    """The numbers behind a timeline's shape, in words."""
+    if r.shape == "unknown":
+        return "no per-step readings"
+    if r.shape == "staircase":
+        return f"allocated after each step climbs: {_gib_list(r.after_step_bytes)} GiB"
+    if r.shape == "spike":
+        return f"each step rises {r.rise_bytes / 2**30:.2f} GiB above its resting {r.rest_bytes / 2**30:.2f} GiB"
+    return f"the peak is within {r.rise_bytes / 2**30:.2f} GiB of the resting {r.rest_bytes / 2**30:.2f} GiB"
+
+
+def serving_why(r: dict) -> str:
+    """Why the harness's frontier and vLLM's arithmetic differ, from a serving frontier row."""
+    head = (f"vLLM: {r['gpu_memory_utilization']:.2f} x {r['card_memory_bytes'] / 2**30:.1f} GiB less weights "
+            f"{r['weights_bytes'] / 2**30:.2f}, profiled activations {r['activation_peak_bytes'] / 2**30:.2f} "
+            f"({r['profile_tokens']} tokens) and non-PyTorch {r['card_non_pytorch_bytes'] / 2**30:.2f} GiB leaves "
+            f"{max(0, r['vllm_kv_bytes']) / 2**30:.2f} GiB = {r['vllm_blocks']} blocks of {r['block_size']} "
+            f"tokens for the KV cache")
+    if r.get("harness_cache_bytes") is None or pd.isna(r.get("harness_cache_bytes")):
+        return head + "; the harness's run (HF generate) does not fit even at the smallest value."
+    return (head + f". The harness runs HF generate: all {r['harness_sequences']} x {r['harness_context']} tokens "
+            f"prefilled at once into a DynamicCache ({r['harness_cache_bytes'] / 2**30:.2f} GiB at full context, grown "
+            f"by concatenation); its peak is in {r.get('peak_phase')} at {r.get('peak_module')} with "
+            f"{(r.get('activations_bytes') or 0) / 2**30:.2f} GiB of activations and cache, where vLLM chunks prefill "
+            f"to {r['profile_tokens'] + 1} tokens and preallocates its paged cache.")
+
+
+def with_serving_why(rows: list[dict]) -> list[dict]:
+    """Frontier rows with the `why` column (serving rows only), derived from their numbers."""
+    return [{**r, "why": serving_why(r)} if r.get("kv_bytes_per_token") is not None and r.get("status") == "ok"
+            else r for r in rows]
