@@ -18,6 +18,9 @@ from typing import Any
 from harness.config import alloc_conf
 from harness.errors import ConfigError
 
+# A field the point gets where it runs (launch.point.to_point), not from the config: not in the schema.
+RUNTIME = {"runtime": True}
+
 
 class Precision(StrEnum):
     fp32 = "fp32"
@@ -95,7 +98,7 @@ class Workload:
     leak: Leak = Leak.none
     target: str | None = None  # custom: the user's build function, 'module:function'
     args: dict[str, Any] = field(default_factory=dict)  # custom: the user's own keys
-    source_sha: str | None = None  # custom: the fingerprint of the user's code (config/target.py)
+    source_sha: str | None = field(default=None, metadata=RUNTIME)  # custom: the user's code's fingerprint
 
     def __post_init__(self):
         object.__setattr__(self, "name", _choice("workload.name", WorkloadName, self.name))
@@ -153,7 +156,7 @@ class Card:
     non_pytorch_bytes: int = 0  # CUDA context etc., outside PyTorch's allocator
     source: str = ""
     slurm: Slurm = field(default_factory=Slurm)
-    key: str = ""  # its name in the catalog (harness/conf/gpu/<key>.yaml), where known
+    key: str = field(default="", metadata=RUNTIME)  # its name in the catalog (conf/gpu/<key>.yaml), where known
 
     def with_margin(self, margin: float) -> Card:
         """The card as a plan sees it: `margin` x its memory kept free, counted as outside PyTorch."""
@@ -216,10 +219,10 @@ class Point:
     snapshot: bool = False
     plan: Plan = field(default_factory=Plan)
     # Where the point was asked from (set by launch.point.to_point): not part of its identity.
-    overrides: str = ""  # the command line's overrides for this point
-    cwd: str = ""  # where the user ran us: their workload module is found from here
-    trace_cache: str | None = None  # one trace serves every allocator setting and card
-    job_id: str | None = None  # the cluster's id for this point's job
+    overrides: str = field(default="", metadata=RUNTIME)  # the command line's overrides for this point
+    cwd: str = field(default="", metadata=RUNTIME)  # where the user ran us: their workload module is found here
+    trace_cache: str | None = field(default=None, metadata=RUNTIME)  # one trace serves every allocator setting and card
+    job_id: str | None = field(default=None, metadata=RUNTIME)  # the cluster's id for this point's job
 
     def __post_init__(self):
         _at_least("batch_size", self.batch_size, 1)
