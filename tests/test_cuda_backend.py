@@ -15,15 +15,12 @@ from harness.allocator.settings import AllocSettings
 from harness.analysis import calibration
 from harness.analysis.kinds import kind
 from harness.analysis.oom_text import oom_columns
+from harness.config.cards import CardTooLarge, emulation_fraction
 from harness.config.point import Card
 from harness.errors import ConfigError
 from harness.launch import gpus
 from harness.launch.gpus import check_cards, resolve_backend
-from harness.probe.cuda.run import (
-    CardTooLarge,
-    emulation_fraction,
-    settings_mismatch,
-)
+from harness.probe.cuda.run import settings_mismatch
 from harness.probe.cuda.watch import PhaseReading, StepReading, measurements, read_peaks
 from tests.conftest import run_cli
 from tests.test_diagnose import MESSAGES, SHARED

@@ -14,18 +14,20 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from harness.analysis import calibration
+from harness.cli.common import aggregate, prepare
+from harness.config.compose import compose, parallelism
 from harness.errors import EXIT_USAGE, ConfigError
+from harness.launch import gpus
+from harness.launch.gpus import check_cards, resolve_backend
+from harness.launch.point import to_point
+from harness.launch.runner import run_point
+from harness.report import console
 
 CALIBRATION_FILE = "calibration.parquet"
 
 
 def main(overrides: list[str]) -> int:
-
-    from harness.analysis import calibration
-    from harness.cli.common import aggregate, prepare
-    from harness.config.compose import parallelism
-    from harness.launch import gpus
-    from harness.launch.gpus import check_cards, resolve_backend
     flags = [a for a in overrides if a.startswith("-")]
     if flags:
         print(f"harness: error: {flags[0]}: unknown flag (calibrate takes overrides only)", file=sys.stderr)
@@ -48,7 +50,6 @@ def main(overrides: list[str]) -> int:
     df = calibration.compare(list(zip(sim, cuda)))
     df.to_parquet(out / CALIBRATION_FILE, index=False)
     df.to_csv(out / "calibration.csv", index=False)
-    from harness.report import console
 
     code = aggregate(out, expected=2 * len(points))
     console.render_calibration(df, calibration.summary(df))
@@ -57,10 +58,6 @@ def main(overrides: list[str]) -> int:
 
 def _run_all(points: list[list[str]], backend: str, out: Path, results_dir: Path, width: int) -> list[dict]:
     """Every point on `backend`, `width` at a time; rows in the points' order."""
-    from harness.config.compose import compose
-    from harness.launch.point import to_point
-    from harness.launch.runner import run_point
-
     def one(i: int) -> dict:
         point = to_point(compose([*points[i], f"backend={backend}"]), points[i], os.getcwd(),
                          results_dir=results_dir)

@@ -142,6 +142,7 @@ def entry(argv: list[str]) -> int:
             rest = with_grid_files(rest)
         except ConfigError as e:
             return _fail(str(e))
+    # Each verb imports only what it needs: torch, pandas and Hydra take seconds to import.
     if verb == "diagnose":
         from harness.cli.diagnose import main as diagnose
 

@@ -11,23 +11,17 @@ import datetime as dt
 import sys
 from pathlib import Path
 
+from harness.cli.common import aggregate
+from harness.config.compose import compose, expand_grid, parallelism, split_overrides
 from harness.errors import EXIT_USAGE, ConfigError
+from harness.launch.point import to_point
+from harness.plan.frontier import Planner
+from harness.record import results
+from harness.report import words
 
 
 def main(overrides: list[str]) -> int:
     import pandas as pd
-
-    from harness.cli.common import aggregate
-    from harness.config.compose import (
-        compose,
-        expand_grid,
-        parallelism,
-        split_overrides,
-    )
-    from harness.launch.point import to_point
-    from harness.plan.frontier import Planner
-    from harness.record import results
-    from harness.report import words
 
     flags = [a for a in overrides if a.startswith("-")]
     if flags:

@@ -17,3 +17,23 @@ def cards() -> list[Card]:
 
 def by_key() -> dict[str, Card]:
     return {c.key: c for c in cards()}
+
+
+class CardTooLarge(ValueError):
+    """A card larger than the device it would be emulated on."""
+
+
+def emulation_fraction(card: Card, device_name: str, device_bytes: int) -> float | None:
+    """The per-process fraction that makes this device behave like `card`, or None when the device
+    is that card. The cap is on reserved bytes (set_per_process_memory_fraction), so it is the
+    card's room for PyTorch: its memory less what its CUDA context and libraries take. A card
+    larger than the device cannot be emulated."""
+    same_card = device_name == card.device_name
+    # The catalog's capacity is as a device of that card reports it, to a few MiB.
+    if same_card and card.memory_bytes >= device_bytes * 0.99:
+        return None
+    if card.memory_bytes > device_bytes:
+        raise CardTooLarge(f"gpu={card.name} ({card.memory_bytes / 2**30:.2f} GiB) is larger than this "
+                           f"device, {device_name} ({device_bytes / 2**30:.2f} GiB): a card can only be "
+                           "emulated on a larger one")
+    return card.room() / device_bytes

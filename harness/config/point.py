@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from omegaconf import OmegaConf, open_dict
+
 from harness.config import alloc_conf
 from harness.errors import ConfigError
 
@@ -246,15 +248,13 @@ class Point:
     @classmethod
     def from_config(cls, cfg) -> Point:
         """A point from a composed config (its `hydra` node, if any, is not the point's)."""
-        from omegaconf import open_dict
-
-        from harness.config.compose import as_dict
-
         if "hydra" in cfg:  # a sweep's config before its job ran: Hydra's runtime keys are not set yet
             cfg = cfg.copy()
             with open_dict(cfg):
                 del cfg["hydra"]
-        return cls.from_dict(as_dict(cfg))
+        data = OmegaConf.to_container(cfg, resolve=True)
+        assert isinstance(data, dict)
+        return cls.from_dict({str(k): v for k, v in data.items()})
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (enums as their strings): point.json, and the identity that run_id hashes."""

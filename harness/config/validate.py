@@ -3,6 +3,8 @@ and those that need the model's or the user's code. Each failure names its dotte
 
 from __future__ import annotations
 
+from harness.config import cards as catalog
+from harness.config.models import hf_config, max_positions
 from harness.config.point import Point, WorkloadName
 from harness.config.target import load_target
 from harness.errors import ConfigError
@@ -22,7 +24,6 @@ def validate(cfg) -> Point:
 def _check_plan_cards(point: Point) -> None:
     if not point.plan.cards:
         return
-    from harness.config import cards as catalog
 
     known = [c.key for c in catalog.cards()]
     for key in point.plan.cards:
@@ -34,7 +35,6 @@ def _check_model(point: Point) -> None:
     model = point.model
     limit = model.hf.get("max_position_embeddings") if not model.config_json else None
     if limit is None:
-        from harness.config.models import hf_config, max_positions
 
         limit = max_positions(hf_config(model))
     if limit is not None and point.seq_len > limit:

@@ -14,10 +14,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from harness.config.cards import CardTooLarge, emulation_fraction
 from harness.config.point import Card
 from harness.errors import ConfigError
 from harness.launch import slots
-from harness.probe.cuda.run import CardTooLarge, emulation_fraction
 
 POLL_S = 0.2
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from harness.config.point import Backend, Point
-from harness.launch import gpus
+from harness.launch import gpus, zygote
 from harness.record.results import find_done
 from harness.record.row import POINT_FILE, RESULT_FILE, base_record, run_id, write_row
 
@@ -105,7 +105,6 @@ def _leave_job_warning() -> None:
 def _run_forked(run_dir: Path, timeout_s: float):
     """The point in a child forked from the zygote (torch already imported): its exit code,
     _TIMED_OUT, or _NO_ZYGOTE when none could be had."""
-    from harness.launch import zygote
     conn = zygote.connect()
     if conn is None:
         return _NO_ZYGOTE

@@ -31,8 +31,9 @@ from omegaconf import OmegaConf, open_dict
 
 from harness.config.compose import as_dict
 from harness.config.point import Point
+from harness.launch.point import to_point
 from harness.record.results import find_done
-from harness.record.row import RESULT_FILE, write_row
+from harness.record.row import RESULT_FILE, base_record, run_id, write_row
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,6 @@ def slurm_job_id(env: Mapping[str, str]) -> str | None:
 
 def job_row(point: Point, job_id: str | None, status: str, error: str) -> dict:
     """A row the launcher writes for a point whose job could not write its own."""
-    from harness.record.row import base_record
-
     rec = base_record(point)
     rec.update(status=status, job_id=job_id, error=error)
     return rec
@@ -108,9 +107,6 @@ class SlurmArrays(SlurmLauncher):
 
     def launch(self, job_overrides, initial_job_idx: int):
         import submitit
-
-        from harness.launch.point import to_point
-        from harness.record.row import run_id
 
         assert self.config is not None and self.hydra_context is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))

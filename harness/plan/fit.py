@@ -6,8 +6,11 @@ import functools
 
 import pandas as pd
 
+from harness.allocator.settings import AllocSettings
 from harness.config import cards as catalog
 from harness.config.point import Card
+from harness.probe.sim import reserved
+from harness.record import trace_store
 
 
 def _missing(v) -> bool:
@@ -18,7 +21,6 @@ def fits(row: dict, card: Card, margin: float = 0.0) -> bool | None:
     """Whether the run of `row` fits `card` with `margin` kept free: the allocator model's verdict
     (a replay of the run's trace on the card where the peaks alone do not settle it); None when
     the row has no numbers (an error)."""
-    from harness.probe.sim import reserved
     listed = row.get("fits_cards")
     if not margin and not _missing(listed):
         return card.key in list(listed)
@@ -39,13 +41,10 @@ def fits(row: dict, card: Card, margin: float = 0.0) -> bool | None:
 @functools.lru_cache(maxsize=4)
 def _trace_rows(path: str) -> list[tuple]:
     """A run's trace as replay rows, read once for all the cards a probe is checked against."""
-    from harness.record import trace_store
     return trace_store.replay_rows(pd.read_parquet(path))
 
 
 def _replay(row: dict, card: Card):
-    from harness.allocator.settings import AllocSettings
-    from harness.probe.sim import reserved
     settings = AllocSettings.from_conf(row.get("allocator_conf") or "")
     return reserved.replay_on(_trace_rows(str(row["trace_path"])), settings, card)
 

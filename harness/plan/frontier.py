@@ -14,8 +14,11 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from harness.config import cards as catalog
+from harness.config.models import hf_config, max_positions
 from harness.config.point import Card
+from harness.config.validate import validate
 from harness.errors import ConfigError
+from harness.launch.runner import run_point
 from harness.plan import fit, search, serving
 from harness.units import GiB
 
@@ -41,7 +44,6 @@ def axis_values(cfg) -> list[int]:
     step = plan.step or DEFAULT_STEP[plan.axis]
     hi = plan.hi or DEFAULT_HI.get(plan.axis)
     if hi is None:  # seq_len: as far as the model's positions go
-        from harness.config.models import hf_config, max_positions
 
         hi = max_positions(hf_config(cfg.model)) or 32768
     first = -(-plan.lo // step) * step if step > 1 else plan.lo  # multiples of the step: 128, 256, ...
@@ -68,8 +70,6 @@ class Planner:
 
     def groups(self, points: list[list[str]]) -> list[Group]:
         """The grid's points without the plan axis, each validated at both ends of its range."""
-        from harness.config.validate import validate
-
         seen, groups = set(), []
         for p in points:
             cfg = self._compose(p)
@@ -90,8 +90,6 @@ class Planner:
 
     def run(self, overrides: list[str]) -> dict:
         """One probe: a point run (or reused) like any sweep point; its row."""
-        from harness.launch.runner import run_point
-
         cfg = self._compose(overrides)
         point = self._to_point(cfg, overrides, results_dir=self.results_dir)
         row = run_point(point, self.out / "runs" / str(next(self._n)), self.results_dir)
@@ -159,8 +157,6 @@ class Planner:
     def _serving(self, g: Group) -> dict:
         """What vLLM's profile run would measure: one prefill of max_num_batched_tokens (capped by
         the model's positions), run on the virtual GPU; weights and KV bytes per token."""
-        from harness.config.models import hf_config, max_positions
-
         cfg = g.cfg
         limit = max_positions(hf_config(cfg.model)) or cfg.plan.max_num_batched_tokens
         tokens = min(cfg.plan.max_num_batched_tokens, limit)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from harness.config.models import hf_config
 from harness.config.point import Card
 
 # Bytes per element of the KV cache: under autocast the k/v projections produce the autocast dtype.
@@ -17,8 +18,6 @@ _KV_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "amp_bf16": 2, "amp_fp16":
 
 def kv_shape(model_cfg) -> tuple[int, int, int]:
     """(layers, kv_heads, head_dim) of a model config group (grouped-query attention included)."""
-    from harness.config.models import hf_config
-
     c = hf_config(model_cfg)
     heads = c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or heads

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from harness.config.models import hf_config
 from harness.config.point import Leak, OptimizerName, Point, WorkloadName
 from harness.workload import Job, Knobs, phase
 
@@ -20,8 +21,6 @@ def builder(point: Point) -> Callable[[Knobs], Job]:
     """The build function of the point's preset (workload=train or infer)."""
     def build(k: Knobs) -> Job:
         from transformers import AutoModelForCausalLM
-
-        from harness.config.models import hf_config
 
         config = hf_config(point.model)
         model = AutoModelForCausalLM.from_config(config, dtype=k.dtype)

@@ -11,7 +11,13 @@ import time
 import traceback
 from pathlib import Path
 
+from harness.allocator.settings import AllocSettings
+from harness.config import cards as catalog
 from harness.config.point import Point
+from harness.probe.cuda import run as cuda
+from harness.probe.sim import reserved
+from harness.probe.sim.trace import run_point
+from harness.record import trace_store
 from harness.record.row import POINT_FILE, base_record, write_row
 
 
@@ -20,12 +26,6 @@ def run_sim(point: Point, run_dir: Path) -> dict:
     then replay it through the allocator model for reserved bytes and each card's verdict."""
     import torch
     import transformers
-
-    from harness.allocator.settings import AllocSettings
-    from harness.config import cards as catalog
-    from harness.probe.sim import reserved
-    from harness.probe.sim.trace import run_point
-    from harness.record import trace_store
 
     t0 = time.perf_counter()
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
@@ -61,9 +61,6 @@ def run_cuda(point: Point, run_dir: Path) -> dict:
     """Measure the point on this process's GPU; each card's verdict from the measured peaks."""
     import transformers
 
-    from harness.config import cards as catalog
-    from harness.probe.cuda import run as cuda
-    from harness.probe.sim import reserved
     t0 = time.perf_counter()
     rec = base_record(point)
     rec.update(cuda.run_cuda(point, run_dir), transformers_version=transformers.__version__)

@@ -6,6 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import harness
 from harness.config.point import Point, WorkloadName
 
 STATUSES = ("ok", "oom", "error", "timeout")
@@ -57,7 +58,7 @@ def run_id(point: Point) -> str:
 
 def base_record(point: Point) -> dict:
     """The row's identity columns, filled before anything runs (so a failure is still a row)."""
-    import harness
+
 
     w, gpu = point.workload, point.gpu
     rec = dict.fromkeys(COLUMNS)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.allocator.model import round_size
 from harness.config.point import Point
-from harness.probe.sim.tracker import round_request
 from harness.record.row import point_identity
 
 TRACE_FILE = "trace.parquet"
@@ -33,7 +33,7 @@ def to_frame(events: list[tuple]) -> pd.DataFrame:
     df = pd.DataFrame(events, columns=COLUMNS)
     df["seq"] = range(len(df))  # dropped host-side allocations leave gaps
     # `size` is the requested bytes; `allocated` what the allocator's 512-B rounding hands out.
-    df["allocated"] = [round_request(int(n)) for n in df["size"]]
+    df["allocated"] = [round_size(int(n)) for n in df["size"]]
     return df
 
 

@@ -13,15 +13,12 @@ import os
 from pathlib import Path
 
 from harness.allocator.settings import AllocSettings
-from harness.config.point import Card, Point
+from harness.config.cards import emulation_fraction
+from harness.config.point import Point
 from harness.probe.cuda.job import measure
 
 # Memory history entries kept for a snapshot: a 7B training step makes ~10^5 allocator events.
 SNAPSHOT_MAX_ENTRIES = 2_000_000
-
-
-class CardTooLarge(ValueError):
-    pass
 
 
 # AllocSettings field -> the key a snapshot's allocator_settings reports it under (a key a
@@ -39,22 +36,6 @@ def settings_mismatch(conf: str, recorded: dict) -> str | None:
     diffs = [f"{name}: asked {getattr(want, name)!r}, got {getattr(got, name)!r}"
              for name, key in _REPORTED.items() if key in recorded and getattr(want, name) != getattr(got, name)]
     return "; ".join(diffs) or None
-
-
-def emulation_fraction(card: Card, device_name: str, device_bytes: int) -> float | None:
-    """The per-process fraction that makes this device behave like `card`, or None when the device
-    is that card. The cap is on reserved bytes (set_per_process_memory_fraction), so it is the
-    card's room for PyTorch: its memory less what its CUDA context and libraries take. A card
-    larger than the device cannot be emulated."""
-    same_card = device_name == card.device_name
-    # The catalog's capacity is as a device of that card reports it, to a few MiB.
-    if same_card and card.memory_bytes >= device_bytes * 0.99:
-        return None
-    if card.memory_bytes > device_bytes:
-        raise CardTooLarge(f"gpu={card.name} ({card.memory_bytes / 2**30:.2f} GiB) is larger than this "
-                           f"device, {device_name} ({device_bytes / 2**30:.2f} GiB): a card can only be "
-                           "emulated on a larger one")
-    return card.room() / device_bytes
 
 
 def run_cuda(point: Point, run_dir: Path) -> dict:
