@@ -4,6 +4,7 @@ the recording decided) and the virtual GPU's traces (what-if on any card and set
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 from harness.allocator import snapshot as snap
 from harness.allocator.model import Block, CachingAllocator, Device, OutOfMemory
@@ -200,9 +201,25 @@ def _recorded_layout(data: dict, device: int) -> set:
             if s.get("device", device) == device for b in s["blocks"]}
 
 
+class EventTag(NamedTuple):
+    """Where a trace event happened: the record's phase, step, module and kind of memory."""
+    phase: str
+    step: int
+    module: str
+    kind: str
+
+
+class ReplayRow(NamedTuple):
+    """A request of a virtual-GPU trace to the allocator model."""
+    action: str  # alloc | free
+    key: int  # the storage's identity while it lives
+    size: int  # requested bytes
+    tag: EventTag | None
+
+
 def replay_events(events, settings: AllocSettings, device: Device | None = None, on_event=None,
                   stop_at_oom: bool = True) -> tuple[ReplayResult, CachingAllocator]:
-    """Replay a virtual-GPU trace: rows of (action, key, size, tag) with action alloc|free.
+    """Replay a virtual-GPU trace (ReplayRow: action, key, size, tag).
     `on_event(action, addr, size, stream, tag)` sees each allocator event with the row's tag."""
     alloc = CachingAllocator(settings, device or Device())
     result = ReplayResult(settings=settings.conf)

@@ -6,6 +6,7 @@ import functools
 
 import pandas as pd
 
+from harness.allocator.replay import ReplayRow
 from harness.allocator.settings import AllocSettings
 from harness.config import cards as catalog
 from harness.config.point import Card
@@ -39,7 +40,7 @@ def fits(row: dict, card: Card, margin: float = 0.0) -> bool | None:
 
 
 @functools.lru_cache(maxsize=4)
-def _trace_rows(path: str) -> list[tuple]:
+def _trace_rows(path: str) -> list[ReplayRow]:
     """A run's trace as replay rows, read once for all the cards a probe is checked against."""
     return trace_store.replay_rows(pd.read_parquet(path))
 

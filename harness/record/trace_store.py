@@ -8,10 +8,15 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
+if TYPE_CHECKING:  # the tracker imports torch; a trace file does not need it
+    from harness.probe.sim.tracker import TraceEvent
+
 from harness.allocator.model import round_size
+from harness.allocator.replay import EventTag, ReplayRow
 from harness.config.point import Point
 from harness.record.row import point_identity
 
@@ -29,7 +34,7 @@ def trace_id(point: Point, versions: dict) -> str:
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
-def to_frame(events: list[tuple]) -> pd.DataFrame:
+def to_frame(events: list[TraceEvent]) -> pd.DataFrame:
     df = pd.DataFrame(events, columns=COLUMNS)
     df["seq"] = range(len(df))  # dropped host-side allocations leave gaps
     # `size` is the requested bytes; `allocated` what the allocator's 512-B rounding hands out.
@@ -37,10 +42,10 @@ def to_frame(events: list[tuple]) -> pd.DataFrame:
     return df
 
 
-def replay_rows(df: pd.DataFrame) -> list[tuple]:
-    """(action, key, size, tag) for the allocator model; tag = (phase, step, module, kind)."""
-    return list(zip(df["action"], df["key"], df["size"].astype("int64"),
-                    zip(df["phase"], df["step"], df["module"], df["kind"])))
+def replay_rows(df: pd.DataFrame) -> list[ReplayRow]:
+    """The trace as the allocator model's requests, each tagged with where it happened."""
+    tags = map(EventTag._make, zip(df["phase"], df["step"], df["module"], df["kind"]))
+    return list(map(ReplayRow._make, zip(df["action"], df["key"], df["size"].astype("int64"), tags)))
 
 
 def load_cached(cache_dir: Path | None, tid: str) -> tuple[pd.DataFrame, dict] | None:

@@ -25,8 +25,7 @@ def _describe(obj) -> str:
 def old_tensors(tracker, step: int) -> list[str]:
     """Python-reachable tensors with an autograd graph, born before `step` and still alive: the
     roots a loop keeps by mistake (with everything their graphs saved), and what holds them."""
-    born = {key: st for _seq, action, key, _size, _kind, _phase, st, _module in tracker.events
-            if action == "alloc"}
+    born = {e.key: e.step for e in tracker.events if e.action == "alloc"}
     found: Counter[str] = Counter()
     with warnings.catch_warnings():  # some library objects warn when their type is probed
         warnings.simplefilter("ignore")

@@ -8,7 +8,7 @@ from pathlib import Path
 from harness.allocator import oom_message
 from harness.allocator import snapshot as snap
 from harness.allocator.model import Device
-from harness.allocator.replay import replay_events
+from harness.allocator.replay import ReplayRow, replay_events
 from harness.allocator.settings import AllocSettings
 from harness.config.point import Card
 
@@ -24,22 +24,22 @@ def fits_by_numbers(card: Card, peak_reserved_bytes: int, peak_allocated_bytes: 
     return None
 
 
-def replay_on(rows: list[tuple], settings: AllocSettings, card: Card):
+def replay_on(rows: list[ReplayRow], settings: AllocSettings, card: Card):
     """The replay on `card`: its OOMs and the cache flushes (num_alloc_retries) it took."""
     return replay_events(rows, settings, Device.for_card(card))[0]
 
 
-def fits_by_replay(rows: list[tuple], settings: AllocSettings, card: Card) -> bool:
+def fits_by_replay(rows: list[ReplayRow], settings: AllocSettings, card: Card) -> bool:
     return not replay_on(rows, settings, card).ooms
 
 
-def fits(rows: list[tuple], settings: AllocSettings, card: Card, unlimited) -> bool:
+def fits(rows: list[ReplayRow], settings: AllocSettings, card: Card, unlimited) -> bool:
     """Whether the job runs on `card` without an OOM."""
     known = fits_by_numbers(card, unlimited.peak_reserved_bytes, unlimited.peak_allocated_bytes)
     return known if known is not None else fits_by_replay(rows, settings, card)
 
 
-def analyse(rows: list[tuple], settings: AllocSettings, card: Card, catalog: list[Card],
+def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog: list[Card],
             torch_version: str, snapshot_path: Path | None = None) -> dict:
     """Record fields for the run's card and the whole catalog."""
     # Unlimited memory, but the card's size for what depends on it (expandable address ranges).

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -39,6 +39,18 @@ def round_request(nbytes: int) -> int:
     return max(MIN_BLOCK_BYTES, -(-nbytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES)
 
 
+class TraceEvent(NamedTuple):
+    """One storage's birth or death on the virtual GPU, in order (a row of trace.parquet)."""
+    seq: int
+    action: str  # alloc | free
+    key: int  # the storage's identity while it lives
+    size: int  # requested bytes (the allocator rounds them)
+    kind: str  # parameter | gradient | optimizer_state | activation | temporary | input | workspace
+    phase: str
+    step: int  # -1: before the first step
+    module: str  # the innermost module running, "" outside any
+
+
 @dataclass
 class StepStats:
     step: int
@@ -55,7 +67,7 @@ class StorageTracker(TorchDispatchMode):
 
     def __init__(self, emulate_cublas_workspace: bool = True):
         super().__init__()
-        self.events: list[tuple] = []  # (seq, action, key, size_bytes, kind, phase, step, module)
+        self.events: list[TraceEvent] = []
         self.findings: dict[str, Any] = {}  # what the probe found after the steps (e.g. retained_holder)
         self._live: dict[int, list] = {}  # key -> [requested, allocated, kind]
         self.kind_bytes = {k: 0 for k in KINDS}
@@ -99,7 +111,7 @@ class StorageTracker(TorchDispatchMode):
         self.kind_bytes[kind] += alloc
         module = self.module_stack[-1] if self.module_stack else ""
         phase = self._phase()
-        self.events.append((len(self.events), "alloc", key, nbytes, kind, phase, self.step, module))
+        self.events.append(TraceEvent(len(self.events), "alloc", key, nbytes, kind, phase, self.step, module))
         if self.steps:
             s = self.steps[-1]
             if self.allocated > s.peak_allocated_bytes:
@@ -121,7 +133,7 @@ class StorageTracker(TorchDispatchMode):
     def _record_free(self, key: int) -> None:
         entry = self._forget(key)
         if entry is not None:
-            self.events.append((len(self.events), "free", key, entry[0], entry[2], self._phase(), self.step, ""))
+            self.events.append(TraceEvent(len(self.events), "free", key, entry[0], entry[2], self._phase(), self.step, ""))
 
     def track(self, t: torch.Tensor, kind: str) -> None:
         """Start tracking a tensor's storage (idempotent); `kind` applies if it is new."""
@@ -150,7 +162,7 @@ class StorageTracker(TorchDispatchMode):
         if self._forget(key) is None:
             return
         for i in range(len(self.events) - 1, -1, -1):
-            if self.events[i][2] == key and self.events[i][1] == "alloc":
+            if self.events[i].key == key and self.events[i].action == "alloc":
                 del self.events[i]
                 break
 
