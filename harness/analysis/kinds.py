@@ -15,6 +15,8 @@ from harness.units import MiB
 
 # A climb smaller than this per step is noise (e.g. a lazily created buffer), not a leak.
 CLIMB_BYTES = 1 * MiB
+# A step whose peak rises more than this share above where it rests is a spike.
+SPIKE_SHARE = 0.2
 
 
 def _num(x) -> int:
@@ -49,7 +51,7 @@ def shape(after_step: list[int], step_peaks: list[int], train: bool) -> ShapeRea
     window = range(1, len(peaks)) if train and len(peaks) > 1 else range(len(peaks))
     rise = max(peaks[i] - after[i] for i in window)
     top = max(peaks[i] for i in window)
-    kind = "spike" if top and rise / top > 0.2 else "plateau"
+    kind = "spike" if top and rise / top > SPIKE_SHARE else "plateau"
     return ShapeReading(kind, tuple(after), rise, min(after))
 
 

@@ -6,6 +6,7 @@ from collections import defaultdict
 
 from harness.allocator import snapshot as snap
 from harness.allocator.replay import replay_snapshot
+from harness.analysis.kinds import SPIKE_SHARE, climbing
 from harness.units import GiB
 
 
@@ -95,10 +96,12 @@ def _shape(timeline: list[int], trace: list[dict], state) -> tuple[str, str, lis
         rests.append(lo)
     numbers = (f"{len(rests) - 1} cycle(s); rest levels " + ", ".join(f"{r / GiB:.2f}" for r in rests)
                + f" GiB; peak {peak / GiB:.2f} GiB")
-    if len(rests) >= 3 and all(b - a > 0.02 * peak for a, b in zip(rests, rests[1:])):
+    # The same rules as a run's per-step readings (kinds.climbing, kinds.SPIKE_SHARE): the rest
+    # levels after each cycle are allocated bytes at rest, exact in a snapshot as in a trace.
+    if len(rests) >= 3 and climbing(rests, first=0):
         quarter = max(1, len(timeline) // 4)
         return "staircase", numbers, _growing_sites(trace, quarter)
-    if amplitude > 0.2 * peak:
+    if amplitude > SPIKE_SHARE * peak:
         return "spike", numbers, []
     return "plateau", numbers, []
 
