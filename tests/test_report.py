@@ -98,3 +98,19 @@ def test_progress_counts_rows_as_they_land(tmp_path):
     with SweepProgress(tmp_path, 5, stream=out, interval_s=0.01):
         pass
     assert out.getvalue().strip().splitlines()[-1] == "harness: sweep: 3/5 points done (ok 1, oom 1, failed 1)"
+
+
+def test_hydras_callback_writes_the_report_once_and_the_cli_takes_its_code(tmp_path, monkeypatch):
+    """SweepReport aggregates at Hydra's end of a sweep; finish() returns its code without a second
+    aggregation, and aggregates itself when Hydra stopped before its end."""
+    from harness.cli import callbacks
+
+    calls = []
+    monkeypatch.setattr(callbacks, "_aggregate", lambda sweep: calls.append(sweep.out) or 7)
+    callbacks.arm(tmp_path, expected=3)
+    callbacks.SweepReport().on_multirun_end(config=None)
+    assert callbacks.finish() == 7 and calls == [tmp_path]
+    callbacks.arm(tmp_path / "stopped", expected=3)  # Hydra never reached on_multirun_end
+    assert callbacks.finish() == 7 and calls == [tmp_path, tmp_path / "stopped"]
+    callbacks.SweepReport().on_run_end(config=None)  # not armed (e.g. --cfg): nothing happens
+    assert len(calls) == 2

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import hydra
 
+from harness.cli import callbacks
 from harness.cli.common import aggregate, prepare
 from harness.config.compose import CONF_DIR, as_dict, with_grid_files
 from harness.config.validate import validate
@@ -117,19 +118,14 @@ def _launch(verb: str, flags: list[str], overrides: list[str]) -> int:
     hydra_args = ([*overrides, f"{dir_key}={out}", *extra] if verb == "run"
                   else ["--multirun", *overrides, f"{dir_key}={out}", *extra])
     print(f"harness: {verb}: {len(points)} point(s) on backend={backend} -> {out}", file=sys.stderr)
-    sys.argv = [sys.argv[0], *flags, *hydra_args]
-    from harness.cli.progress import SweepProgress
-
+    sys.argv = [sys.argv[0], *flags, *hydra_args]  # hydra.main reads its overrides from argv
+    callbacks.arm(out, len(points))  # Hydra's callback shows progress and writes the report
     try:
-        if verb == "sweep":
-            with SweepProgress(out, len(points)):
-                main()
-        else:
-            main()
-    except SystemExit as e:
+        main()
+    except SystemExit as e:  # Hydra's own way to stop on an error of its own
         if e.code not in (0, None):
             print(f"harness: Hydra stopped with code {e.code}; rows written so far are kept", file=sys.stderr)
-    return aggregate(out, expected=len(points))
+    return callbacks.finish()
 
 
 def entry(argv: list[str]) -> int:
