@@ -23,6 +23,7 @@ def sweep_dir(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow  # the sweep behind the report: one smoke sweep per module
 def test_report_md_links_every_picture_it_names(sweep_dir):
     md = (sweep_dir / "report.md").read_text()
     for title in ("Peak memory vs batch", "Allocated after each step", "The breakdown at the peak", "Fit table"):
@@ -34,6 +35,7 @@ def test_report_md_links_every_picture_it_names(sweep_dir):
     assert "| h100-80gb |" in md.splitlines()[md.splitlines().index("## Fit table") + 3] or "h100-80gb" in md
 
 
+@pytest.mark.slow  # the sweep behind the report: one smoke sweep per module
 def test_report_html_is_self_contained(sweep_dir):
     page = (sweep_dir / "report.html").read_text()
     srcs = re.findall(r'<img[^>]* src="([^"]+)"', page)
@@ -45,6 +47,7 @@ def test_report_html_is_self_contained(sweep_dir):
     assert "fits +" in page and "retained" in page  # the leak's kind, in the tables
 
 
+@pytest.mark.slow  # the sweep behind the report: one smoke sweep per module
 def test_report_verb_rewrites_the_report_of_a_sweep_dir(sweep_dir):
     (sweep_dir / "report.html").unlink()
     r = run_cli("report", str(sweep_dir))
@@ -58,6 +61,7 @@ def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
+@pytest.mark.slow  # the sweep behind the report: one smoke sweep per module
 def test_report_opens_in_headless_chromium_with_every_image_loaded(sweep_dir):
     playwright = pytest.importorskip("playwright.sync_api", reason="playwright is a dev dependency")
     exe = _chromium()

@@ -80,6 +80,7 @@ def test_a_remedy_never_introduces_a_leak():
     assert verdicts(df).set_index("run_id").loc["job", "verdict"] == "card problem"
 
 
+@pytest.mark.slow  # the holder search walks every Python object
 @pytest.mark.parametrize("leak", ["graph", "cycle"])
 def test_leaks_make_allocated_climb_and_name_their_holder(leak):
     point = train_point(steps=4)
