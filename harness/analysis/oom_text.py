@@ -10,7 +10,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harness.units import GiB, MiB
+from harness.units import MiB
 
 _UNITS = {"bytes": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
 _SIZE = r"([\d.]+ (?:bytes|KiB|MiB|GiB|TiB))"
@@ -47,12 +47,16 @@ class OomReading:
     headroom_bytes: int | None = None  # left for PyTorch once fragmentation is cured (can be < 0)
     margin_bytes: int | None = None
     wording: str = ""
-    reasoning: list = field(default_factory=list)
+    for_pytorch_bytes: int | None = None  # what the card can give PyTorch here
+    limit_bytes: int | None = None  # that, less other processes, capped by a per-process fraction
+    need_bytes: int | None = None  # allocated + the request
+    # The rules that decided, in order (report/words.oom_reasoning words them): container_pid,
+    # no_figures, request_exceeds_card, fits_defragmented, other_processes, no_real_headroom,
+    # does_not_fit, fraction_is_the_limit.
+    rules: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        d = asdict(self)
-        d["reasoning"] = " ".join(self.reasoning)
-        return d
+        return asdict(self)
 
 
 def parse(text: str) -> OomReading:
@@ -87,7 +91,7 @@ def parse(text: str) -> OomReading:
     elif len(others) == 1 and r.allocated_bytes is not None and others[0][1] >= r.allocated_bytes:
         # In a container PyTorch cannot name its own pid and reports itself as "Process N".
         r.process_bytes = others.pop()[1]
-        r.reasoning.append("The one 'Process N' line is taken as this process (a container hides its pid).")
+        r.rules.append("container_pid")
     r.other_processes_bytes = sum(size for _pid, size in others)
     allowed = _ALLOWED.search(text)
     if allowed:
@@ -96,9 +100,9 @@ def parse(text: str) -> OomReading:
 
 
 def judge(r: OomReading) -> OomReading:
-    """The verdict, with the numbers behind it in `reasoning`."""
+    """The verdict, with the numbers behind it and the rules that decided (`rules`)."""
     if r.capacity_bytes is None or r.allocated_bytes is None:
-        r.reasoning.append("The message lacks the capacity or allocated figures; no verdict.")
+        r.rules.append("no_figures")
         return r
     reserved = r.allocated_bytes + (r.reserved_unallocated_bytes or 0)
     if r.process_bytes is not None:
@@ -113,35 +117,21 @@ def judge(r: OomReading) -> OomReading:
     r.margin_bytes = max(512 * MiB, r.capacity_bytes // 50)
     need = r.allocated_bytes + r.tried_bytes
     r.headroom_bytes = limit - need
-    g = lambda n: f"{n / GiB:.2f} GiB"  # noqa: E731
-    r.reasoning.append(f"PyTorch holds {g(r.allocated_bytes)} allocated and {g(r.reserved_unallocated_bytes or 0)} "
-                       f"reserved but unallocated; it asked for {g(r.tried_bytes)} more. The card has "
-                       f"{g(r.capacity_bytes)}, of which {g(r.non_pytorch_bytes)} is outside PyTorch "
-                       f"(CUDA context and the like)"
-                       + (f" and {g(r.other_processes_bytes)} is held by other processes" if r.other_processes_bytes else "")
-                       + (f"; a per-process cap allows {g(r.allowed_bytes)}" if r.allowed_bytes is not None else "") + ".")
+    r.for_pytorch_bytes, r.limit_bytes, r.need_bytes = for_pytorch, limit, need
     if r.tried_bytes > for_pytorch:
         r.verdict = "capacity"
-        r.reasoning.append(f"The request alone exceeds the {g(for_pytorch)} the card can give PyTorch: a card "
-                           "problem, or a change that makes this allocation smaller.")
+        r.rules.append("request_exceeds_card")
     elif need + r.margin_bytes <= limit:
         r.verdict = "fragmentation"
-        r.reasoning.append(f"Allocated + the request = {g(need)}, which leaves {g(r.headroom_bytes)} of the "
-                           f"{g(limit)} PyTorch can have (margin {g(r.margin_bytes)}): the memory is there but cut "
-                           "into cached pieces. Try PYTORCH_ALLOC_CONF=expandable_segments:True.")
+        r.rules.append("fits_defragmented")
     elif r.other_processes_bytes and need + r.margin_bytes <= for_pytorch:
         r.verdict = "other_process"
-        r.reasoning.append(f"Without the other processes it would fit ({g(for_pytorch - need)} to spare): free the "
-                           "card or run alone.")
+        r.rules.append("other_processes")
     else:
         r.verdict = "capacity"
-        reason = (f"Allocated + the request = {g(need)} against {g(limit)} PyTorch can have: ")
-        reason += ("even curing fragmentation leaves no real headroom" if r.headroom_bytes >= 0
-                   else "it does not fit even with no fragmentation")
+        r.rules.append("no_real_headroom" if r.headroom_bytes >= 0 else "does_not_fit")
         if r.allowed_bytes is not None and r.allowed_bytes < for_pytorch - r.other_processes_bytes:
-            reason += "; the per-process fraction is the limit here, not the card"
-        r.reasoning.append(reason + ". Reduce what the job holds (checkpointing, a smaller micro-batch, a "
-                           "leaner optimizer or precision) or use a larger card.")
+            r.rules.append("fraction_is_the_limit")
     return r
 
 

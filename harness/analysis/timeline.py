@@ -7,7 +7,6 @@ from collections import defaultdict
 from harness.allocator import snapshot as snap
 from harness.allocator.replay import replay_snapshot
 from harness.analysis.kinds import SPIKE_SHARE, climbing
-from harness.units import GiB
 
 
 def _site(frames: list) -> str:
@@ -53,7 +52,7 @@ def diagnose_snapshot(data: dict, top: int = 5) -> dict:
     for size, site, _born in peak_live.values():
         by_site[site] += size
     sites = sorted(by_site.items(), key=lambda kv: -kv[1])[:top]
-    shape, shape_numbers, growing = _shape(timeline, trace, state)
+    shape, rests, growing = _shape(timeline, trace, state)
     frag = replay.fragmentation_at_peak_bytes
     if shape == "staircase":
         kind = "retained"
@@ -64,7 +63,7 @@ def diagnose_snapshot(data: dict, top: int = 5) -> dict:
     else:
         kind = "activations"
     return {
-        "kind": kind, "shape": shape, "shape_numbers": shape_numbers,
+        "kind": kind, "shape": shape, "rest_levels_bytes": rests,  # allocated at rest after each cycle
         "peak_requested_bytes": peak, "resident_at_peak_bytes": resident,
         "transient_at_peak_bytes": peak - resident,
         "peak_reserved_bytes": replay.peak_reserved_bytes, "fragmentation_bytes": frag,
@@ -73,12 +72,12 @@ def diagnose_snapshot(data: dict, top: int = 5) -> dict:
     }
 
 
-def _shape(timeline: list[int], trace: list[dict], state) -> tuple[str, str, list]:
+def _shape(timeline: list[int], trace: list[dict], state) -> tuple[str, list[int], list]:
     """Cycles are rises and falls of at least half the timeline's amplitude (a step's activations
     built and freed). staircase: the rest level after each cycle climbs (two cycles at least);
     spike: memory rises well above its rest; plateau: it barely moves."""
     if len(timeline) < 8:
-        return "unknown", "too few events", []
+        return "unknown", [], []
     peak, floor = max(timeline), min(timeline)
     amplitude = peak - floor
     rests, hi, lo, falling = [timeline[0]], timeline[0], timeline[0], False
@@ -94,16 +93,14 @@ def _shape(timeline: list[int], trace: list[dict], state) -> tuple[str, str, lis
                 falling, hi = False, v
     if falling:
         rests.append(lo)
-    numbers = (f"{len(rests) - 1} cycle(s); rest levels " + ", ".join(f"{r / GiB:.2f}" for r in rests)
-               + f" GiB; peak {peak / GiB:.2f} GiB")
     # The same rules as a run's per-step readings (kinds.climbing, kinds.SPIKE_SHARE): the rest
     # levels after each cycle are allocated bytes at rest, exact in a snapshot as in a trace.
     if len(rests) >= 3 and climbing(rests, first=0):
         quarter = max(1, len(timeline) // 4)
-        return "staircase", numbers, _growing_sites(trace, quarter)
+        return "staircase", rests, _growing_sites(trace, quarter)
     if amplitude > SPIKE_SHARE * peak:
-        return "spike", numbers, []
-    return "plateau", numbers, []
+        return "spike", rests, []
+    return "plateau", rests, []
 
 
 def _growing_sites(trace: list[dict], quarter: int) -> list:

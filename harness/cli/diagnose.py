@@ -35,12 +35,13 @@ def main(args: list[str]) -> int:
 
 def _message(text: str, as_json: bool) -> int:
     from harness.analysis.oom_text import diagnose
+    from harness.report import words
 
     try:
         reading = diagnose(text)
     except ValueError as e:
         return _fail(f"stdin: {e}")
-    out = reading.as_dict()
+    out = {**reading.as_dict(), "reasoning": words.oom_reasoning(reading)}
     if as_json:
         print(json.dumps(out, indent=1))
         return EXIT_OK
@@ -56,12 +57,14 @@ def _message(text: str, as_json: bool) -> int:
 def _snapshot(path: Path, as_json: bool) -> int:
     from harness.allocator import snapshot as snap
     from harness.analysis.timeline import diagnose_snapshot
+    from harness.report import words
 
     try:
         out = diagnose_snapshot(snap.load(path))
     except snap.SnapshotError as e:
         return _fail(str(e))
     out["snapshot"] = str(path)
+    out["shape_numbers"] = words.snapshot_shape_numbers(out)
     if as_json:
         print(json.dumps(out, indent=1))
         return EXIT_OK

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from harness.analysis.kinds import KindReading, ShapeReading
+from harness.analysis.oom_text import OomReading
 from harness.units import gib
 
 # The cost codes of analysis.verdict.COSTS, as people read them.
@@ -132,3 +133,46 @@ def with_serving_why(rows: list[dict]) -> list[dict]:
     """Frontier rows with the `why` column (serving rows only), derived from their numbers."""
     return [{**r, "why": serving_why(r)} if r.get("kv_bytes_per_token") is not None and r.get("status") == "ok"
             else r for r in rows]
+
+
+def oom_reasoning(r: OomReading) -> str:
+    """The numbers behind a pasted OOM message's verdict, in words."""
+    g = gib
+    out = []
+    if "container_pid" in r.rules:
+        out.append("The one 'Process N' line is taken as this process (a container hides its pid).")
+    if "no_figures" in r.rules:
+        return " ".join([*out, "The message lacks the capacity or allocated figures; no verdict."])
+    out.append(f"PyTorch holds {g(r.allocated_bytes)} allocated and {g(r.reserved_unallocated_bytes or 0)} "
+               f"reserved but unallocated; it asked for {g(r.tried_bytes)} more. The card has "
+               f"{g(r.capacity_bytes)}, of which {g(r.non_pytorch_bytes)} is outside PyTorch (CUDA context and the like)"
+               + (f" and {g(r.other_processes_bytes)} is held by other processes" if r.other_processes_bytes else "")
+               + (f"; a per-process cap allows {g(r.allowed_bytes)}" if r.allowed_bytes is not None else "") + ".")
+    if "request_exceeds_card" in r.rules:
+        out.append(f"The request alone exceeds the {g(r.for_pytorch_bytes)} the card can give PyTorch: a card "
+                   "problem, or a change that makes this allocation smaller.")
+    elif "fits_defragmented" in r.rules:
+        out.append(f"Allocated + the request = {g(r.need_bytes)}, which leaves {g(r.headroom_bytes)} of the "
+                   f"{g(r.limit_bytes)} PyTorch can have (margin {g(r.margin_bytes)}): the memory is there but cut "
+                   "into cached pieces. Try PYTORCH_ALLOC_CONF=expandable_segments:True.")
+    elif "other_processes" in r.rules:
+        out.append(f"Without the other processes it would fit ({g(r.for_pytorch_bytes - r.need_bytes)} to spare): "
+                   "free the card or run alone.")
+    else:
+        reason = f"Allocated + the request = {g(r.need_bytes)} against {g(r.limit_bytes)} PyTorch can have: "
+        reason += ("even curing fragmentation leaves no real headroom" if "no_real_headroom" in r.rules
+                   else "it does not fit even with no fragmentation")
+        if "fraction_is_the_limit" in r.rules:
+            reason += "; the per-process fraction is the limit here, not the card"
+        out.append(reason + ". Reduce what the job holds (checkpointing, a smaller micro-batch, a "
+                   "leaner optimizer or precision) or use a larger card.")
+    return " ".join(out)
+
+
+def snapshot_shape_numbers(d: dict) -> str:
+    """The numbers behind a snapshot's timeline shape (analysis.timeline), in words."""
+    rests = d["rest_levels_bytes"]
+    if not rests:
+        return "too few events"
+    return (f"{len(rests) - 1} cycle(s); rest levels " + ", ".join(f"{r / 2**30:.2f}" for r in rests)
+            + f" GiB; peak {d['peak_requested_bytes'] / 2**30:.2f} GiB")
