@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from harness.analysis import calibration
-from harness.cli.common import aggregate, prepare
+from harness.cli.common import aggregate, prepare, unknown_flag
 from harness.config.compose import compose, parallelism
 from harness.errors import EXIT_USAGE, ConfigError
 from harness.launch import gpus
@@ -28,9 +28,8 @@ CALIBRATION_FILE = "calibration.parquet"
 
 
 def main(overrides: list[str]) -> int:
-    flags = [a for a in overrides if a.startswith("-")]
-    if flags:
-        print(f"harness: error: {flags[0]}: unknown flag (calibrate takes overrides only)", file=sys.stderr)
+    if unknown_flag(overrides):
+        print(f"harness: error: {unknown_flag(overrides)}: unknown flag (calibrate takes overrides only)", file=sys.stderr)
         return EXIT_USAGE
     try:
         if any(o.split("=", 1)[0].lstrip("+~") == "backend" for o in overrides):

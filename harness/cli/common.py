@@ -19,6 +19,11 @@ from harness.record import results
 from harness.report import console, document, words
 
 
+def unknown_flag(args: list[str]) -> str | None:
+    """The first flag among a verb's arguments (the verbs past run and sweep take overrides only)."""
+    return next((a for a in args if a.startswith("-")), None)
+
+
 def prepare(verb: str, overrides: list[str]) -> tuple[list[list[str]], DictConfig, list[Card]]:
     """Every point composed and validated; returns (points, the base config with hydra, the cards
     the points ask for)."""

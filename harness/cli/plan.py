@@ -11,7 +11,7 @@ import datetime as dt
 import sys
 from pathlib import Path
 
-from harness.cli.common import aggregate
+from harness.cli.common import aggregate, unknown_flag
 from harness.config.compose import compose, expand_grid, parallelism, split_overrides
 from harness.errors import EXIT_USAGE, ConfigError
 from harness.launch.point import to_point
@@ -23,9 +23,8 @@ from harness.report import words
 def main(overrides: list[str]) -> int:
     import pandas as pd
 
-    flags = [a for a in overrides if a.startswith("-")]
-    if flags:
-        print(f"harness: error: {flags[0]}: unknown flag (plan takes overrides only)", file=sys.stderr)
+    if unknown_flag(overrides):
+        print(f"harness: error: {unknown_flag(overrides)}: unknown flag (plan takes overrides only)", file=sys.stderr)
         return EXIT_USAGE
     try:
         base = compose(split_overrides(overrides)[0])
