@@ -23,6 +23,7 @@ are mapped onto the trace (harness/probe/sim/cuda_script.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,6 +82,17 @@ class _Phases(Protocol):
 
 
 _watch: _Phases | None = None  # the harness's watch while it builds and steps a job
+
+
+@contextlib.contextmanager
+def watched_by(watch: _Phases):
+    """The harness's side of `phase`: while it builds and steps a job, phases go to `watch`."""
+    global _watch
+    previous, _watch = _watch, watch
+    try:
+        yield
+    finally:
+        _watch = previous
 
 
 def phase(name: str) -> None:

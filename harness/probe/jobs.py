@@ -9,9 +9,8 @@ from typing import Protocol
 
 import torch
 
-from harness import workload
 from harness.config.point import Point
-from harness.workload import Job, Knobs, checkpoint_blocks
+from harness.workload import Job, Knobs, checkpoint_blocks, watched_by
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -26,14 +25,9 @@ class Watch(Protocol):
     def end_step(self) -> None: ...
 
 
-@contextlib.contextmanager
 def watching(watch: Watch):
     """harness.workload.phase() names this watch's phases while a job is built and stepped."""
-    previous, workload._watch = workload._watch, watch
-    try:
-        yield
-    finally:
-        workload._watch = previous
+    return watched_by(watch)
 
 
 class UserCodeError(RuntimeError):
