@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.config.models import hf_config
 from harness.probe import presets
-from harness.probe.jobs import optimizer_kwargs, precision_dtypes
+from harness.probe.jobs import knobs, optimizer_kwargs
 from harness.probe.sim import cuda_emulation as cu
 
 
@@ -16,7 +16,7 @@ def memtracker_peak(point) -> int:
     from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import AutoModelForCausalLM
 
-    param_dtype, _ = precision_dtypes(point.precision)
+    param_dtype = knobs(point).dtype
     with FakeTensorMode(), cu.unpacked_sequences(), cu.cuda_kernels():
         model = AutoModelForCausalLM.from_config(hf_config(point.model), dtype=param_dtype)
         model.train()

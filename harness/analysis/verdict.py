@@ -31,7 +31,7 @@ VERDICT_COLUMNS = ["run_id", "card", "kind", "verdict", "remedies", "card_needed
                    "card_headroom_pct"]
 
 
-def _leak(row) -> str:
+def leak_of(row) -> str:
     value = row.get("leak")
     return value if isinstance(value, str) else "none"  # rows from before leaks were recorded
 
@@ -51,8 +51,8 @@ def remedy_changes(job, other) -> list[dict]:
     in the fitting run (`value`), `steps` for accumulation or waves, the leak's `holder`, and the
     `cost` code."""
     out = []
-    if _leak(job) != "none" and _leak(other) == "none":
-        out.append(_change("leak", "leak", _leak(job), "none", holder=_val(job.get("retained_holder"))))
+    if leak_of(job) != "none" and leak_of(other) == "none":
+        out.append(_change("leak", "leak", leak_of(job), "none", holder=_val(job.get("retained_holder"))))
     if (other.get("allocator_conf") or "") != (job.get("allocator_conf") or ""):
         out.append(_change("allocator", "allocator_conf", job.get("allocator_conf") or "", other.get("allocator_conf") or ""))
     if other["batch_size"] != job["batch_size"]:
@@ -80,7 +80,7 @@ def _comparable(job, other) -> bool:
     same = all(_val(other.get(k)) == _val(job.get(k)) for k in ("model", "workload", "seq_len", "workload_args"))
     divides = other["batch_size"] <= job["batch_size"] and job["batch_size"] % other["batch_size"] == 0
     # A remedy only removes a mistake or changes a knob; it never introduces a leak.
-    no_new_leak = _leak(other) in ("none", _leak(job))
+    no_new_leak = leak_of(other) in ("none", leak_of(job))
     return same and divides and no_new_leak
 
 

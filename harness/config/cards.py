@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from omegaconf import OmegaConf
 
 from harness.config.compose import CONF_DIR, as_dict
@@ -10,9 +12,15 @@ from harness.config.point import Card
 
 def cards() -> list[Card]:
     """Every card of the catalog, smallest first."""
+    return list(_catalog())
+
+
+@functools.cache
+def _catalog() -> tuple[Card, ...]:
+    # Read once per process: every row's fit verdicts and every report ask for the whole catalog.
     out = [Card.from_dict({**as_dict(OmegaConf.load(path)), "key": path.stem})
            for path in (CONF_DIR / "gpu").glob("*.yaml")]
-    return sorted(out, key=lambda c: c.memory_bytes)
+    return tuple(sorted(out, key=lambda c: c.memory_bytes))
 
 
 def by_key() -> dict[str, Card]:

@@ -9,10 +9,10 @@ from typing import Protocol
 
 import torch
 
-from harness.config.point import Point
+from harness.config.point import Point, WorkloadName
+from harness.config.target import load_target
+from harness.probe import presets
 from harness.workload import Job, Knobs, checkpoint_blocks, watched_by
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Watch(Protocol):
@@ -34,11 +34,11 @@ class UserCodeError(RuntimeError):
     """The user's code did something the virtual GPU cannot measure; names their file and line."""
 
 
-def precision_dtypes(precision: str) -> tuple[torch.dtype, torch.dtype | None]:
-    """(parameter dtype, autocast dtype or None)."""
-    if precision.startswith("amp_"):
-        return torch.float32, DTYPES[precision[4:]]
-    return DTYPES[precision], None
+def build_function(point: Point):
+    """The point's build function: the user's (workload.target) or its preset's."""
+    if point.workload.name == WorkloadName.custom:
+        return load_target(point.workload.target, point.cwd)
+    return presets.builder(point)
 
 
 def knobs(point: Point) -> Knobs:

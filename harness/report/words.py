@@ -7,6 +7,7 @@ import pandas as pd
 
 from harness.analysis.kinds import KindReading, ShapeReading
 from harness.analysis.oom_text import OomReading
+from harness.analysis.verdict import leak_of
 from harness.units import gib
 
 # The cost codes of analysis.verdict.COSTS, as people read them.
@@ -21,14 +22,9 @@ COST_WORDS = {
 }
 
 
-def _leak(row) -> str:
-    value = row.get("leak")
-    return value if isinstance(value, str) else "none"
-
-
 def job_label(row) -> str:
     """A run in words: model, workload, batch, sequence, precision, checkpointing, allocator, leak."""
-    leak = f" leak={_leak(row)}" if _leak(row) != "none" else ""
+    leak = f" leak={leak_of(row)}" if leak_of(row) != "none" else ""
     alloc = f" alloc={row['allocator_conf']}" if row.get("allocator_conf") else ""
     return (f"{row['model']} {row['workload']} b{row['batch_size']} s{row['seq_len']} {row['precision']} "
             f"ckpt={'yes' if row.get('checkpointing') else 'no'}{alloc}{leak}")

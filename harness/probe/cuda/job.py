@@ -11,11 +11,10 @@ import torch
 from harness.allocator.model import round_size
 from harness.analysis.oom_text import oom_columns
 from harness.config.point import Leak, Point, WorkloadName
-from harness.config.target import load_target
-from harness.probe import presets
 from harness.probe.cuda.watch import CudaWatch, measurements
 from harness.probe.jobs import (
     apply_checkpointing,
+    build_function,
     check_job,
     job_step,
     knobs,
@@ -82,7 +81,7 @@ def _run(point: Point, watch: CudaWatch, facts: dict) -> None:
     """The job (a preset's or the user's build function and step), as it is, on the card: tensors
     made without a device land on it, and amp_* is CUDA's own autocast."""
     custom = point.workload.name == WorkloadName.custom
-    build = load_target(point.workload.target, point.cwd) if custom else presets.builder(point)
+    build = build_function(point)
     k = knobs(point)
     amp = k.autocast_dtype
     region = (lambda: torch.autocast("cuda", dtype=amp)) if amp is not None else contextlib.nullcontext

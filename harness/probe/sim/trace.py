@@ -17,10 +17,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
 
 from harness.config.point import Leak, Point, WorkloadName
-from harness.config.target import load_target
-from harness.probe import presets
 from harness.probe.jobs import (
     apply_checkpointing,
+    build_function,
     check_job,
     job_step,
     knobs,
@@ -42,7 +41,7 @@ def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tup
     the fake trace against real execution for small models).
     """
     custom = point.workload.name == WorkloadName.custom
-    build = load_target(point.workload.target, point.cwd) if custom else presets.builder(point)
+    build = build_function(point)
     k = knobs(point)
     if k.autocast_dtype is not None and not emulate_cuda:
         raise ValueError("amp_* precisions are traced with CUDA's autocast policy only")
