@@ -148,3 +148,49 @@ def test_diagnose_names_a_snapshots_kind_shape_and_sites(path):
     assert out["shape"] in ("spike", "staircase", "plateau")
     assert out["peak_sites"] and out["peak_sites"][0]["bytes"] > 0
     assert sum(s["bytes"] for s in out["peak_sites"]) <= out["peak_requested_bytes"]
+
+
+# 2.2+ wording: 13.4 GiB of the card is neither free nor this process's nor a listed process's.
+_HELD_OUTSIDE = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                 "of 23.65 GiB of which 256.00 MiB is free. Including non-PyTorch memory, this process has 10.00 GiB "
+                 "memory in use. Of the allocated memory 9.50 GiB is allocated by PyTorch, and 204.00 MiB is reserved "
+                 "by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
+
+def test_memory_the_message_leaves_unaccounted_is_held_outside_not_headroom():
+    r = diagnose(_HELD_OUTSIDE)
+    assert r.verdict == "other_process" and "held_outside" in r.rules
+    assert abs(r.unlisted_bytes - (23.65 * GiB - 256 * MiB - 10 * GiB)) <= 0.01 * GiB
+    # what this process could have is free + its reserve, not the card less its context
+    assert abs(r.limit_bytes - (256 * MiB + 9.50 * GiB + 204 * MiB)) <= 0.02 * GiB
+
+
+def test_fragmentation_needs_cached_memory_that_could_serve_the_request():
+    judged = [diagnose(t) for t in [*MESSAGES.values(), _HELD_OUTSIDE]]
+    frags = [r for r in judged if r.verdict == "fragmentation"]
+    assert len(frags) >= 3
+    for r in frags:  # the cache it holds, with the free memory, serves the request with real headroom
+        assert r.reserved_unallocated_bytes + r.free_bytes >= r.tried_bytes + r.margin_bytes - 0.02 * GiB
+
+
+@pytest.mark.parametrize("torch_version,conf,name", [
+    ("2.7.1+cu126", "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF"),
+    ("2.8.0", "expandable_segments:True", "PYTORCH_ALLOC_CONF"),
+    ("2.9.1+cu128", "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF"),  # pytorch/pytorch#183387
+    ("2.9.1+cu128", "max_split_size_mb:512", "PYTORCH_ALLOC_CONF"),
+    ("2.13.0+cpu", "expandable_segments:True", "PYTORCH_ALLOC_CONF"),
+])
+def test_allocator_advice_names_the_variable_the_users_torch_reads(torch_version, conf, name):
+    from harness.config.alloc_conf import env_name
+    from harness.report.words import change
+
+    assert env_name(torch_version, conf) == name
+    assert change({"kind": "allocator", "value": conf}, torch_version).startswith(f"{name}=")
+
+
+def test_a_pasted_message_is_advised_the_variable_it_names():
+    frag = diagnose(MESSAGES["2.1 (note the misspelling)"])
+    assert frag.alloc_conf_env == ("PYTORCH_CUDA_ALLOC_CONF" if "PYTORCH_CUDA_ALLOC_CONF" in MESSAGES["2.1 (note the misspelling)"]
+                                   else "PYTORCH_ALLOC_CONF")
+    assert diagnose(_HELD_OUTSIDE).alloc_conf_env == "PYTORCH_CUDA_ALLOC_CONF"

@@ -10,6 +10,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from harness.config import alloc_conf
 from harness.units import MiB
 
 _UNITS = {"bytes": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
@@ -42,16 +43,20 @@ class OomReading:
     process_bytes: int | None = None  # this process, non-PyTorch memory included (2.1+ wordings)
     non_pytorch_bytes: int | None = None
     other_processes_bytes: int = 0
+    # capacity - free - this process - the processes listed: held outside this process by something the
+    # message does not name (another container's process, MIG/MPS, the driver). Not headroom.
+    unlisted_bytes: int = 0
     allowed_bytes: int | None = None  # set_per_process_memory_fraction
     private_pools_bytes: int | None = None
     headroom_bytes: int | None = None  # left for PyTorch once fragmentation is cured (can be < 0)
     margin_bytes: int | None = None
     wording: str = ""
+    alloc_conf_env: str = "PYTORCH_ALLOC_CONF"  # the name to advise: the message's own where it names one
     for_pytorch_bytes: int | None = None  # what the card can give PyTorch here
     limit_bytes: int | None = None  # that, less other processes, capped by a per-process fraction
     need_bytes: int | None = None  # allocated + the request
     # The rules that decided, in order (report/words.oom_reasoning words them): container_pid,
-    # no_figures, request_exceeds_card, fits_defragmented, other_processes, no_real_headroom,
+    # no_figures, request_exceeds_card, fits_defragmented, other_processes, held_outside, no_real_headroom,
     # does_not_fit, fraction_is_the_limit.
     rules: list[str] = field(default_factory=list)
 
@@ -66,6 +71,7 @@ def parse(text: str) -> OomReading:
     if not m:
         raise ValueError("no 'Tried to allocate' in the input: not a CUDA out-of-memory message")
     r.tried_bytes = to_bytes(m.group(1))
+    r.alloc_conf_env = alloc_conf.env_name_in_message(text) or "PYTORCH_ALLOC_CONF"
     old = _OLD.search(text)
     if old:
         r.wording = "1.x-2.0"
@@ -107,10 +113,16 @@ def judge(r: OomReading) -> OomReading:
     reserved = r.allocated_bytes + (r.reserved_unallocated_bytes or 0)
     if r.process_bytes is not None:
         r.non_pytorch_bytes = max(0, r.process_bytes - reserved)
+        # Sizes are rounded to 0.005 of their unit; a few MiB unaccounted is rounding, not a holder.
+        unlisted = r.capacity_bytes - r.free_bytes - r.process_bytes - r.other_processes_bytes
+        r.unlisted_bytes = unlisted if unlisted > 64 * MiB else 0
     else:  # older wordings: whatever the device uses beyond this reserve and the free memory
         r.non_pytorch_bytes = max(0, r.capacity_bytes - r.free_bytes - reserved - r.other_processes_bytes)
     for_pytorch = r.capacity_bytes - r.non_pytorch_bytes  # what the card can give PyTorch here
-    limit = for_pytorch - r.other_processes_bytes
+    # What this process could have: the card less everything held outside it. This is free + reserved
+    # (to rounding): fragmentation needs reserved-but-unallocated memory that, with the free memory,
+    # could serve the request.
+    limit = for_pytorch - r.other_processes_bytes - r.unlisted_bytes
     if r.allowed_bytes is not None:
         limit = min(limit, r.allowed_bytes)
     # "Real headroom": enough for the next allocations of a job this size, not a few MiB.
@@ -124,13 +136,13 @@ def judge(r: OomReading) -> OomReading:
     elif need + r.margin_bytes <= limit:
         r.verdict = "fragmentation"
         r.rules.append("fits_defragmented")
-    elif r.other_processes_bytes and need + r.margin_bytes <= for_pytorch:
+    elif (r.other_processes_bytes or r.unlisted_bytes) and need + r.margin_bytes <= for_pytorch:
         r.verdict = "other_process"
-        r.rules.append("other_processes")
+        r.rules.append("other_processes" if r.other_processes_bytes else "held_outside")
     else:
         r.verdict = "capacity"
         r.rules.append("no_real_headroom" if r.headroom_bytes >= 0 else "does_not_fit")
-        if r.allowed_bytes is not None and r.allowed_bytes < for_pytorch - r.other_processes_bytes:
+        if r.allowed_bytes is not None and r.allowed_bytes < for_pytorch - r.other_processes_bytes - r.unlisted_bytes:
             r.rules.append("fraction_is_the_limit")
     return r
 

@@ -47,8 +47,9 @@ def _message(text: str, as_json: bool) -> int:
         return EXIT_OK
     print(f"verdict: {out['verdict']}")
     for key in ("tried_bytes", "capacity_bytes", "free_bytes", "allocated_bytes", "reserved_unallocated_bytes",
-                "process_bytes", "non_pytorch_bytes", "other_processes_bytes", "allowed_bytes", "headroom_bytes"):
-        if out[key] is not None:
+                "process_bytes", "non_pytorch_bytes", "other_processes_bytes", "unlisted_bytes", "allowed_bytes",
+                "headroom_bytes"):
+        if out[key]:
             print(f"  {key:28s} {out[key] / GiB:9.2f} GiB")
     print(out["reasoning"])
     return EXIT_OK

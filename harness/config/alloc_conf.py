@@ -89,3 +89,24 @@ def _int(key: str, value: str) -> int:
         return int(value)
     except ValueError:
         raise ConfigError(_KEY, f"{key} takes an integer, not '{value}'")
+
+
+def env_name(torch_version: str | None, conf: str = "") -> str:
+    """The environment variable that sets `conf` on this torch: PYTORCH_ALLOC_CONF from 2.8 on
+    (AllocatorConfig.cpp), PYTORCH_CUDA_ALLOC_CONF before it. 2.9.1 ignored the new name for
+    expandable_segments on CUDA (pytorch/pytorch#183387), so 2.9 gets the old name for it."""
+    try:
+        major, minor = (int(x) for x in (torch_version or "").split("+")[0].split(".")[:2])
+    except ValueError:
+        return "PYTORCH_ALLOC_CONF"  # unknown: the current name
+    if (major, minor) < (2, 8) or ((major, minor) == (2, 9) and "expandable_segments" in conf):
+        return "PYTORCH_CUDA_ALLOC_CONF"
+    return "PYTORCH_ALLOC_CONF"
+
+
+def env_name_in_message(text: str) -> str | None:
+    """The name a pasted OOM message itself uses (its torch honours it), or None."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if name in text:
+            return name
+    return None

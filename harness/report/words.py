@@ -8,6 +8,7 @@ import pandas as pd
 from harness.analysis.kinds import KindReading, ShapeReading
 from harness.analysis.oom_text import OomReading
 from harness.analysis.verdict import leak_of
+from harness.config import alloc_conf
 from harness.units import gib
 
 # The cost codes of analysis.verdict.COSTS, as people read them.
@@ -30,13 +31,14 @@ def job_label(row) -> str:
             f"ckpt={'yes' if row.get('checkpointing') else 'no'}{alloc}{leak}")
 
 
-def change(c: dict) -> str:
-    """One change of a remedy (analysis.verdict.remedy_changes), without its cost."""
+def change(c: dict, torch_version: str | None = None) -> str:
+    """One change of a remedy (analysis.verdict.remedy_changes), without its cost; an allocator
+    setting under the environment variable `torch_version` reads."""
     kind, value = c["kind"], c["value"]
     if kind == "leak":
         return f"fix the {c['was']} leak ({c.get('holder') or 'see diagnose'})"
     if kind == "allocator":
-        return f"PYTORCH_ALLOC_CONF={value or '(default)'}"
+        return f"{alloc_conf.env_name(torch_version, value)}={value or '(default)'}"
     if kind == "accumulation":
         return f"micro-batch {value} x {c['steps']} accumulation steps"
     if kind == "waves":
@@ -46,15 +48,15 @@ def change(c: dict) -> str:
     return f"{kind} {value}"  # optimizer, precision
 
 
-def remedy(r: dict) -> str:
-    return " + ".join(f"{change(c)} ({COST_WORDS[c['cost']]})" for c in r["changes"])
+def remedy(r: dict, torch_version: str | None = None) -> str:
+    return " + ".join(f"{change(c, torch_version)} ({COST_WORDS[c['cost']]})" for c in r["changes"])
 
 
-def verdict_detail(v) -> str:
+def verdict_detail(v, torch_version: str | None = None) -> str:
     """What fits (a code problem), or which card is needed (a card problem)."""
     remedies = list(v["remedies"]) if v["remedies"] is not None else []
     if remedies:
-        return " | ".join(f"fits with {remedy(r)}" for r in remedies)
+        return " | ".join(f"fits with {remedy(r, torch_version)}" for r in remedies)
     if v["card_needed"] is None or (isinstance(v["card_needed"], float) and pd.isna(v["card_needed"])):
         return "no remedy in the sweep fits, and no card of the catalog fits the job as it is"
     return (f"no remedy in the sweep fits; the smallest card that fits it as it is: {v['card_needed']} "
@@ -66,7 +68,8 @@ def worded_verdicts(judged: pd.DataFrame, rows: pd.DataFrame) -> pd.DataFrame:
     by_id = {r["run_id"]: r for r in rows.to_dict("records")}
     out = judged.copy()
     out["job"] = [job_label(by_id[i]) for i in judged["run_id"]]
-    out["detail"] = [verdict_detail(v) for v in judged.to_dict("records")]
+    out["detail"] = [verdict_detail(v, by_id[v["run_id"]].get("torch_version"))
+                     for v in judged.to_dict("records")]
     return out
 
 
@@ -143,6 +146,8 @@ def oom_reasoning(r: OomReading) -> str:
                f"reserved but unallocated; it asked for {g(r.tried_bytes)} more. The card has "
                f"{g(r.capacity_bytes)}, of which {g(r.non_pytorch_bytes)} is outside PyTorch (CUDA context and the like)"
                + (f" and {g(r.other_processes_bytes)} is held by other processes" if r.other_processes_bytes else "")
+               + (f"; {g(r.unlisted_bytes)} is held outside this process by something the message does not list "
+                  "(another container's process, the driver)" if r.unlisted_bytes else "")
                + (f"; a per-process cap allows {g(r.allowed_bytes)}" if r.allowed_bytes is not None else "") + ".")
     if "request_exceeds_card" in r.rules:
         out.append(f"The request alone exceeds the {g(r.for_pytorch_bytes)} the card can give PyTorch: a card "
@@ -150,9 +155,10 @@ def oom_reasoning(r: OomReading) -> str:
     elif "fits_defragmented" in r.rules:
         out.append(f"Allocated + the request = {g(r.need_bytes)}, which leaves {g(r.headroom_bytes)} of the "
                    f"{g(r.limit_bytes)} PyTorch can have (margin {g(r.margin_bytes)}): the memory is there but cut "
-                   "into cached pieces. Try PYTORCH_ALLOC_CONF=expandable_segments:True.")
-    elif "other_processes" in r.rules:
-        out.append(f"Without the other processes it would fit ({g(r.for_pytorch_bytes - r.need_bytes)} to spare): "
+                   f"into cached pieces. Try {r.alloc_conf_env}=expandable_segments:True.")
+    elif "other_processes" in r.rules or "held_outside" in r.rules:
+        who = "the other processes" if "other_processes" in r.rules else "the memory held outside this process"
+        out.append(f"Without {who} it would fit ({g(r.for_pytorch_bytes - r.need_bytes)} to spare): "
                    "free the card or run alone.")
     else:
         reason = f"Allocated + the request = {g(r.need_bytes)} against {g(r.limit_bytes)} PyTorch can have: "
