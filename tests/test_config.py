@@ -152,3 +152,19 @@ def test_every_card_cites_its_capacity():
     assert {c.key for c in cards} >= {"t4", "l4", "a10g", "rtx4090", "a100-40gb", "a100-80gb",
                                          "h100-80gb", "h200", "b200", "mi300x"}
     assert all(c.memory_bytes > 10 * 1024**3 and c.source for c in cards)
+
+
+@pytest.mark.parametrize("args,key,hint", [
+    (["run", "model=tiny", "results_dir={file}"], "results_dir", "is a file"),
+    (["run", "model=tiny", "results_dir={file}/below"], "results_dir", "is a file"),
+    (["run", "model=tiny", "batch_size=1,2"], "batch_size", "harness sweep"),
+    (["run", "workload=custom", "workload.target=examples.gpt:build", "workload.args.width=8"],
+     "workload.args.width", "+workload.args.width="),
+])
+def test_rough_input_gets_one_line_with_the_way_out_and_exit_2(tmp_path, capsys, args, key, hint):
+    file = tmp_path / "a-file"
+    file.write_text("kept")
+    assert entry([a.format(file=file) for a in args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"harness: error: {key}:") and hint in err[0], err
+    assert file.read_text() == "kept"

@@ -128,8 +128,12 @@ def friendly_error(e: Exception) -> ConfigError:
         first = str(inner).strip().splitlines()[0]
         if "not in" in first:
             first = "unknown key"
+            if str(key).startswith("workload.args."):  # a job's own keys are new to the schema
+                first += f" (a custom job's own argument is a new key: +{key}=...)"
         return ConfigError(str(key), first)
     first = msg.strip().splitlines()[0] if msg.strip() else type(e).__name__
+    if first.startswith("Ambiguous value for argument"):  # a=1,2 outside a sweep
+        first = first.rstrip(".") + ": several values are a sweep (python -m harness sweep ...)"
     m = re.search(r"(?:override|argument) '?([\w.+~/-]+)", first)
     return ConfigError(m.group(1).lstrip("+~") if m else "overrides", first)
 

@@ -18,7 +18,20 @@ def validate(cfg) -> Point:
     else:
         _check_model(point)
     _check_plan_cards(point)
+    _check_results_dir(point.results_dir)
     return point
+
+
+def _check_results_dir(results_dir: str) -> None:
+    """Rows go under results_dir: a file there (or above it) would fail every point after it ran."""
+    from pathlib import Path
+
+    path = Path(results_dir).expanduser()
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise ConfigError("results_dir", f"'{p}' is a file; results_dir must be a directory")
+            return
 
 
 def _check_plan_cards(point: Point) -> None:
