@@ -147,3 +147,46 @@ def test_a_forked_point_killed_mid_run_is_an_error_row(tmp_path):
     rec = runner.run_point(point, run_dir)
     killer.join()
     assert rec["status"] == "error" and "SIGKILL" in rec["error"]
+
+
+def test_an_edit_to_a_module_the_job_imports_runs_the_job_again(tmp_path):
+    """The identity of a job is its code, the modules it imports included: an edited helper
+    is traced again, not served from the row and trace of the old model."""
+    from harness.config.compose import compose
+    from harness.launch.point import to_point
+
+    proj = tmp_path / "proj"
+    (proj / "my_project").mkdir(parents=True)
+    (proj / "my_project" / "__init__.py").write_text("")
+    (proj / "my_project" / "layers.py").write_text("WIDTH = 32\n")
+    (proj / "memjob.py").write_text(
+        "import torch\nfrom harness.workload import Job\n\n\n"
+        "def build(k):\n"
+        "    from my_project.layers import WIDTH  # imported while building, not at module level\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, 4))\n"
+        "    return Job(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(k.batch_size, WIDTH))\n")
+    results = tmp_path / "results"
+    cfg = compose(["workload=custom", "workload.target=memjob:build", "precision=fp32", "sweep=t"])
+    point = to_point(cfg, [], str(proj), results_dir=results)
+
+    def sweep(n):  # a run dir of a sweep, as Hydra lays them out
+        return runner.run_point(point, results / "t" / f"{n}" / "runs" / "0", results)
+
+    first = sweep(1)
+    assert first["status"] == "ok", first.get("error")
+    assert "layers.py" in first["user_code"]
+    assert sweep(2)["reused_from"]  # unchanged: reused
+    (proj / "my_project" / "layers.py").write_text("WIDTH = 64\n")
+    edited = sweep(3)
+    assert edited["status"] == "ok" and not edited.get("reused_from") and not edited.get("trace_reused")
+    assert edited["n_params"] > first["n_params"]
+    assert sweep(4)["reused_from"]  # the new row serves from now on
+
+
+def test_the_identity_of_a_run_covers_torch_transformers_and_harness():
+    from harness.record import provenance
+    from harness.record.row import point_identity
+
+    versions = point_identity(train_point())["versions"]
+    assert set(versions) == {"torch", "transformers", "harness"} and all(versions.values())
+    assert versions == provenance.versions()

@@ -13,11 +13,12 @@ from pathlib import Path
 
 from harness.allocator.settings import AllocSettings
 from harness.config import cards as catalog
-from harness.config.point import Point
+from harness.config.point import Point, WorkloadName
 from harness.probe.cuda import run as cuda
 from harness.probe.sim import reserved
 from harness.probe.sim.trace import run_point
-from harness.record import trace_store
+from harness.record import provenance, trace_store
+from harness.record.provenance import USER_CODE
 from harness.record.row import POINT_FILE, base_record, write_row
 
 
@@ -41,6 +42,8 @@ def run_sim(point: Point, run_dir: Path) -> dict:
     else:
         m, tracker = run_point(point)
         m = {k: v for k, v in m.items() if k in rec}
+        if point.workload.name == WorkloadName.custom:  # what the job loaded to build and step
+            m[USER_CODE] = provenance.as_column(provenance.user_modules())
         df = trace_store.to_frame(tracker.events)
         df.to_parquet(trace_path, index=False)
         trace_store.save_cached(cache, tid, trace_path, m)
@@ -64,6 +67,8 @@ def run_cuda(point: Point, run_dir: Path) -> dict:
     t0 = time.perf_counter()
     rec = base_record(point)
     rec.update(cuda.run_cuda(point, run_dir), transformers_version=transformers.__version__)
+    if point.workload.name == WorkloadName.custom:
+        rec[USER_CODE] = provenance.as_column(provenance.user_modules())
     if rec["status"] == "ok":
         # Measured reserved within a card's room settles it; between allocated and reserved only a
         # replay could tell, and a cuda run has no trace: counted as not fitting.

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.record import provenance
+from harness.record.provenance import USER_CODE
 from harness.record.row import COLUMNS, RESULT_FILE
 
 _REUSABLE = ("ok", "oom")  # rows a re-run takes over; errors and timeouts run again
@@ -73,6 +75,7 @@ def find_done(results_dir: Path, sweep: str, rid: str, exclude: Path) -> Path | 
             rec = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if rec.get("run_id") == rid and rec.get("status") in _REUSABLE:
+        # the same knobs, but the user's code it loaded has changed since: stale, run it again
+        if rec.get("run_id") == rid and rec.get("status") in _REUSABLE and not provenance.changed(rec.get(USER_CODE)):
             return path
     return None

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import harness
 from harness.config.point import Point, WorkloadName
+from harness.record import provenance
 
 STATUSES = ("ok", "oom", "error", "timeout")
 RESULT_FILE = "result.json"  # one row per run dir
@@ -27,7 +28,7 @@ COLUMNS = (
     "oom_allocated_bytes", "oom_reserved_bytes", "oom_capacity_bytes", "oom_free_bytes", "oom_allowed_bytes",
     "oom_verdict", "device_memory_bytes", "measured_non_pytorch_bytes", "step_reserved_bytes", "step_times_s",
     "step_time_s", "tokens_per_s", "wall_s", "torch_version", "transformers_version",
-    "harness_version", "workload_target", "workload_args",
+    "harness_version", "workload_target", "workload_args", "user_code",
     "trace_path", "trace_reused", "snapshot_path", "reused_from", "overrides", "job_id",
 )
 
@@ -43,6 +44,8 @@ def point_identity(point: Point) -> dict:
         "seq_len": point.seq_len, "precision": point.precision, "optimizer": d["optimizer"],
         "checkpointing": point.checkpointing, "allocator_conf": point.allocator.conf,
         "backend": point.backend, "gpu": point.gpu.name, "gpu_memory_bytes": point.gpu.memory_bytes,
+        # the libraries and harness's own code: another version traces another graph
+        "versions": provenance.versions(),
     }
     if custom:  # the user's job is its build function, its keys and its code
         ident["target"] = point.workload.target

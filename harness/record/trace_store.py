@@ -18,6 +18,8 @@ if TYPE_CHECKING:  # the tracker imports torch; a trace file does not need it
 from harness.allocator.model import round_size
 from harness.allocator.replay import EventTag, ReplayRow
 from harness.config.point import Point
+from harness.record import provenance
+from harness.record.provenance import USER_CODE
 from harness.record.row import point_identity
 
 TRACE_FILE = "trace.parquet"
@@ -53,7 +55,10 @@ def load_cached(cache_dir: Path | None, tid: str) -> tuple[pd.DataFrame, dict] |
         return None
     d = Path(cache_dir) / tid
     try:
-        return pd.read_parquet(d / TRACE_FILE), json.loads((d / MEASUREMENTS_FILE).read_text())
+        measurements = json.loads((d / MEASUREMENTS_FILE).read_text())
+        if provenance.changed(measurements.get(USER_CODE)):
+            return None  # traced from user code that has been edited since
+        return pd.read_parquet(d / TRACE_FILE), measurements
     except (OSError, ValueError):
         return None
 
@@ -64,7 +69,13 @@ def save_cached(cache_dir: Path | None, tid: str, trace_path: Path, measurements
         return
     final = Path(cache_dir) / tid
     if final.exists():
-        return
+        try:
+            stale = provenance.changed(json.loads((final / MEASUREMENTS_FILE).read_text()).get(USER_CODE))
+        except (OSError, ValueError):
+            stale = True
+        if not stale:
+            return
+        shutil.rmtree(final, ignore_errors=True)  # its user code was edited: this trace replaces it
     tmp = Path(cache_dir) / f".{tid}.{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(trace_path, tmp / TRACE_FILE)
