@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.config.models import hf_config
 from harness.probe import presets
-from harness.probe.jobs import knobs, optimizer_kwargs
+from harness.probe.jobs import knobs, prepare_optimizer
 from harness.probe.sim import cuda_emulation as cu
 
 
@@ -20,8 +20,8 @@ def memtracker_peak(point) -> int:
     with FakeTensorMode(), cu.unpacked_sequences(), cu.cuda_kernels():
         model = AutoModelForCausalLM.from_config(hf_config(point.model), dtype=param_dtype)
         model.train()
-        opt = presets.build_optimizer(point.optimizer.name, model.parameters(),
-                                    optimizer_kwargs(point.optimizer.impl), 1e-4)
+        opt = presets.build_optimizer(point.optimizer.name, model.parameters(), {}, 1e-4)
+        prepare_optimizer(opt, point.optimizer.impl, virtual=True)
         ids = torch.randint(0, model.config.vocab_size, (point.batch_size, point.seq_len))
         mt = MemTracker()
         mt.track_external(model, opt)

@@ -10,7 +10,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.config.point import Workload
-from harness.probe.jobs import optimizer_kwargs
 from harness.probe.sim import cuda_emulation as cu
 from harness.probe.sim.trace import run_point
 from harness.probe.sim.tracker import CUBLAS_WORKSPACE_BYTES, StorageTracker
@@ -65,8 +64,36 @@ def test_foreach_adamw_sqrt_temporaries_of_every_parameter_appear():
     assert _phase_peak_temporaries(tr2, "optimizer") < 0.5 * params
 
 
-def test_optimizer_default_is_cuda_foreach():
-    assert optimizer_kwargs("auto") == {"foreach": True}
+def test_optimizer_impl_auto_is_what_torch_picks_on_cuda():
+    """foreach for AdamW and SGD (torch's _default_to_fused_or_foreach); Adafactor's for-loop."""
+    import torch
+
+    from harness.probe.jobs import prepare_optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(4, 4))]
+    picked = {}
+    for cls in (torch.optim.AdamW, torch.optim.SGD, torch.optim.Adafactor):
+        opt = cls(params, lr=0.1)
+        prepare_optimizer(opt, "auto", virtual=True)
+        picked[cls.__name__] = opt.param_groups[0]["foreach"]
+    assert picked == {"AdamW": True, "SGD": True, "Adafactor": None}
+    opt = torch.optim.Adafactor(params, lr=0.1)
+    prepare_optimizer(opt, "auto", virtual=False)  # a real GPU: torch picks
+    assert opt.param_groups[0]["foreach"] is None
+
+
+def test_adafactor_traces_and_auto_is_its_for_loop():
+    """torch's Adafactor reads scalars (.item() of norms) in step(); the trace runs it, and
+    impl=auto traces exactly what impl=forloop does."""
+    base = train_point(model="tiny").replace(optimizer=dataclasses.replace(train_point().optimizer, name="adafactor"))
+    auto, tr_auto = run_point(base)
+    loop, tr_loop = run_point(base.replace(optimizer=dataclasses.replace(base.optimizer, impl="forloop")))
+    _, tr_each = run_point(base.replace(optimizer=dataclasses.replace(base.optimizer, impl="foreach")))
+    assert [e[3:] for e in tr_auto.events] == [e[3:] for e in tr_loop.events]
+    assert [e[3:] for e in tr_auto.events] != [e[3:] for e in tr_each.events]
+    assert auto["peak_allocated_bytes"] == loop["peak_allocated_bytes"]
+    # factored second moments: far less state than AdamW's two full-size moments
+    assert 0 < auto["optimizer_bytes"] < 0.5 * auto["params_bytes"]
 
 
 class _OpNames(TorchDispatchMode):

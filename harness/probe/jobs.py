@@ -5,6 +5,7 @@ The backends differ only in the watch they hand in and the tensors underneath.""
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Protocol
 
 import torch
@@ -64,27 +65,30 @@ def optimizer_phases(opt, hooks: Watch) -> None:
     opt.register_step_post_hook(lambda *_: hooks.set_phase("forward"))
 
 
-def optimizer_kwargs(impl: str) -> dict:
-    """What `torch.optim` picks on CUDA for impl=auto, or the implementation asked for."""
-    if impl in ("auto", "foreach"):
-        return {"foreach": True}  # CUDA default: _default_to_fused_or_foreach -> foreach
-    if impl == "fused":
-        return {"fused": True}
-    return {"foreach": False}  # for-loop
+def cuda_picks_foreach(opt) -> bool:
+    """Whether torch.optim runs this optimizer's foreach implementation on CUDA when it is left
+    unset: those whose functional form asks _default_to_fused_or_foreach (Adam, AdamW, SGD, ...).
+    Adafactor, for one, runs its for-loop unless foreach=True is given."""
+    own = [c for c in type(opt).__mro__ if c not in (torch.optim.Optimizer, object)]  # the base defines it
+    return any(hasattr(sys.modules.get(c.__module__), "_default_to_fused_or_foreach") for c in own)
 
 
-def prepare_optimizer(opt, impl: str) -> None:
-    """On CUDA, torch.optim picks foreach when the user left it unset; on fake CPU tensors it would
-    take the for-loop (different temporaries). optimizer.impl other than auto overrides the user."""
-    kwargs = optimizer_kwargs(impl)
+def prepare_optimizer(opt, impl: str, virtual: bool) -> None:
+    """optimizer.impl other than auto overrides the user's choice. With auto, a real GPU leaves
+    torch to pick; on the virtual GPU's CPU tensors torch would pick the for-loop where CUDA picks
+    foreach (other temporaries), so pick what CUDA would."""
+    if impl == "auto":
+        if virtual and cuda_picks_foreach(opt):
+            for group in opt.param_groups:
+                if group.get("foreach") is None and not group.get("fused"):
+                    group["foreach"] = True
+        return
     for group in opt.param_groups:
-        if impl == "auto":
-            if group.get("foreach") is None and not group.get("fused"):
-                group["foreach"] = True
-        else:
-            group["foreach"] = kwargs.get("foreach", False)
-            if "fused" in group:
-                group["fused"] = kwargs.get("fused", False)
+        if impl == "fused" and "fused" not in group:
+            raise UserCodeError(f"optimizer.impl=fused: {type(opt).__name__} has no fused implementation")
+        group["foreach"] = impl == "foreach"
+        if "fused" in group:
+            group["fused"] = impl == "fused"
 
 
 def job_step(job: Job, region):

@@ -33,9 +33,8 @@ def builder(point: Point) -> Callable[[Knobs], Job]:
         if not train:
             return Job(model, None, input_ids, step=Decode(model, region), name=point.model.name, autocast=False,
                        steps=point.workload.new_tokens + 1, tokens_per_step=k.batch_size)
-        if k.checkpointing:
-            # The recompute runs inside backward, outside the forward's autocast: re-enter it.
-            enable_checkpointing(model, region if k.autocast_dtype is not None else None)
+        if k.checkpointing:  # torch.utils.checkpoint re-enters the forward's autocast to recompute
+            enable_checkpointing(model)
         optimizer = build_optimizer(point.optimizer.name, model.parameters(), {}, point.optimizer.lr)
         return Job(model, optimizer, input_ids, step=TrainStep(region, point.workload.leak), name=point.model.name,
                    autocast=False)
@@ -61,11 +60,9 @@ def build_optimizer(name: str, params, opt_kwargs: dict, lr: float):
     raise ValueError(f"unknown optimizer {name}")
 
 
-def enable_checkpointing(model, recompute_ctx=None) -> None:
+def enable_checkpointing(model) -> None:
     """Activation checkpointing per decoder layer (non-reentrant, as HF recommends)."""
     kwargs: dict = {"use_reentrant": False}
-    if recompute_ctx is not None:
-        kwargs["context_fn"] = lambda: (contextlib.nullcontext(), recompute_ctx())
     if hasattr(model, "activation_checkpointing_enable"):  # the newer transformers name
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

@@ -99,7 +99,7 @@ def _run(point: Point, watch: CudaWatch, facts: dict) -> None:
             facts.update(model=job.name or type(job.model).__name__,
                          optimizer=type(opt).__name__ if opt is not None else None)
         if opt is not None:
-            prepare_optimizer(opt, point.optimizer.impl)
+            prepare_optimizer(opt, point.optimizer.impl, virtual=False)
             _watch_training(opt, params, facts)
             optimizer_phases(opt, watch)
             # The first gradient to land marks backward (a user's step calls backward itself).

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -134,6 +136,9 @@ class CudaAutocast(TorchFunctionMode):
         self._cache.clear()
 
 
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+
+
 @contextlib.contextmanager
 def _respect_autocast_disabled(mode: CudaAutocast):
     """Code that turns autocast off (`torch.autocast(..., enabled=False)`, e.g. rotary
@@ -142,7 +147,10 @@ def _respect_autocast_disabled(mode: CudaAutocast):
     orig_enter, orig_exit = cls.__enter__, cls.__exit__
 
     def enter(self):
-        self._harness_off = not self._enabled
+        # torch.utils.checkpoint's recompute restores the CPU autocast state of the forward (off)
+        # beside CUDA's: that is not code turning CUDA's autocast off.
+        restoring = sys._getframe(1).f_code.co_filename.endswith(_CHECKPOINT_FILE)
+        self._harness_off = not self._enabled and not restoring
         if self._harness_off:
             mode._disabled += 1
         return orig_enter(self)
@@ -157,6 +165,45 @@ def _respect_autocast_disabled(mode: CudaAutocast):
         yield
     finally:
         cls.__enter__, cls.__exit__ = orig_enter, orig_exit  # type: ignore[method-assign]
+
+
+def _active_autocast() -> CudaAutocast | None:
+    """The CUDA autocast emulation in force here (None outside one, or where code turned it off)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, CudaAutocast):
+            return None if mode._disabled else mode
+    return None
+
+
+@contextlib.contextmanager
+def checkpoint_keeps_autocast():
+    """Activation checkpointing records CUDA's autocast state at the forward and re-enters it for
+    the recompute inside backward (torch.utils.checkpoint, both the reentrant and non-reentrant
+    forms). The emulation is not torch's own autocast state, so report it there: the recompute then
+    enters `torch.autocast("cuda", ...)`, which the trace turns into the emulation again
+    (cuda_script.script_autocast), and recomputes what the forward computed, in the same dtypes."""
+    import torch.utils.checkpoint as cp
+
+    original, original_device = cp._get_autocast_kwargs, cp._infer_device_type
+
+    def device_type(*args):  # every tensor of the trace stands for a CUDA one
+        found = original_device(*args)
+        return "cuda" if found == "cpu" else found
+
+    def autocast_kwargs(device_type="cuda"):
+        device, cpu = original(device_type)
+        mode = _active_autocast()
+        if device_type == "cuda" and mode is not None:
+            device = {"enabled": True, "dtype": mode.dtype, "cache_enabled": True}
+        return device, cpu
+
+    cp._get_autocast_kwargs, cp._infer_device_type = autocast_kwargs, device_type
+    try:
+        yield
+    finally:
+        cp._get_autocast_kwargs, cp._infer_device_type = original, original_device
 
 
 @contextlib.contextmanager

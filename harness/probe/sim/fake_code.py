@@ -89,3 +89,44 @@ def shape_only_init():
         yield
     finally:
         torch.nn.init.trunc_normal_ = original
+
+
+class OptimizerScalarReads:
+    """torch.optim's own steps may read scalars: Adafactor sizes its update from `.item()` of
+    norms and of its step count. On CUDA that is a sync with no allocation of its own, and the
+    value only scales the update, so inside a torch.optim step a fake tensor's `.item()` answers a
+    stand-in (1) instead of failing. The user's own value reads still fail, with their file and line."""
+
+    def __init__(self):
+        self.inside = 0
+
+    def watch(self, opt) -> None:
+        if not type(opt).__module__.startswith("torch.optim"):
+            return
+
+        def enter(*_):
+            self.inside += 1
+
+        def leave(*_):
+            self.inside -= 1
+
+        opt.register_step_pre_hook(enter)
+        opt.register_step_post_hook(leave)
+
+    def __enter__(self):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        self._original = original = torch.Tensor.item
+        reads = self
+
+        def item(t):
+            if reads.inside and isinstance(t, FakeTensor):
+                return True if t.dtype == torch.bool else 1.0 if t.is_floating_point() else 1
+            return original(t)
+
+        torch.Tensor.item = item  # type: ignore[method-assign]  # for the trace, restored on exit
+        return self
+
+    def __exit__(self, *exc):
+        torch.Tensor.item = self._original  # type: ignore[method-assign]
+        return False

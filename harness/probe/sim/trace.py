@@ -29,7 +29,13 @@ from harness.probe.jobs import (
 )
 from harness.probe.sim import cuda_emulation as cu
 from harness.probe.sim.cuda_script import cuda_script_on_cpu
-from harness.probe.sim.fake_code import VALUE_READS, explain, module_conversion_on_fake_tensors, shape_only_init
+from harness.probe.sim.fake_code import (
+    VALUE_READS,
+    OptimizerScalarReads,
+    explain,
+    module_conversion_on_fake_tensors,
+    shape_only_init,
+)
 from harness.probe.sim.measure import find_holders, measurements, optimizer_state_bytes, watch_training
 from harness.probe.sim.tracker import StorageTracker
 
@@ -54,8 +60,8 @@ def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tup
     # unpacked_sequences: transformers models read position_ids values (see cuda_emulation);
     # cuda_script_on_cpu: a script's "cuda" devices, autocast and synchronize, on the trace's CPU.
     with FakeTensorMode() if fake else contextlib.nullcontext(), cu.unpacked_sequences(), \
-            cu.cuda_kernels() if emulate_cuda else contextlib.nullcontext(), cuda_script_on_cpu(), tracker, \
-            watching(tracker):
+            cu.cuda_kernels() if emulate_cuda else contextlib.nullcontext(), cuda_script_on_cpu(), \
+            cu.checkpoint_keeps_autocast(), OptimizerScalarReads() as scalar_reads, tracker, watching(tracker):
         tracker.set_phase("setup")
         try:
             with module_conversion_on_fake_tensors() if fake else contextlib.nullcontext(), shape_only_init():
@@ -73,10 +79,11 @@ def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tup
         opt = job.optimizer
         if opt is not None:
             if emulate_cuda:
-                prepare_optimizer(opt, point.optimizer.impl)
+                prepare_optimizer(opt, point.optimizer.impl, virtual=True)
             # torch.optim keeps step counts on the host unless fused (or capturable)
             host_steps = not any(g.get("fused") for g in opt.param_groups) or not emulate_cuda
             watch_training(tracker, job.model, opt, host_steps)
+            scalar_reads.watch(opt)
             optimizer_phases(opt, tracker)
         step = job_step(job, region)
         n_steps = job.steps or point.workload.steps
