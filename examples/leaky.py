@@ -33,4 +33,6 @@ def build(k: Knobs) -> Job:
     model = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)).to(k.dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(k.batch_size, k.seq_len, d, dtype=k.dtype)
-    return Job(model, optimizer, (x, torch.randn_like(x)), step=leaky_step, name=f"leaky-mlp-{d}")
+    # blocks: checkpointing=true checkpoints the MLP as one block
+    return Job(model, optimizer, (x, torch.randn_like(x)), step=leaky_step, blocks=nn.Sequential,
+               name=f"leaky-mlp-{d}")

@@ -40,6 +40,14 @@ class Knobs:
     precision: str  # fp32 | bf16 | fp16 | amp_bf16 | amp_fp16
     checkpointing: bool  # applied per block when Job.blocks names the block class
     args: dict[str, Any] = field(default_factory=dict)  # your own keys: +workload.args.<key>=...
+    # The knobs your build function looked at: checkpointing=true on a job that neither names its
+    # blocks nor reads the knob would change nothing, and is refused rather than recorded.
+    read: set[str] = field(default_factory=set, repr=False, compare=False)
+
+    def __getattribute__(self, name: str):
+        if name == "checkpointing":
+            object.__getattribute__(self, "read").add(name)
+        return object.__getattribute__(self, name)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -168,3 +168,10 @@ def test_rough_input_gets_one_line_with_the_way_out_and_exit_2(tmp_path, capsys,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"harness: error: {key}:") and hint in err[0], err
     assert file.read_text() == "kept"
+
+
+def test_a_knob_a_custom_job_ignores_is_refused_up_front(capsys):
+    args = ["sweep", "workload=custom", "workload.target=examples.gpt:build", "optimizer=adamw,sgd"]
+    assert entry(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("harness: error: optimizer:"), err

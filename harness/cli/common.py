@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from harness.analysis.kinds import with_kinds
 from harness.analysis.verdict import verdicts
 from harness.config.compose import compose, expand_grid, split_overrides
-from harness.config.point import Card
+from harness.config.point import Card, WorkloadName
 from harness.config.validate import validate
 from harness.errors import EXIT_OK, EXIT_ROW_ERROR, ConfigError
 from harness.plan import fit
@@ -36,6 +36,7 @@ def prepare(verb: str, overrides: list[str]) -> tuple[list[list[str]], DictConfi
         seen.add(key)
         try:
             point = validate(compose(p))
+            _check_applies(point, p)
         except ConfigError as e:
             if len(points) > 1:
                 raise ConfigError(e.key, f"{e.message} (point: {' '.join(p)})")
@@ -43,6 +44,22 @@ def prepare(verb: str, overrides: list[str]) -> tuple[list[list[str]], DictConfi
         cards[point.gpu.name, point.gpu.memory_bytes] = point.gpu
     plain, _ = split_overrides(overrides)
     return points, compose(plain, with_hydra=True), list(cards.values())
+
+
+# Knobs a custom job does not take: it builds its own optimizer (optimizer.impl still applies).
+_NOT_FOR_CUSTOM = ("optimizer", "optimizer.name", "optimizer.lr")
+
+
+def _check_applies(point, overrides: list[str]) -> None:
+    """A knob asked for that the point's job would ignore is refused: two rows under different
+    values would be one run."""
+    if point.workload.name != WorkloadName.custom:
+        return
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key in _NOT_FOR_CUSTOM:
+            raise ConfigError(key, "a custom job builds its own optimizer (workload.target); only "
+                                   "optimizer.impl applies to it")
 
 
 def aggregate(path: Path, expected: int | None = None) -> int:

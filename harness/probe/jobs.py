@@ -52,9 +52,18 @@ def check_job(job, point: Point) -> None:
         raise UserCodeError(f"{point.workload.target} returned {type(job).__name__}, not a harness.workload.Job")
 
 
-def apply_checkpointing(job: Job, k: Knobs) -> None:
-    """checkpointing=true: each of the job's blocks checkpointed (an error if it has none)."""
-    if k.checkpointing and job.blocks is not None and checkpoint_blocks(job.model, job.blocks) == 0:
+def apply_checkpointing(job: Job, k: Knobs, point: Point) -> None:
+    """checkpointing=true: each of the job's blocks checkpointed; a user's job that names no blocks
+    must apply it itself (it read Knobs.checkpointing), or the row would claim what did not happen.
+    (The presets apply it in training; inference has nothing to checkpoint.)"""
+    if not point.checkpointing:
+        return
+    if job.blocks is None and point.workload.name == WorkloadName.custom:
+        if "checkpointing" not in k.read:
+            raise UserCodeError("checkpointing=true, but the job neither names its blocks (Job(blocks=MyBlock)) "
+                                "nor reads Knobs.checkpointing: nothing would be checkpointed")
+        return
+    if job.blocks is not None and checkpoint_blocks(job.model, job.blocks) == 0:
         raise UserCodeError(f"checkpointing=true but the model has no {job.blocks} module to checkpoint")
 
 

@@ -90,7 +90,7 @@ def _run(point: Point, watch: CudaWatch, facts: dict) -> None:
     with torch.device("cuda"), watching(watch):
         job = build(k)
         check_job(job, point)
-        apply_checkpointing(job, k)
+        apply_checkpointing(job, k, point)
         params = list(job.model.parameters())
         opt = job.optimizer
         facts.update(trains=opt is not None, n_params=sum(p.numel() for p in params), params_bytes=storage_bytes(params),

@@ -75,7 +75,7 @@ def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tup
             if isinstance(t, torch.Tensor):
                 tracker.retag(t, "input")
         tracker.attach_modules(job.model)
-        apply_checkpointing(job, k)
+        apply_checkpointing(job, k, point)
         opt = job.optimizer
         if opt is not None:
             if emulate_cuda:
