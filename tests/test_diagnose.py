@@ -190,7 +190,7 @@ def test_allocator_advice_names_the_variable_the_users_torch_reads(torch_version
 
 
 def test_a_pasted_message_is_advised_the_variable_it_names():
-    frag = diagnose(MESSAGES["2.1 (note the misspelling)"])
-    assert frag.alloc_conf_env == ("PYTORCH_CUDA_ALLOC_CONF" if "PYTORCH_CUDA_ALLOC_CONF" in MESSAGES["2.1 (note the misspelling)"]
-                                   else "PYTORCH_ALLOC_CONF")
+    text = MESSAGES["2.1 (note the misspelling)"]
+    named = "PYTORCH_CUDA_ALLOC_CONF" if "PYTORCH_CUDA_ALLOC_CONF" in text else "PYTORCH_ALLOC_CONF"
+    assert diagnose(text).alloc_conf_env == named
     assert diagnose(_HELD_OUTSIDE).alloc_conf_env == "PYTORCH_CUDA_ALLOC_CONF"

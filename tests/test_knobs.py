@@ -133,7 +133,6 @@ def test_every_pair_of_knob_values_runs_on_each_example_job(cell, tmp_path):
 
 def test_checkpointing_a_job_with_nothing_to_checkpoint_is_refused_with_the_reason(tmp_path):
     from harness.probe.jobs import UserCodeError
-
     from harness.probe.sim.trace import run_point
 
     overrides = ["workload=custom", "workload.target=tests.jobs.no_blocks:build", "checkpointing=true"]
