@@ -70,7 +70,7 @@ def save_cached(cache_dir: Path | None, tid: str, trace_path: Path, measurements
     final = Path(cache_dir) / tid
     if final.exists():
         try:
-            stale = provenance.changed(json.loads((final / MEASUREMENTS_FILE).read_text()).get(USER_CODE))
+            stale = bool(provenance.changed(json.loads((final / MEASUREMENTS_FILE).read_text()).get(USER_CODE)))
         except (OSError, ValueError):
             stale = True
         if not stale:
