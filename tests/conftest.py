@@ -11,6 +11,9 @@ from harness.config.point import Point
 
 REPO = Path(__file__).resolve().parents[1]
 
+# A user's own calibrated cards (calibrate's measured-cards.json) must not move the catalog under test.
+os.environ[cards.MEASURED_ENV] = str(REPO / "tests" / "data" / "no-measured-cards.json")
+
 
 def model_cfg(name: str, **hf) -> dict:
     cfg = OmegaConf.to_container(OmegaConf.load(REPO / "harness" / "conf" / "model" / f"{name}.yaml"))

@@ -28,7 +28,7 @@ COSTS = {
     "precision": (5, "numerics"),
 }
 VERDICT_COLUMNS = ["run_id", "card", "kind", "verdict", "remedies", "card_needed", "card_headroom_bytes",
-                   "card_headroom_pct"]
+                   "card_headroom_pct", "card_edge"]
 
 
 def leak_of(row) -> str:
@@ -36,9 +36,25 @@ def leak_of(row) -> str:
     return value if isinstance(value, str) else "none"  # rows from before leaks were recorded
 
 
+def _listed(row, column: str) -> list:
+    listed = row.get(column)
+    return [] if listed is None or (isinstance(listed, float) and pd.isna(listed)) else list(listed)
+
+
 def _fits(row, card_key: str) -> bool:
-    listed = row.get("fits_cards")
-    return listed is not None and not (isinstance(listed, float) and pd.isna(listed)) and card_key in list(listed)
+    if card_key.startswith(_OWN):  # a card outside the catalog: only its own runs say
+        return row.get("gpu") == card_key[len(_OWN):] and row.get("status") == "ok"
+    return card_key in _listed(row, "fits_cards")
+
+
+def _edge(row, card_key: str) -> str:
+    """room | after_retry | tight for a run that fits the card (probe.sim.reserved.EDGES)."""
+    if card_key in _listed(row, "tight_cards"):
+        return "tight"
+    return "after_retry" if card_key in _listed(row, "retry_cards") else "room"
+
+
+_OWN = "own:"  # the key of a card outside the catalog (gpu.memory_bytes=...), by its name
 
 
 def _change(kind: str, key: str, was, value, steps: int | None = None, holder: str | None = None) -> dict:
@@ -93,20 +109,23 @@ def verdicts(df: pd.DataFrame) -> pd.DataFrame:
     rows = df.to_dict("records")
     out = []
     for job in rows:
-        card = by_name.get(job.get("gpu"))
-        if card is None or job.get("status") != "oom":
+        if job.get("status") != "oom":
             continue
+        card = by_name.get(job.get("gpu")) or _own_card(job)
         found: dict[str, tuple[int, dict]] = {}
         for other in rows:
             if _comparable(job, other) and _fits(other, card.key):
                 changes = remedy_changes(job, other)
                 if changes:
-                    rank = sum(COSTS[c["kind"]][0] for c in changes) + len(changes) * 10  # fewer changes first
+                    where = _edge(other, card.key)
+                    # fewer changes first; a remedy inside the card's uncertainty after every sure one
+                    rank = sum(COSTS[c["kind"]][0] for c in changes) + len(changes) * 10 + (100 if where == "tight" else 0)
                     key = repr([(c["kind"], c["value"], c["steps"]) for c in changes])  # one per distinct remedy
-                    found.setdefault(key, (rank, {"run_id": other.get("run_id"), "changes": changes}))
+                    found.setdefault(key, (rank, {"run_id": other.get("run_id"), "changes": changes, "edge": where}))
         remedies = [r for _rank, r in sorted(found.values(), key=lambda x: (x[0], repr(x[1]["changes"])))[:3]]
-        entry = {"run_id": job.get("run_id"), "card": card.key, "kind": job.get("kind"), "remedies": remedies,
-                 "card_needed": None, "card_headroom_bytes": None, "card_headroom_pct": None}
+        entry = {"run_id": job.get("run_id"), "card": card.key.removeprefix(_OWN), "kind": job.get("kind"),
+                 "remedies": remedies, "card_needed": None, "card_headroom_bytes": None, "card_headroom_pct": None,
+                 "card_edge": None}
         if remedies:
             entry["verdict"] = "code problem"
         else:
@@ -115,12 +134,20 @@ def verdicts(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out, columns=VERDICT_COLUMNS)
 
 
+def _own_card(job) -> Card:
+    """A card outside the catalog, as the job's row describes it."""
+    return Card(name=str(job.get("gpu")), memory_bytes=int(job.get("gpu_memory_bytes") or 0),
+                non_pytorch_bytes=int(job.get("gpu_non_pytorch_bytes") or 0), key=f"{_OWN}{job.get('gpu')}")
+
+
 def _card_needed(job, cards: dict[str, Card]) -> dict:
-    """The smallest card that fits the job as it is, and its headroom (none fits: all None)."""
+    """The smallest card that surely fits the job as it is (not only inside a card's uncertainty:
+    the smallest tight one where no card is sure), and its headroom (none fits: all None)."""
     fitting = [c for c in cards.values() if _fits(job, c.key)]
     if not fitting:
         return {}
-    smallest = min(fitting, key=lambda c: c.memory_bytes)
+    sure = [c for c in fitting if _edge(job, c.key) != "tight"]
+    smallest = min(sure or fitting, key=lambda c: c.memory_bytes)
     headroom = smallest.room() - int(job.get("peak_reserved_bytes") or 0)
     return {"card_needed": smallest.key, "card_headroom_bytes": headroom,
-            "card_headroom_pct": 100 * headroom / smallest.memory_bytes}
+            "card_headroom_pct": 100 * headroom / smallest.memory_bytes, "card_edge": _edge(job, smallest.key)}

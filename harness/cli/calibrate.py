@@ -16,6 +16,7 @@ from pathlib import Path
 
 from harness.analysis import calibration
 from harness.cli.common import aggregate, prepare, unknown_flag
+from harness.config import cards as catalog
 from harness.config.compose import compose, parallelism
 from harness.errors import EXIT_USAGE, ConfigError
 from harness.launch import gpus
@@ -46,6 +47,10 @@ def main(overrides: list[str]) -> int:
     print(f"harness: calibrate: {len(points)} point(s) on sim and on {len(devices)} GPU(s) -> {out}", file=sys.stderr)
     sim = _run_all(points, "sim", out, results_dir, parallelism())
     cuda = _run_all(points, "cuda", out, results_dir, len(devices))
+    recorded = catalog.record_measured(cuda, {c.name: c.key for c in catalog.cards()})
+    for key, m in recorded.items():
+        print(f"harness: calibrate: gpu={key}: total {m['memory_bytes']:,} B, non-PyTorch "
+              f"{m['non_pytorch_bytes'] / 2**30:.2f} GiB measured -> {catalog.measured_path()}", file=sys.stderr)
     df = calibration.compare(list(zip(sim, cuda)))
     df.to_parquet(out / CALIBRATION_FILE, index=False)
     df.to_csv(out / "calibration.csv", index=False)

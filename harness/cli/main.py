@@ -15,7 +15,7 @@ import hydra
 
 from harness.cli import callbacks
 from harness.cli.common import aggregate, prepare
-from harness.config.compose import CONF_DIR, as_dict, with_grid_files
+from harness.config.compose import CONF_DIR, as_dict, user_card_and_free_text, with_grid_files
 from harness.config.validate import validate
 from harness.errors import EXIT_OK, EXIT_USAGE, ConfigError
 from harness.launch.gpus import check_cards, resolve_backend
@@ -135,7 +135,7 @@ def entry(argv: list[str]) -> int:
     verb, rest = argv[0], argv[1:]
     if verb in ("run", "sweep", "plan", "calibrate"):
         try:
-            rest = with_grid_files(rest)
+            rest = with_grid_files(user_card_and_free_text(rest))
         except ConfigError as e:
             return _fail(str(e))
     # Each verb imports only what it needs: torch, pandas and Hydra take seconds to import.

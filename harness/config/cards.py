@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+import os
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
@@ -15,12 +19,82 @@ def cards() -> list[Card]:
     return list(_catalog())
 
 
+# What `python -m harness calibrate` measured on this user's cards: {card key: {memory_bytes,
+# non_pytorch_bytes, non_pytorch_spread_bytes, non_pytorch_source}}. Measured beats estimated.
+MEASURED_ENV = "HARNESS_MEASURED_CARDS"
+
+
+def measured_path() -> Path:
+    default = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "harness" / "measured-cards.json"
+    return Path(os.environ.get(MEASURED_ENV, default))
+
+
+def _measured() -> dict[str, dict]:
+    try:
+        return json.loads(measured_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 @functools.cache
 def _catalog() -> tuple[Card, ...]:
     # Read once per process: every row's fit verdicts and every report ask for the whole catalog.
-    out = [Card.from_dict({**as_dict(OmegaConf.load(path)), "key": path.stem})
-           for path in (CONF_DIR / "gpu").glob("*.yaml")]
+    measured = _measured()
+    out = []
+    for path in (CONF_DIR / "gpu").glob("*.yaml"):
+        card = Card.from_dict({**as_dict(OmegaConf.load(path)), "key": path.stem})
+        if path.stem in measured:
+            card = with_measured(card, measured[path.stem])
+        out.append(card)
     return tuple(sorted(out, key=lambda c: c.memory_bytes))
+
+
+def with_measured(card: Card, m: dict) -> Card:
+    """The card with what calibrate measured on it: the capacity exactly, non-PyTorch memory as seen."""
+    return dataclasses.replace(card, memory_bytes=int(m["memory_bytes"]), memory_spread_bytes=0,
+                               non_pytorch_bytes=int(m["non_pytorch_bytes"]),
+                               non_pytorch_spread_bytes=int(m["non_pytorch_spread_bytes"]),
+                               non_pytorch_source=str(m["non_pytorch_source"]))
+
+
+def as_measured(card: Card) -> Card:
+    """A point's card (composed from its YAML) with the measured figures where calibrate has them."""
+    known = next((c for c in _catalog() if c.name == card.name and c.device_name == card.device_name), None)
+    if known is None or not known.non_pytorch_source.startswith(MEASURED_PREFIX):
+        return card
+    return dataclasses.replace(card, memory_bytes=known.memory_bytes, memory_spread_bytes=0,
+                               non_pytorch_bytes=known.non_pytorch_bytes,
+                               non_pytorch_spread_bytes=known.non_pytorch_spread_bytes,
+                               non_pytorch_source=known.non_pytorch_source)
+
+
+MEASURED_PREFIX = "measured by calibrate"
+
+
+def record_measured(rows: list[dict], keys: dict[str, str]) -> dict[str, dict]:
+    """From calibrate's cuda rows on cards that are the device itself (not emulated), each card's
+    measured capacity and non-PyTorch memory (the largest seen; spread: the range seen, at least
+    16 MiB), merged into measured_path(); returns what was recorded."""
+    seen: dict[str, list[dict]] = {}
+    for r in rows:
+        key = keys.get(str(r.get("gpu")))
+        if key and r.get("status") == "ok" and r.get("emulated_gpu") is False \
+                and r.get("measured_non_pytorch_bytes") is not None and r.get("device_memory_bytes"):
+            seen.setdefault(key, []).append(r)
+    if not seen:
+        return {}
+    out = _measured()
+    for key, rs in seen.items():
+        np_bytes = [int(r["measured_non_pytorch_bytes"]) for r in rs]
+        out[key] = {"memory_bytes": int(rs[0]["device_memory_bytes"]), "non_pytorch_bytes": max(np_bytes),
+                    "non_pytorch_spread_bytes": max(16 * 2**20, max(np_bytes) - min(np_bytes)),
+                    "non_pytorch_source": f"{MEASURED_PREFIX} on {rs[0].get('device_name')}, {len(rs)} run(s), "
+                                          f"torch {rs[0].get('torch_version')}"}
+    path = measured_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1, sort_keys=True))
+    _catalog.cache_clear()
+    return {k: out[k] for k in seen}
 
 
 def by_key() -> dict[str, Card]:

@@ -227,3 +227,27 @@ def expand_grid(overrides: list[str]) -> list[list[str]]:
     except Exception as e:  # Hydra's parser and sweeper errors: bad input, named by its override
         raise friendly_error(e) from e
     return [[*for_hydra, *job] for job in jobs]
+
+
+# Hydra's override grammar: a value with these characters is a function call, a list or a sweep
+# unless quoted. The string fields users type free text into are quoted for them.
+_FREE_TEXT = ("gpu.name", "gpu.device_name", "gpu.source", "gpu.non_pytorch_source", "sweep")
+
+
+def user_card_and_free_text(overrides: list[str]) -> list[str]:
+    """Overrides as Hydra must see them: free text (a card named 'My card (12GB)') quoted, and a
+    card given by its size alone (`gpu.memory_bytes=...`) named as the user's own, so that its rows
+    do not carry the name of the catalog card it was composed over."""
+    out = []
+    for text in overrides:
+        key, eq, value = text.partition("=")
+        if eq and key.lstrip("+") in _FREE_TEXT and value and value[0] not in "'\"":
+            value = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+            text = f"{key}={value}"
+        out.append(text)
+    keys = {t.split("=", 1)[0].lstrip("+~") for t in out}
+    if "gpu.memory_bytes" in keys and not keys & {"gpu", "gpu.name"}:
+        size = next(t.split("=", 1)[1] for t in out if t.split("=", 1)[0].lstrip("+~") == "gpu.memory_bytes")
+        out += [f"gpu.name='own card ({size} B)'", "gpu.device_name=''", "gpu.memory_spread_bytes=0",
+                "gpu.source='the user: gpu.memory_bytes'", "gpu.slurm.gres=null", "gpu.slurm.constraint=null"]
+    return out

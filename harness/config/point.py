@@ -151,14 +151,24 @@ class Slurm:
 
 @dataclass(frozen=True)
 class Card:
-    """A GPU as the point sees it: what torch reports as total memory, and what lives outside PyTorch."""
+    """A GPU as the point sees it: what torch reports as total memory, and what lives outside PyTorch,
+    each with how far it is known (the edge of a card is only as sharp as these)."""
     name: str = ""
     device_name: str = ""
     memory_bytes: int = 0  # torch.cuda.get_device_properties().total_memory
-    non_pytorch_bytes: int = 0  # CUDA context etc., outside PyTorch's allocator
+    # +- on memory_bytes: reports differ by driver and ECC, and an OOM message's 2-decimal GiB is +-5 MiB
+    memory_spread_bytes: int = 0
+    non_pytorch_bytes: int = 0  # CUDA context, libraries: outside PyTorch's allocator
+    non_pytorch_spread_bytes: int = 0  # +- on non_pytorch_bytes
     source: str = ""
+    non_pytorch_source: str = ""
     slurm: Slurm = field(default_factory=Slurm)
     key: str = field(default="", metadata=RUNTIME)  # its name in the catalog (conf/gpu/<key>.yaml), where known
+
+    def __post_init__(self):
+        for key in ("memory_spread_bytes", "non_pytorch_bytes", "non_pytorch_spread_bytes"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"gpu.{key}", f"must be >= 0, got {getattr(self, key)}")
 
     def with_margin(self, margin: float) -> Card:
         """The card as a plan sees it: `margin` x its memory kept free, counted as outside PyTorch."""
@@ -170,6 +180,17 @@ class Card:
         """Bytes PyTorch's allocator may reserve on the card with `margin` kept free."""
         c = self.with_margin(margin)
         return c.memory_bytes - c.non_pytorch_bytes
+
+    @property
+    def uncertainty_bytes(self) -> int:
+        """How far room() is known: the capacity's spread and the non-PyTorch memory's."""
+        return self.memory_spread_bytes + self.non_pytorch_spread_bytes
+
+    def at_worst(self) -> Card:
+        """The card at the low end of what it may be: the least capacity, the most non-PyTorch memory."""
+        return dataclasses.replace(self, memory_bytes=self.memory_bytes - self.memory_spread_bytes,
+                                   non_pytorch_bytes=self.non_pytorch_bytes + self.non_pytorch_spread_bytes,
+                                   memory_spread_bytes=0, non_pytorch_spread_bytes=0)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Card:

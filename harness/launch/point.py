@@ -6,6 +6,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+from harness.config import cards as catalog
 from harness.config.point import Point, WorkloadName
 from harness.config.target import source_sha
 from harness.launch.gpus import resolve_backend
@@ -16,6 +17,7 @@ def to_point(cfg, overrides: list[str], cwd: str | None = None, cluster: bool = 
     """The resolved point a worker runs (ConfigError for a bad value); with `results_dir`, its
     trace cache there (one trace serves every allocator setting and card)."""
     point = Point.from_config(cfg)
+    point = point.replace(gpu=catalog.as_measured(point.gpu))  # calibrate's figures where it has them
     cwd = cwd or os.getcwd()
     workload = point.workload
     if workload.name == WorkloadName.custom:

@@ -18,25 +18,54 @@ def _missing(v) -> bool:
     return v is None or (isinstance(v, float) and pd.isna(v))
 
 
-def fits(row: dict, card: Card, margin: float = 0.0) -> bool | None:
-    """Whether the run of `row` fits `card` with `margin` kept free: the allocator model's verdict
-    (a replay of the run's trace on the card where the peaks alone do not settle it); None when
-    the row has no numbers (an error)."""
-    listed = row.get("fits_cards")
-    if not margin and not _missing(listed):
-        return card.key in list(listed)
+def _listed(row: dict, column: str):
+    listed = row.get(column)
+    return None if _missing(listed) else list(listed)
+
+
+def _peaks(row: dict) -> tuple[int, int] | None:
+    """(reserved, allocated) without a limit; reserved is allocated where unknown."""
     alloc = row.get("peak_allocated_bytes")
     if _missing(alloc):
         return None
     res = row.get("peak_reserved_bytes")
-    res = alloc if _missing(res) else res
-    c = card.with_margin(margin)
-    known = reserved.fits_by_numbers(c, int(res), int(alloc))
+    return int(alloc if _missing(res) else res), int(alloc)
+
+
+def _fits_on(row: dict, c: Card) -> bool:
+    res, alloc = _peaks(row)
+    known = reserved.fits_by_numbers(c, res, alloc)
     if known is not None:
         return known
     if _missing(row.get("trace_path")):
         return False  # the peaks say it does not fit without a cache flush; no trace to check that
     return _fits_by_trace(row, c)
+
+
+def fits(row: dict, card: Card, margin: float = 0.0) -> bool | None:
+    """Whether the run of `row` fits `card` with `margin` kept free: the allocator model's verdict
+    (a replay of the run's trace on the card where the peaks alone do not settle it); None when
+    the row has no numbers (an error)."""
+    listed = _listed(row, "fits_cards")
+    if not margin and listed is not None:
+        return card.key in listed
+    if _peaks(row) is None:
+        return None
+    return _fits_on(row, card.with_margin(margin))
+
+
+def edge(row: dict, card: Card, margin: float = 0.0) -> str | None:
+    """room | after_retry | tight | oom (probe.sim.reserved.EDGES) for the run on `card` with
+    `margin` kept free; None when the row has no numbers."""
+    fitting = fits(row, card, margin)
+    if fitting is None:
+        return None
+    if not fitting:
+        return "oom"
+    tight, retry = _listed(row, "tight_cards"), _listed(row, "retry_cards")
+    if not margin and tight is not None and retry is not None:
+        return "tight" if card.key in tight else "after_retry" if card.key in retry else "room"
+    return reserved.edge(lambda c: _fits_on(row, c), _peaks(row)[0], card.with_margin(margin))
 
 
 @functools.lru_cache(maxsize=4)
@@ -76,15 +105,17 @@ def headroom_bytes(row: dict, card: Card, margin: float = 0.0) -> int | None:
 
 
 def fit_table(df: pd.DataFrame, margin: float = 0.0) -> pd.DataFrame:
-    """One row per (run, card): fits, headroom in bytes and as a share of the card's memory."""
+    """One row per (run, card): fits, its edge (room, after_retry, tight, oom), headroom in bytes
+    and as a share of the card's memory."""
     cards = catalog.cards()
     out = []
     for row in df.to_dict("records"):
         for card in cards:
             head = headroom_bytes(row, card, margin)
+            where = edge(row, card, margin)
             out.append({
                 "run_id": row["run_id"], "card": card.key, "card_memory_bytes": card.memory_bytes,
-                "fits": fits(row, card, margin), "headroom_bytes": head,
+                "fits": None if where is None else where != "oom", "edge": where, "headroom_bytes": head,
                 "headroom_pct": None if head is None else 100.0 * head / card.memory_bytes,
                 "margin": margin,
             })

@@ -144,6 +144,7 @@ class Planner:
                    "peak_reserved_bytes": row.get("peak_reserved_bytes") if row else None,
                    "peak_allocated_bytes": row.get("peak_allocated_bytes") if row else None,
                    "headroom_bytes": fit.headroom_bytes(row, card, plan.margin) if row else None,
+                   "edge": fit.edge(row, card, plan.margin) if row else None,
                    "cache_flushes": fit.cache_flushes(row, card, plan.margin) if row else None,
                    "peak_phase": row.get("peak_phase") if row else None,
                    "peak_module": row.get("peak_module") if row else None,

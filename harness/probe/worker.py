@@ -71,12 +71,19 @@ def run_cuda(point: Point, run_dir: Path) -> dict:
         rec[USER_CODE] = provenance.as_column(provenance.user_modules())
     if rec["status"] == "ok":
         # Measured reserved within a card's room settles it; between allocated and reserved only a
-        # replay could tell, and a cuda run has no trace: counted as not fitting.
-        rec["fits_cards"] = [c.key for c in catalog.cards()
-                             if c.name == point.gpu.name or reserved.fits_by_numbers(
-                                 c, rec["peak_reserved_bytes"], rec["peak_allocated_bytes"])]
+        # replay could tell, and a cuda run has no trace: counted as not fitting. The card it ran
+        # on held it, flushing its cache where it retried.
+        def fits_on(c):
+            return bool(reserved.fits_by_numbers(c, rec["peak_reserved_bytes"], rec["peak_allocated_bytes"]))
+
+        def edge(c):
+            if c.name == point.gpu.name:
+                return "after_retry" if rec.get("num_alloc_retries") else "room"
+            return reserved.edge(fits_on, rec["peak_reserved_bytes"], c)
+
+        rec.update(reserved.edge_columns({c.key: edge(c) for c in catalog.cards()}))
     else:  # how much it needed is unknown past the OOM: no card is known to hold it
-        rec["fits_cards"] = []
+        rec.update(fits_cards=[], tight_cards=[], retry_cards=[])
     rec["wall_s"] = time.perf_counter() - t0
     return rec
 

@@ -29,6 +29,8 @@ def _print(table: tables.Table, title: str, caption: str | None = None, right_fr
 
 
 def _style(cell: str) -> str:
+    if cell.startswith(("fits on retry", "tight")):
+        return f"[yellow]{cell}[/]"
     if cell.startswith("fits"):
         return f"[green]{cell}[/]"
     if cell in ("OOM", "card problem", "error", "none"):
@@ -39,7 +41,9 @@ def _style(cell: str) -> str:
 
 
 FITS_CAPTION = ("fits +N%: the allocator model replays the run on the card without an OOM; N = headroom "
-                "left at the peak reserved bytes (after non-PyTorch memory), % of the card; GiB = 1024^3 B")
+                "left at the peak reserved bytes (after non-PyTorch memory), % of the card. fits on retry: only "
+                "because the allocator frees its cache and retries (a device sync each). tight: fits the card as "
+                "estimated, not at the low end of its capacity and non-PyTorch memory (gpu.*_spread_bytes)")
 
 
 FRONTIER_CAPTION = ("peak reserved: without a limit; negative headroom with cache flushes > 0: on the card the "
@@ -53,7 +57,7 @@ def render(df: pd.DataFrame, fit_long: pd.DataFrame, title: str) -> None:
 
     table, same = tables.fold_constant(tables.fits_table(df, fit_long), columns=tables.FITS_IDENTITY_COLUMNS)
     first_number = table[0].index("alloc GiB")
-    _print(table, f"{title}\n{same}" if same else title, FITS_CAPTION, right_from=first_number)
+    _print(table, f"{title}\n{same}" if same else title, FITS_CAPTION + "; GiB = 1024^3 B", right_from=first_number)
     console = _console()
     counts = df["status"].value_counts().to_dict()
     console.print("rows: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from harness.config import cards as catalog
-from harness.report import figures, tables
+from harness.report import console, figures, tables
 
 FIG_DIR = "report_files"
 
@@ -47,9 +47,7 @@ def build(df: pd.DataFrame, fit_long: pd.DataFrame, judged: pd.DataFrame, fr: pd
 
     counts = df["status"].value_counts().to_dict()
     summary = (f"{len(df)} runs: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
-               + ". Bytes are measured raw; GiB = 1024^3 bytes. `fits +N%`: the allocator model replays the run on "
-               "the card without an OOM, with N% of the card's memory left at the peak reserved bytes (after the "
-               "memory outside PyTorch).")
+               + ". Bytes are measured raw; GiB = 1024^3 bytes. " + console.FITS_CAPTION + ".")
     sections = [Section(title, summary)]
     if fr is not None and not fr.empty:
         margin = float(fr["margin"].iloc[0])
@@ -110,12 +108,13 @@ def markdown(sections: list[Section]) -> str:
 
 _CSS = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;
 font-size:12px;margin:1em 0}th,td{border:1px solid #ccc;padding:3px 6px;text-align:left;vertical-align:top}
-th{background:#f3f3f3}td.fits{color:#176c2b}td.oom{color:#b3261e;font-weight:600}img{max-width:100%;
+th{background:#f3f3f3}td.fits{color:#176c2b}td.oom{color:#b3261e;font-weight:600}td.edge{color:#8a5a00}img{max-width:100%;
 border:1px solid #eee}"""
 
 
 def _td(cell: str) -> str:
-    cls = " class=fits" if cell.startswith("fits") or cell == "code problem" else \
+    cls = " class=edge" if cell.startswith(("fits on retry", "tight")) or cell == "undecided" else \
+        " class=fits" if cell.startswith("fits") or cell == "code problem" else \
         " class=oom" if cell in ("OOM", "card problem", "error") else ""
     return f"<td{cls}>{html.escape(cell)}</td>"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness.report.words import job_label
+from harness.report.words import job_args, job_label
 from harness.units import GiB
 
 Table = tuple[list[str], list[list[str]]]
@@ -18,31 +18,37 @@ def _ckpt(v) -> str:
     return "yes" if bool(v) else "no"
 
 
-def _cell(fits, pct) -> str:
-    if fits is None or pd.isna(fits):
+# A run on a card, by its edge (probe.sim.reserved.EDGES), with the headroom's share of the card.
+EDGE_WORDS = {"room": "fits", "after_retry": "fits on retry", "tight": "tight", "oom": "OOM"}
+
+
+def _cell(where, pct) -> str:
+    if where is None or (isinstance(where, float) and pd.isna(where)):
         return "-"
+    if where == "oom":
+        return "OOM"
     head = "" if pct is None or pd.isna(pct) else f" {pct:+.0f}%"
-    return f"fits{head}" if fits else "OOM"
+    return f"{EDGE_WORDS[where]}{head}"
 
 
 def fits_table(df: pd.DataFrame, fit_long: pd.DataFrame) -> Table:
-    """Config x card: fits with the headroom left (% of the card's memory) or OOM."""
+    """Config x card: fits with the headroom left (% of the card's memory) or OOM. Every key that
+    tells runs apart is a column (fold_constant moves those that hold one value to the title)."""
     cards = list(dict.fromkeys(fit_long["card"])) if not fit_long.empty else []
-    cell = {(r.run_id, r.card): _cell(r.fits, r.headroom_pct) for r in fit_long.itertuples(index=False)}
-    header = ["model", "workload", "batch", "seq", "precision", "ckpt", "allocator", "leak", "gpu", "backend",
-              "status", "kind",
-              "alloc GiB", "reserved GiB", *cards]
-    rows = [[str(r.model), str(r.workload), str(r.batch_size), str(r.seq_len), str(r.precision),
-             _ckpt(r.checkpointing), str(r.allocator_conf or "default"), str(r.leak or "none"), str(r.gpu),
-             str(r.backend), str(r.status),
-             str(r.kind),
-             gib(r.peak_allocated_bytes), gib(r.peak_reserved_bytes),
-             *[cell.get((r.run_id, c), "-") for c in cards]]
-            for r in df.itertuples(index=False)]
+    cell = {(r.run_id, r.card): _cell(r.edge, r.headroom_pct) for r in fit_long.itertuples(index=False)}
+    header = ["model", "workload", "batch", "seq", "precision", "ckpt", "optimizer", "args", "allocator", "leak",
+              "gpu", "backend", "status", "kind", "alloc GiB", "reserved GiB", *cards]
+    rows = [[str(r["model"]), str(r["workload"]), str(r["batch_size"]), str(r["seq_len"]), str(r["precision"]),
+             _ckpt(r["checkpointing"]), f"{r['optimizer']}/{r['optimizer_impl']}", job_args(r) or "-",
+             str(r["allocator_conf"] or "default"), str(r.get("leak") or "none"), str(r["gpu"]),
+             str(r["backend"]), str(r["status"]), str(r.get("kind")),
+             gib(r["peak_allocated_bytes"]), gib(r["peak_reserved_bytes"]),
+             *[cell.get((r["run_id"], c), "-") for c in cards]]
+            for r in df.to_dict("records")]
     return header, rows
 
 
-FITS_IDENTITY_COLUMNS = 10  # model .. backend: folded into the title where one value holds for all rows
+FITS_IDENTITY_COLUMNS = 12  # model .. backend: folded into the title where one value holds for all rows
 
 
 def fold_constant(table: Table, columns: int) -> tuple[Table, str]:
@@ -87,8 +93,14 @@ def frontier_table(fr: pd.DataFrame) -> Table:
         if not r.monotone:
             first += " (not monotone above)"
         flushes = "-" if pd.isna(r.cache_flushes) else str(int(r.cache_flushes))
+        where = getattr(r, "edge", None)
+        headroom = gib(r.headroom_bytes)
+        if where in ("after_retry", "tight"):
+            largest += f" ({EDGE_WORDS[where]})"
+        if where == "after_retry":  # reserved without a limit exceeds the room: no headroom to speak of
+            headroom = "none (fits on retry)"
         rows.append([group_label(r), r.axis, f"{r.margin:.0%}", r.card, largest, first, gib(r.peak_reserved_bytes),
-                     gib(r.headroom_bytes), flushes, f"{int(r.probes)} / {int(r.grid_points)}"])
+                     headroom, flushes, f"{int(r.probes)} / {int(r.grid_points)}"])
     return header, rows
 
 

@@ -23,12 +23,69 @@ COST_WORDS = {
 }
 
 
-def job_label(row) -> str:
-    """A run in words: model, workload, batch, sequence, precision, checkpointing, allocator, leak."""
-    leak = f" leak={leak_of(row)}" if leak_of(row) != "none" else ""
-    alloc = f" alloc={row['allocator_conf']}" if row.get("allocator_conf") else ""
-    return (f"{row['model']} {row['workload']} b{row['batch_size']} s{row['seq_len']} {row['precision']} "
-            f"ckpt={'yes' if row.get('checkpointing') else 'no'}{alloc}{leak}")
+# The keys that tell two runs apart beyond the label's core (model, workload, batch, sequence,
+# precision, checkpointing): each joins the label wherever it varies among the runs shown.
+VARYING_KEYS = ("optimizer", "optimizer_impl", "workload_args", "allocator_conf", "leak", "gpu", "backend")
+
+
+def _missing(v) -> bool:
+    return v is None or (isinstance(v, float) and pd.isna(v))
+
+
+def job_args(row) -> str:
+    """A custom job's own arguments (+workload.args.*), as k=v words."""
+    import json
+
+    raw = row.get("workload_args")
+    args = json.loads(raw) if isinstance(raw, str) and raw else {}
+    return " ".join(f"{k}={v}" for k, v in sorted(args.items()))
+
+
+def job_label(row, varying=frozenset()) -> str:
+    """A run in words: model, workload, batch, sequence, precision, checkpointing; the allocator
+    and leak where set; and each key of `varying` (VARYING_KEYS that differ among the runs shown)."""
+    parts = [f"{row['model']} {row['workload']} b{row['batch_size']} s{row['seq_len']} {row['precision']} "
+             f"ckpt={'yes' if row.get('checkpointing') else 'no'}"]
+    if {"optimizer", "optimizer_impl"} & set(varying):
+        parts.append(f"{row.get('optimizer')}/{row.get('optimizer_impl')}")
+    if "workload_args" in varying and job_args(row):
+        parts.append(job_args(row))
+    if row.get("allocator_conf"):
+        parts.append(f"alloc={row['allocator_conf']}")
+    if leak_of(row) != "none":
+        parts.append(f"leak={leak_of(row)}")
+    for key in ("gpu", "backend"):
+        if key in varying and not _missing(row.get(key)):
+            parts.append(f"{key}={row[key]}")
+    return " ".join(parts)
+
+
+def varying_keys(rows) -> frozenset[str]:
+    """The VARYING_KEYS whose value differs among `rows` (dicts or a DataFrame)."""
+    records = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else list(rows)
+    return frozenset(k for k in VARYING_KEYS
+                     if len({None if _missing(r.get(k)) else str(r.get(k)) for r in records}) > 1)
+
+
+def job_labels(rows) -> dict[str, str]:
+    """run_id -> a label that tells it from every other run among `rows`: the varying keys join
+    it, and where two runs still read alike (a key outside the record's columns, e.g. a
+    model.hf override), the overrides that differ between them."""
+    records = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else list(rows)
+    varying = varying_keys(records)
+    labels = {r["run_id"]: job_label(r, varying) for r in records}
+    by_label: dict[str, list[dict]] = {}
+    for r in records:
+        by_label.setdefault(labels[r["run_id"]], []).append(r)
+    for label, same in by_label.items():
+        if len({r["run_id"] for r in same}) < 2:
+            continue
+        tokens = [set(str(r.get("overrides") or "").split()) for r in same]
+        shared = set.intersection(*tokens)
+        for r, own in zip(same, tokens):
+            extra = " ".join(sorted(own - shared))
+            labels[r["run_id"]] = f"{label} {extra}".strip() if extra else label
+    return labels
 
 
 def change(c: dict, torch_version: str | None = None) -> str:
@@ -48,6 +105,11 @@ def change(c: dict, torch_version: str | None = None) -> str:
     return f"{kind} {value}"  # optimizer, precision
 
 
+# How a remedy's run fits the card (probe.sim.reserved.EDGES).
+EDGE_FITS = {"room": "fits", "after_retry": "fits only on the allocator's retry (cache flushes)",
+             "tight": "tight (fits as the card is estimated, not at the low end of its capacity and non-PyTorch memory)"}
+
+
 def remedy(r: dict, torch_version: str | None = None) -> str:
     return " + ".join(f"{change(c, torch_version)} ({COST_WORDS[c['cost']]})" for c in r["changes"])
 
@@ -56,18 +118,21 @@ def verdict_detail(v, torch_version: str | None = None) -> str:
     """What fits (a code problem), or which card is needed (a card problem)."""
     remedies = list(v["remedies"]) if v["remedies"] is not None else []
     if remedies:
-        return " | ".join(f"fits with {remedy(r, torch_version)}" for r in remedies)
+        return " | ".join(f"{EDGE_FITS[r.get('edge') or 'room']} with {remedy(r, torch_version)}" for r in remedies)
     if v["card_needed"] is None or (isinstance(v["card_needed"], float) and pd.isna(v["card_needed"])):
         return "no remedy in the sweep fits, and no card of the catalog fits the job as it is"
+    where = v.get("card_edge")
+    note = "" if where in (None, "room") or (isinstance(where, float) and pd.isna(where)) else f"; {EDGE_FITS[where]}"
     return (f"no remedy in the sweep fits; the smallest card that fits it as it is: {v['card_needed']} "
-            f"({gib(v['card_headroom_bytes'])} headroom, {v['card_headroom_pct']:.0f}% of the card)")
+            f"({gib(v['card_headroom_bytes'])} headroom, {v['card_headroom_pct']:.0f}% of the card{note})")
 
 
 def worded_verdicts(judged: pd.DataFrame, rows: pd.DataFrame) -> pd.DataFrame:
     """The verdicts with their words: `job` (the run's label) and `detail`."""
     by_id = {r["run_id"]: r for r in rows.to_dict("records")}
+    labels = job_labels(rows)
     out = judged.copy()
-    out["job"] = [job_label(by_id[i]) for i in judged["run_id"]]
+    out["job"] = [labels[i] for i in judged["run_id"]]
     out["detail"] = [verdict_detail(v, by_id[v["run_id"]].get("torch_version"))
                      for v in judged.to_dict("records")]
     return out

@@ -39,6 +39,31 @@ def fits(rows: list[ReplayRow], settings: AllocSettings, card: Card, unlimited) 
     return known if known is not None else fits_by_replay(rows, settings, card)
 
 
+# The edge of a card, from the safest: fits with room to spare; fits, but only because the
+# allocator frees its cache and retries (num_alloc_retries: a device sync each); fits as the card
+# is estimated but not at the low end of what it may be (its capacity's spread, its non-PyTorch
+# memory's); does not fit.
+EDGES = ("room", "after_retry", "tight", "oom")
+
+
+def edge(fits_on, reserved_bytes: int, card: Card) -> str:
+    """The edge of `card` for a run: `fits_on(card) -> bool` answers for a card, `reserved_bytes`
+    is what the run reserves without a limit."""
+    if not fits_on(card):
+        return "oom"
+    worst = card.at_worst()
+    if not fits_on(worst):
+        return "tight"
+    return "after_retry" if reserved_bytes > worst.room() else "room"
+
+
+def edge_columns(edges: dict[str, str]) -> dict:
+    """The record's fits_cards, tight_cards and retry_cards from each card's edge."""
+    return {"fits_cards": [k for k, e in edges.items() if e != "oom"],
+            "tight_cards": [k for k, e in edges.items() if e == "tight"],
+            "retry_cards": [k for k, e in edges.items() if e == "after_retry"]}
+
+
 def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog: list[Card],
             torch_version: str, snapshot_path: Path | None = None) -> dict:
     """Record fields for the run's card and the whole catalog."""
@@ -60,8 +85,9 @@ def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog:
         "fragmentation_bytes": unlimited.fragmentation_at_peak_bytes,
         "num_alloc_retries": on_card.num_alloc_retries,
         "num_ooms": len(on_card.ooms),
-        "fits_cards": [c.key for c in catalog if fits(rows, settings, c, unlimited)],
     }
+    out.update(edge_columns({c.key: edge(lambda card: fits(rows, settings, card, unlimited),
+                                         unlimited.peak_reserved_bytes, c) for c in catalog}))
     if on_card.ooms:
         oom = on_card.ooms[0]
         phase, step, module, _kind = oom["where"]

@@ -1,0 +1,106 @@
+"""The edge of a card: fits with room, fits only on the allocator's retry, tight (inside what the
+card's capacity and non-PyTorch memory are known to), or OOM; and the catalog's figures, measured
+where calibrate has measured them."""
+
+import dataclasses
+import json
+
+import pandas as pd
+
+from harness.allocator.settings import AllocSettings
+from harness.analysis.verdict import verdicts
+from harness.config import cards
+from harness.config.point import Card
+from harness.probe.sim import reserved
+from harness.probe.sim.trace import run_point
+from harness.record import trace_store
+from harness.report import tables
+from tests.conftest import train_point
+
+MiB, GiB = 1024**2, 1024**3
+
+
+def _card(room: int, spread: int = 64 * MiB) -> Card:
+    return Card(name="c", device_name="c", memory_bytes=room + 512 * MiB, non_pytorch_bytes=512 * MiB,
+                non_pytorch_spread_bytes=spread, key="c")
+
+
+def test_the_edge_of_a_card_from_a_real_trace():
+    point = train_point(model="tiny", batch_size=4, seq_len=128)
+    _, tracker = run_point(point)
+    rows = trace_store.replay_rows(trace_store.to_frame(tracker.events))
+    settings = AllocSettings.from_conf("")
+    unlimited = reserved.replay_events(rows, settings, reserved.Device(total=80 * GiB))[0]
+    res, alloc = unlimited.peak_reserved_bytes, unlimited.peak_allocated_bytes
+
+    def edge(card):
+        return reserved.edge(lambda c: reserved.fits(rows, settings, c, unlimited), res, card)
+
+    assert edge(_card(res + 256 * MiB)) == "room"
+    assert edge(_card(res + 32 * MiB)) == "tight"  # fits as estimated, not with 64 MiB more outside PyTorch
+    assert edge(_card(alloc - 2 * MiB, spread=0)) == "oom"
+    # between allocated and reserved only the replay on the card can tell; a fit there is a retry
+    between = _card((alloc + res) // 2, spread=0)
+    on_card = reserved.replay_on(rows, settings, between)
+    assert edge(between) == ("oom" if on_card.ooms else "after_retry")
+    if not on_card.ooms:
+        assert on_card.num_alloc_retries > 0
+
+
+def test_rows_record_the_edge_on_every_card_of_the_catalog(tmp_path):
+    from harness.probe.worker import run_sim
+
+    rec = run_sim(train_point(model="tiny").replace(sweep="t"), tmp_path)
+    keys = {c.key for c in cards.cards()}
+    assert set(rec["fits_cards"]) == keys  # a tiny model fits every card with room
+    assert rec["tight_cards"] == [] and rec["retry_cards"] == []
+
+
+def _row(**kw):
+    row = {"run_id": "r", "model": "m", "workload": "train", "seq_len": 2048, "batch_size": 8, "precision": "bf16",
+           "optimizer": "adamw", "optimizer_impl": "auto", "checkpointing": False, "allocator_conf": "",
+           "leak": "none", "gpu": "T4", "status": "oom", "kind": "activations", "fits_cards": [],
+           "tight_cards": [], "retry_cards": [], "peak_reserved_bytes": 30 * GiB}
+    return {**row, **kw}
+
+
+def test_a_remedy_inside_the_cards_uncertainty_is_marked_tight_and_offered_last():
+    df = pd.DataFrame([_row(run_id="job"),
+                       _row(run_id="micro", batch_size=4, status="ok", fits_cards=["t4"], tight_cards=["t4"]),
+                       _row(run_id="ckpt", checkpointing=True, status="ok", fits_cards=["t4"])])
+    v = verdicts(df).set_index("run_id").loc["job"]
+    assert [(r["run_id"], r["edge"]) for r in v["remedies"]] == [("ckpt", "room"), ("micro", "tight")]
+
+
+def test_the_card_needed_is_one_the_job_surely_fits():
+    df = pd.DataFrame([_row(run_id="job", fits_cards=["a100-40gb", "a100-80gb"], tight_cards=["a100-40gb"])])
+    v = verdicts(df).set_index("run_id").loc["job"]
+    assert v["card_needed"] == "a100-80gb" and v["card_edge"] == "room"
+
+
+def test_a_fit_on_retry_never_reads_as_a_plain_fit_with_negative_headroom():
+    assert tables._cell("after_retry", -7.0) == "fits on retry -7%"
+    assert tables._cell("tight", 1.0) == "tight +1%" and tables._cell("room", 12.0) == "fits +12%"
+    assert tables._cell("oom", -30.0) == "OOM"
+
+
+def test_what_calibrate_measured_replaces_the_estimate(tmp_path, monkeypatch):
+    monkeypatch.setenv(cards.MEASURED_ENV, str(tmp_path / "measured.json"))
+    cards._catalog.cache_clear()
+    try:
+        t4 = cards.by_key()["t4"]
+        assert t4.non_pytorch_spread_bytes > 0 and t4.memory_spread_bytes > 0  # estimates
+        rows = [{"gpu": "T4", "status": "ok", "emulated_gpu": False, "device_memory_bytes": 15_637_086_208,
+                 "measured_non_pytorch_bytes": n, "device_name": "Tesla T4", "torch_version": "2.13.0"}
+                for n in (401 * MiB, 409 * MiB)]
+        rows.append({**rows[0], "emulated_gpu": True, "measured_non_pytorch_bytes": 3 * GiB})  # another device's
+        recorded = cards.record_measured(rows, {"T4": "t4"})
+        assert set(recorded) == {"t4"}
+        measured = cards.by_key()["t4"]
+        assert measured.memory_bytes == 15_637_086_208 and measured.memory_spread_bytes == 0
+        assert measured.non_pytorch_bytes == 409 * MiB and measured.non_pytorch_spread_bytes == 16 * MiB
+        assert json.loads((tmp_path / "measured.json").read_text())["t4"]["non_pytorch_bytes"] == 409 * MiB
+        composed = dataclasses.replace(t4, key="")
+        assert cards.as_measured(composed).non_pytorch_bytes == 409 * MiB  # a point's card, composed from YAML
+    finally:
+        cards._catalog.cache_clear()
