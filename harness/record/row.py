@@ -22,7 +22,8 @@ COLUMNS = (
     "peak_allocated_bytes", "peak_reserved_bytes", "peak_requested_bytes", "peak_tensor_bytes", "params_bytes",
     "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes", "workspace_bytes",
     "peak_step", "peak_phase", "peak_module", "step_allocated_bytes", "step_peak_bytes",
-    "peak_inactive_split_bytes", "fragmentation_bytes", "fits_cards", "tight_cards", "retry_cards", "retained_bytes", "retained_holder",
+    "peak_inactive_split_bytes", "fragmentation_bytes", "fits_cards", "tight_cards", "retry_cards",
+    "retained_bytes", "retained_holder",
     "num_alloc_retries", "num_ooms", "oom_phase", "oom_step", "oom_module", "oom_tried_bytes", "oom_message",
     # cuda only: the OOM message's own numbers, the device, per-step reserved and times
     "oom_allocated_bytes", "oom_reserved_bytes", "oom_capacity_bytes", "oom_free_bytes", "oom_allowed_bytes",

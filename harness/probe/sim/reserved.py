@@ -77,7 +77,7 @@ def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog:
                       "time_us": len(trace), "frames": frames})
 
     on_card, alloc = replay_events(rows, settings, Device.for_card(card), on_event if snapshot_path else None)
-    out = {
+    out: dict = {
         # block sizes, as max_memory_allocated counts them (unsplit remainders included)
         "peak_allocated_bytes": unlimited.peak_allocated_bytes,
         "peak_reserved_bytes": unlimited.peak_reserved_bytes,
