@@ -190,3 +190,40 @@ def test_the_identity_of_a_run_covers_torch_transformers_and_harness():
     versions = point_identity(train_point())["versions"]
     assert set(versions) == {"torch", "transformers", "harness"} and all(versions.values())
     assert versions == provenance.versions()
+
+
+@pytest.mark.parametrize("verb,signum,code", [("sweep", "SIGINT", 130), ("run", "SIGTERM", 143)])
+def test_an_interrupted_sweep_stops_every_point_and_says_how_to_resume(tmp_path, verb, signum, code):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from harness.cli.interrupt import descendants
+    from tests.conftest import REPO
+
+    args = [sys.executable, "-m", "harness", verb, "workload=custom", "workload.target=tests.jobs.sleepy:build",
+            "+workload.args.sleep_s=120", "precision=fp32", f"results_dir={tmp_path}"]
+    if verb == "sweep":
+        args += ["batch_size=1,2", "seq_len=8", "checkpointing=false"]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list(tmp_path.rglob("worker.log")):  # a point is running
+        time.sleep(0.2)
+    assert list(tmp_path.rglob("worker.log")), "no point started"
+    started = descendants(proc.pid)
+    proc.send_signal(getattr(signal, signum))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    lines = [ln for ln in err.strip().splitlines() if "points done" not in ln]
+    assert lines[-1].startswith(f"harness: interrupted by {signum}: 0 of ") and "python -m harness" in lines[-1]
+    assert "Traceback" not in err
+    time.sleep(3)
+    assert not [p for p in started if os.path.exists(f"/proc/{p}")], "a process of the sweep kept running"
+    from harness.cli.interrupt import _processes
+
+    procs = _processes()  # a point forked from the zygote is the zygote's child, not ours: it ends too
+    forked = [p for p, (ppid, cmd) in procs.items()
+              if "harness.launch.zygote" in cmd and "harness.launch.zygote" in procs.get(ppid, (0, ""))[1]]
+    assert not forked, "a point forked from the zygote kept running"
+    assert not list(tmp_path.rglob("result.json"))  # and nothing wrote a row after the stop

@@ -43,6 +43,14 @@ def finish() -> int:
     return sweep.code
 
 
+def abandon() -> None:
+    """An interrupted sweep: stop the progress display, aggregate nothing (the user asked to stop)."""
+    global _armed
+    sweep, _armed = _armed, None
+    if sweep is not None:
+        _stop_progress(sweep)
+
+
 def _aggregate(sweep: _Sweep) -> int:
     from harness.cli.common import aggregate  # the report's libraries: not for every Hydra job process
 

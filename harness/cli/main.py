@@ -13,7 +13,7 @@ from pathlib import Path
 
 import hydra
 
-from harness.cli import callbacks
+from harness.cli import callbacks, interrupt
 from harness.cli.common import aggregate, prepare
 from harness.config.compose import CONF_DIR, as_dict, user_card_and_free_text, with_grid_files
 from harness.config.validate import validate
@@ -89,7 +89,8 @@ def _gpu_launch(cards: list, multirun: bool) -> list[str]:
     return [*extra, f"hydra.sweeper.max_batch_size={2 * len(devices)}"] if multirun else extra
 
 
-def _launch(verb: str, flags: list[str], overrides: list[str]) -> int:
+def _launch(verb: str, flags: list[str], overrides: list[str], asked: list[str] | None = None) -> int:
+    """Run `overrides` through Hydra; `asked`: what the user typed (for the resume line)."""
     try:
         points, base, cards = prepare(verb, overrides)
         # Only a sweep goes through the launcher: `run` is one point on this machine.
@@ -121,11 +122,43 @@ def _launch(verb: str, flags: list[str], overrides: list[str]) -> int:
     sys.argv = [sys.argv[0], *flags, *hydra_args]  # hydra.main reads its overrides from argv
     callbacks.arm(out, len(points))  # Hydra's callback shows progress and writes the report
     try:
-        main()
-    except SystemExit as e:  # Hydra's own way to stop on an error of its own
-        if e.code not in (0, None):
-            print(f"harness: Hydra stopped with code {e.code}; rows written so far are kept", file=sys.stderr)
+        with interrupt.stoppable():
+            try:
+                main()
+            except SystemExit as e:  # Hydra's own way to stop on an error of its own
+                if e.code not in (0, None):
+                    print(f"harness: Hydra stopped with code {e.code}; rows written so far are kept", file=sys.stderr)
+    except interrupt.Interrupted as e:
+        return _interrupted(verb, asked or overrides, out, len(points), e)
     return callbacks.finish()
+
+
+def _interrupted(verb: str, asked: list[str], out: Path, expected: int, e) -> int:
+    """Ctrl-C or SIGTERM: every point's process stopped, the rows kept, one line to go on from."""
+    with interrupt.stoppable():  # a second Ctrl-C while stopping changes nothing
+        callbacks.abandon()
+        interrupt.stop_everything_started()
+        interrupt.say(interrupt.resume_line(verb, asked, out, expected, e))
+    return e.exit_code
+
+
+def _searching(verb: str, rest: list[str], asked: list[str]) -> int:
+    """plan and calibrate: their points run from threads of this process; on Ctrl-C or SIGTERM
+    every point's process stops and this process ends at once (the threads would start more)."""
+    if verb == "plan":
+        from harness.cli.plan import main as run
+    else:
+        from harness.cli.calibrate import main as run
+    try:
+        with interrupt.stoppable():
+            return run(rest)
+    except interrupt.Interrupted as e:
+        with interrupt.stoppable():
+            interrupt.stop_everything_started()
+            interrupt.say(f"harness: interrupted by {e}: the rows written so far are kept and reused; resume "
+                          f"with `python -m harness {verb} {' '.join(asked)}`")
+        sys.stdout.flush()
+        os._exit(e.exit_code)
 
 
 def entry(argv: list[str]) -> int:
@@ -147,14 +180,8 @@ def entry(argv: list[str]) -> int:
         from harness.cli.replay import main as replay
 
         return replay(rest)
-    if verb == "plan":
-        from harness.cli.plan import main as plan
-
-        return plan(rest)
-    if verb == "calibrate":
-        from harness.cli.calibrate import main as calibrate
-
-        return calibrate(rest)
+    if verb in ("plan", "calibrate"):
+        return _searching(verb, rest, argv[1:])
     if verb == "report":
         if len(rest) != 1:
             return _fail("report takes one path: a sweep dir, a run dir or a result.json")
@@ -170,4 +197,4 @@ def entry(argv: list[str]) -> int:
         sys.argv = [sys.argv[0], *flags, *overrides]
         main()
         return EXIT_OK
-    return _launch(verb, flags, overrides)
+    return _launch(verb, flags, overrides, asked=argv[1:])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import signal
 import socket
 import socketserver
 import subprocess
@@ -51,6 +52,7 @@ class _Handler(socketserver.StreamRequestHandler):
         run_dir = Path(self.rfile.readline().decode().strip())
         self.wfile.write(f"pid {os.getpid()}\n".encode())
         self.wfile.flush()
+        _die_with_client(self.connection)
         # Points beyond the cores wait here, so Hydra's batches can be larger than the core count
         # (no barrier at each batch's slowest point) without oversubscribing the CPU.
         slot = _take_slot(self.server.slots_dir, self.server.slots)  # noqa: F841 (held until exit)
@@ -70,6 +72,23 @@ class _Handler(socketserver.StreamRequestHandler):
         sys.stderr.flush()
         self.wfile.write(f"rc {rc}\n".encode())
         self.wfile.flush()
+
+
+def _die_with_client(conn: socket.socket) -> None:
+    """The point lives as long as the process that asked for it: the client sends nothing after
+    the run dir, so a read that returns is its end (Ctrl-C, SIGTERM, a killed sweep), and the
+    point stops then instead of running on and writing a row nobody waits for."""
+    import threading
+
+    def watch():
+        try:
+            while conn.recv(1):
+                pass
+        except OSError:
+            pass
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 class _Server(socketserver.ForkingMixIn, socketserver.UnixStreamServer):
