@@ -60,10 +60,13 @@ def test_report_aggregates_a_partial_sweep(smoke_sweep, tmp_path):
     partial = tmp_path / "partial"
     shutil.copytree(_sweep_dirs(results)[0], partial)
     (partial / "results.parquet").unlink()
+    gone = json.loads((partial / "runs" / "3" / "result.json").read_text())
     (partial / "runs" / "3" / "result.json").unlink()  # an interrupted point
     r = run_cli("report", str(partial))
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr  # not a finished sweep
     assert len(pd.read_parquet(partial / "results.parquet")) == 3
+    [named] = [ln for ln in r.stderr.splitlines() if "have no row" in ln]
+    assert f"batch_size={gone['batch_size']}" in named and f"seq_len={gone['seq_len']}" in named
 
 
 def test_run_records_every_column(tmp_path):

@@ -57,6 +57,18 @@ def test_no_remedy_fitting_makes_it_a_card_problem_naming_the_smallest_card():
     assert v["card_headroom_pct"] == pytest.approx(100 * v["card_headroom_bytes"] / a100.memory_bytes)
 
 
+def test_a_job_whose_remedy_never_ran_is_undecided_not_a_card_problem():
+    df = pd.DataFrame([_row(run_id="job", fits_cards=["a100-80gb"]),
+                       _row(run_id="ckpt", checkpointing=True, status="oom", fits_cards=["a100-40gb"])])
+    unrun = [{**_row(batch_size=2), "run_id": "gone", "overrides": ["batch_size=2"]}]
+    unrun[0].pop("status")
+    v = verdicts(df, unrun).set_index("run_id").loc["job"]
+    assert v["verdict"] == "undecided" and v["missing"] == ["batch_size=2"] and v["card_needed"] is None
+    assert verdicts(df).set_index("run_id").loc["job"]["verdict"] == "card problem"  # a finished sweep
+    other_seq = [{**unrun[0], "seq_len": 1024}]  # not comparable: a different sequence length
+    assert verdicts(df, other_seq).set_index("run_id").loc["job"]["verdict"] == "card problem"
+
+
 def test_a_verdict_in_words():
     """The one test that reads the words: report/words.py's sentences from the verdict's data."""
     df = pd.DataFrame([_row(run_id="job", leak="graph", retained_holder="a list holding Tensor()"),

@@ -28,7 +28,7 @@ COSTS = {
     "precision": (5, "numerics"),
 }
 VERDICT_COLUMNS = ["run_id", "card", "kind", "verdict", "remedies", "card_needed", "card_headroom_bytes",
-                   "card_headroom_pct", "card_edge"]
+                   "card_headroom_pct", "card_edge", "missing"]
 
 
 def leak_of(row) -> str:
@@ -90,20 +90,31 @@ def _val(v):
     return None if isinstance(v, float) and pd.isna(v) else v  # a missing value reads back as NaN
 
 
-def _comparable(job, other) -> bool:
-    if other is job or other.get("status") not in ("ok", "oom"):
+def _same_job(job, other) -> bool:
+    """The same model (a custom job: the same build function; its row's name is known only once built)."""
+    target = _val(job.get("workload_target"))
+    key = "workload_target" if target is not None else "model"
+    return _val(other.get(key)) == _val(job.get(key))
+
+
+def _comparable(job, other, ran: bool = True) -> bool:
+    """Whether `other` is `job` with some knobs changed (ran: it has a row to judge by)."""
+    if other is job or (ran and other.get("status") not in ("ok", "oom")):
         return False
-    same = all(_val(other.get(k)) == _val(job.get(k)) for k in ("model", "workload", "seq_len", "workload_args"))
+    same = _same_job(job, other) and all(_val(other.get(k)) == _val(job.get(k))
+                                          for k in ("workload", "seq_len", "workload_args"))
     divides = other["batch_size"] <= job["batch_size"] and job["batch_size"] % other["batch_size"] == 0
     # A remedy only removes a mistake or changes a knob; it never introduces a leak.
     no_new_leak = leak_of(other) in ("none", leak_of(job))
     return same and divides and no_new_leak
 
 
-def verdicts(df: pd.DataFrame) -> pd.DataFrame:
+def verdicts(df: pd.DataFrame, missing: list[dict] = ()) -> pd.DataFrame:
     """One row per (job, card) that does not fit: the verdict, the remedies in the sweep that fit
     (up to three, cheapest and fewest changes first: the fitting run and its changes), or the
-    smallest card of the catalog that fits the job as it is, with its headroom."""
+    smallest card of the catalog that fits the job as it is, with its headroom. Where no remedy
+    fits but a comparable point of the sweep has no row (`missing`, from the sweep's manifest),
+    the verdict is *undecided*: that point might have been the remedy."""
     cards = {c.key: c for c in catalog.cards()}
     by_name = {c.name: c for c in cards.values()}
     rows = df.to_dict("records")
@@ -125,9 +136,12 @@ def verdicts(df: pd.DataFrame) -> pd.DataFrame:
         remedies = [r for _rank, r in sorted(found.values(), key=lambda x: (x[0], repr(x[1]["changes"])))[:3]]
         entry = {"run_id": job.get("run_id"), "card": card.key.removeprefix(_OWN), "kind": job.get("kind"),
                  "remedies": remedies, "card_needed": None, "card_headroom_bytes": None, "card_headroom_pct": None,
-                 "card_edge": None}
+                 "card_edge": None, "missing": None}
+        unrun = [m for m in missing if _comparable(job, m, ran=False) and remedy_changes(job, m)]
         if remedies:
             entry["verdict"] = "code problem"
+        elif unrun:
+            entry.update(verdict="undecided", missing=[" ".join(m["overrides"]) for m in unrun])
         else:
             entry.update(verdict="card problem", **_card_needed(job, cards))
         out.append(entry)

@@ -36,7 +36,8 @@ def main(overrides: list[str]) -> int:
         if any(o.split("=", 1)[0].lstrip("+~") == "backend" for o in overrides):
             raise ConfigError("backend", "calibrate runs every point on both backends; leave backend unset")
         resolve_backend("cuda")  # no GPU: exit 2 before anything runs
-        points, base, cards = prepare("sweep", overrides)
+        prepared = prepare("sweep", overrides)
+        points, base, cards = prepared.points, prepared.base, prepared.cards
         devices = gpus.visible_devices()
         check_cards(cards, gpus.describe(devices))
     except ConfigError as e:

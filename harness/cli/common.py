@@ -4,6 +4,7 @@ partial) sweep aggregated into its results and report."""
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -24,18 +25,33 @@ def unknown_flag(args: list[str]) -> str | None:
     return next((a for a in args if a.startswith("-")), None)
 
 
-def prepare(verb: str, overrides: list[str]) -> tuple[list[list[str]], DictConfig, list[Card]]:
-    """Every point composed and validated; returns (points, the base config with hydra, the cards
-    the points ask for)."""
+@dataclass
+class Prepared:
+    points: list[list[str]]  # each point's overrides, as Hydra will launch them
+    base: DictConfig  # the config with hydra
+    cards: list[Card]  # the cards the points ask for
+    configs: dict[tuple[str, ...], DictConfig]  # each distinct point, composed
+
+    def manifest(self, cwd: str, cluster: bool) -> list[dict]:
+        """Every point with its run_id as its job will compute it (launch.point.to_point)."""
+        from harness.launch.point import to_point
+
+        return [results.manifest_entry(to_point(self.configs[tuple(p)], p, cwd, cluster=cluster), p)
+                for p in self.points]
+
+
+def prepare(verb: str, overrides: list[str]) -> Prepared:
+    """Every point composed and validated, before anything runs."""
     points = expand_grid(overrides) if verb == "sweep" else [overrides]
-    seen, cards = set(), {}
+    configs: dict[tuple[str, ...], DictConfig] = {}
+    cards = {}
     for p in points:
         key = tuple(p)
-        if key in seen:
+        if key in configs:
             continue
-        seen.add(key)
         try:
-            point = validate(compose(p))
+            configs[key] = cfg = compose(p)
+            point = validate(cfg)
             _check_applies(point, p)
         except ConfigError as e:
             if len(points) > 1:
@@ -43,7 +59,7 @@ def prepare(verb: str, overrides: list[str]) -> tuple[list[list[str]], DictConfi
             raise
         cards[point.gpu.name, point.gpu.memory_bytes] = point.gpu
     plain, _ = split_overrides(overrides)
-    return points, compose(plain, with_hydra=True), list(cards.values())
+    return Prepared(points, compose(plain, with_hydra=True), list(cards.values()), configs)
 
 
 # Knobs a custom job does not take: it builds its own optimizer (optimizer.impl still applies).
@@ -69,13 +85,14 @@ def aggregate(path: Path, expected: int | None = None) -> int:
     if not rows:
         print(f"harness: error: no result.json under {path}", file=sys.stderr)
         return EXIT_ROW_ERROR
+    target = path if path.is_dir() else path.parent
+    missing = results.missing_points(target, rows)
     df = results.to_frame(with_kinds(rows))
-    judged = words.worded_verdicts(verdicts(df), df)
+    judged = words.worded_verdicts(verdicts(df, missing or []), df)
     # the verdict's data (remedies, the card needed) and, derived from it, its words
     columns = {"verdict": "verdict", "remedies": "verdict_remedies", "card_needed": "verdict_card_needed",
                "card_headroom_bytes": "verdict_card_headroom_bytes", "detail": "verdict_detail"}
     df = df.merge(judged[["run_id", *columns]].rename(columns=columns), on="run_id", how="left")
-    target = path if path.is_dir() else path.parent
     out = results.write(df, target)
     frontier = results.load_frontier(target)
     fit_long = fit.fit_table(df)
@@ -87,7 +104,11 @@ def aggregate(path: Path, expected: int | None = None) -> int:
     bad = int(df["status"].isin(["error", "timeout"]).sum())
     if frontier is not None and not frontier.empty:
         bad += int((frontier["status"] != "ok").sum())
-    missing = (expected - len(df)) if expected is not None else 0
-    if missing > 0:
-        print(f"harness: {missing} point(s) left no row", file=sys.stderr)
-    return EXIT_ROW_ERROR if bad or missing > 0 else EXIT_OK
+    if missing:  # the manifest names them
+        print(f"harness: {len(missing)} of {len(missing) + len(df)} point(s) have no row (the sweep did not "
+              "finish): " + "; ".join(" ".join(m["overrides"]) or "(defaults)" for m in missing[:10])
+              + (f"; and {len(missing) - 10} more" if len(missing) > 10 else ""), file=sys.stderr)
+    unnamed = (expected - len(df)) if expected is not None and missing is None else 0
+    if unnamed > 0:
+        print(f"harness: {unnamed} point(s) left no row", file=sys.stderr)
+    return EXIT_ROW_ERROR if bad or missing or unnamed > 0 else EXIT_OK

@@ -20,6 +20,7 @@ from harness.config.validate import validate
 from harness.errors import EXIT_OK, EXIT_USAGE, ConfigError
 from harness.launch.gpus import check_cards, resolve_backend
 from harness.launch.point import to_point
+from harness.record import results
 
 USAGE = """usage: python -m harness <verb> [overrides]
 
@@ -92,7 +93,8 @@ def _gpu_launch(cards: list, multirun: bool) -> list[str]:
 def _launch(verb: str, flags: list[str], overrides: list[str], asked: list[str] | None = None) -> int:
     """Run `overrides` through Hydra; `asked`: what the user typed (for the resume line)."""
     try:
-        points, base, cards = prepare(verb, overrides)
+        prepared = prepare(verb, overrides)
+        points, base, cards = prepared.points, prepared.base, prepared.cards
         # Only a sweep goes through the launcher: `run` is one point on this machine.
         cluster = verb == "sweep" and "Slurm" in str(base.hydra.launcher.get("_target_", ""))
         backend = resolve_backend(base.backend, cluster)
@@ -118,6 +120,8 @@ def _launch(verb: str, flags: list[str], overrides: list[str], asked: list[str] 
         out = results_dir / "runs" / stamp
     hydra_args = ([*overrides, f"{dir_key}={out}", *extra] if verb == "run"
                   else ["--multirun", *overrides, f"{dir_key}={out}", *extra])
+    # Every point asked for, before any runs: `report` names those an interrupted sweep never ran.
+    results.write_manifest(out, prepared.manifest(os.getcwd(), cluster))
     print(f"harness: {verb}: {len(points)} point(s) on backend={backend} -> {out}", file=sys.stderr)
     sys.argv = [sys.argv[0], *flags, *hydra_args]  # hydra.main reads its overrides from argv
     callbacks.arm(out, len(points))  # Hydra's callback shows progress and writes the report

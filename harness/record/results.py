@@ -30,6 +30,37 @@ def load_rows(path: Path) -> list[dict]:
     return rows
 
 
+MANIFEST_FILE = "points.json"  # every point a sweep was asked for, written before any runs
+
+
+def manifest_entry(point, overrides: list[str]) -> dict:
+    """What a sweep's manifest keeps of a point: its run_id, the overrides that name it, and the
+    fields a verdict compares (analysis.verdict) for a point that may never get a row."""
+    from harness.record.row import base_record, run_id
+
+    rec = base_record(point)
+    fields = {k: rec[k] for k in ("model", "workload", "seq_len", "batch_size", "precision", "checkpointing",
+                                  "optimizer", "optimizer_impl", "allocator_conf", "leak", "gpu",
+                                  "workload_target", "workload_args")}
+    return {"run_id": run_id(point), "overrides": [o for o in overrides if not o.startswith("hydra")], **fields}
+
+
+def write_manifest(sweep_dir: Path, entries: list[dict]) -> None:
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    (sweep_dir / MANIFEST_FILE).write_text(json.dumps(entries, indent=1, default=str))
+
+
+def missing_points(path: Path, rows: list[dict]) -> list[dict] | None:
+    """The manifest's points that have no row under `path` (None: no manifest, e.g. a plan)."""
+    manifest = Path(path) / MANIFEST_FILE
+    try:
+        entries = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        return None
+    have = {r.get("run_id") for r in rows}
+    return [e for e in entries if e["run_id"] not in have]
+
+
 def to_frame(rows: list[dict]) -> pd.DataFrame:
     """Rows as one frame: every column of the record, in its order, then any extra ones."""
     df = pd.DataFrame(rows)

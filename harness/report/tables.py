@@ -62,6 +62,33 @@ def fold_constant(table: Table, columns: int) -> tuple[Table, str]:
     return ([header[i] for i in keep], [[r[i] for i in keep] for r in rows]), caption
 
 
+def fold_uniform_cards(table: Table, cards: list[str], keep: set[str]) -> tuple[Table, str]:
+    """Card columns that say the same of every run (every run fits with room, or none fits) moved
+    into a caption, so the cards that tell runs apart stay readable; the `keep` cards (the runs'
+    own) stay as columns."""
+    header, rows = table
+    if not rows:
+        return table, ""
+    folded: dict[str, list[str]] = {}
+    drop = set()
+    for card in cards:
+        if card not in header or card in keep:
+            continue
+        i = header.index(card)
+        kinds = {r[i].split(" ")[0] if r[i].startswith(("fits ", "tight ")) and not r[i].startswith("fits on")
+                 else r[i] for r in rows}
+        if kinds == {"fits"}:
+            folded.setdefault("every run fits", []).append(card)
+        elif kinds == {"OOM"}:
+            folded.setdefault("no run fits", []).append(card)
+        else:
+            continue
+        drop.add(i)
+    keep_cols = [i for i in range(len(header)) if i not in drop]
+    caption = "; ".join(f"{what}: {', '.join(names)}" for what, names in folded.items())
+    return ([header[i] for i in keep_cols], [[r[i] for i in keep_cols] for r in rows]), caption
+
+
 def verdict_table(judged: pd.DataFrame) -> Table:
     header = ["job", "card", "kind", "verdict", "what fits"]
     return header, [[str(r.job), str(r.card), str(r.kind), str(r.verdict), str(r.detail)]

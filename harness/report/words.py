@@ -117,6 +117,10 @@ def remedy(r: dict, torch_version: str | None = None) -> str:
 def verdict_detail(v, torch_version: str | None = None) -> str:
     """What fits (a code problem), or which card is needed (a card problem)."""
     remedies = list(v["remedies"]) if v["remedies"] is not None else []
+    if v.get("verdict") == "undecided":
+        unrun = list(v["missing"])
+        return (f"undecided: no remedy with a row fits, and {len(unrun)} comparable point(s) have no row "
+                f"(e.g. {unrun[0]}); run the sweep to its end")
     if remedies:
         return " | ".join(f"{EDGE_FITS[r.get('edge') or 'room']} with {remedy(r, torch_version)}" for r in remedies)
     if v["card_needed"] is None or (isinstance(v["card_needed"], float) and pd.isna(v["card_needed"])):
