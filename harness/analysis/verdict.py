@@ -12,6 +12,8 @@ and a card problem names a card and the headroom in bytes. report/words.py puts 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pandas as pd
 
 from harness.config import cards as catalog
@@ -109,7 +111,7 @@ def _comparable(job, other, ran: bool = True) -> bool:
     return same and divides and no_new_leak
 
 
-def verdicts(df: pd.DataFrame, missing: list[dict] = ()) -> pd.DataFrame:
+def verdicts(df: pd.DataFrame, missing: Sequence[dict] = ()) -> pd.DataFrame:
     """One row per (job, card) that does not fit: the verdict, the remedies in the sweep that fit
     (up to three, cheapest and fewest changes first: the fitting run and its changes), or the
     smallest card of the catalog that fits the job as it is, with its headroom. Where no remedy
