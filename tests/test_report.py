@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from harness.cli.progress import SweepProgress, Tally, line
+from harness.config import cards
 from tests.conftest import REPO, run_cli
 
 ARTIFACTS = REPO / "test-artifacts"
@@ -54,7 +55,7 @@ def test_report_verb_rewrites_the_report_of_a_sweep_dir(sweep_dir):
     assert r.returncode == 0, r.stderr
     assert (sweep_dir / "report.html").exists()
     fit = pd.read_csv(sweep_dir / "fit.csv")
-    assert len(fit) == 8 * 10 and set(fit.columns) >= {"run_id", "card", "fits", "headroom_bytes", "headroom_pct"}
+    assert len(fit) == 8 * len(cards.cards()) and set(fit.columns) >= {"run_id", "card", "fits", "headroom_bytes", "headroom_pct"}
 
 
 def _chromium() -> str | None:
@@ -79,10 +80,22 @@ def test_report_opens_in_headless_chromium_with_every_image_loaded(sweep_dir):
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto((sweep_dir / "report.html").as_uri(), wait_until="load")
         images = page.evaluate("Array.from(document.images).map(i => [i.complete, i.naturalWidth, i.naturalHeight])")
+        # as pictures: drawn (not blank), inside the page, not shrunk past reading
+        looks = page.evaluate("""Array.from(document.images).map(i => {
+            const c = document.createElement('canvas'); c.width = i.naturalWidth; c.height = i.naturalHeight;
+            const g = c.getContext('2d'); g.drawImage(i, 0, 0);
+            const px = g.getImageData(0, 0, c.width, c.height).data; let ink = 0;
+            for (let k = 0; k < px.length; k += 4) if (px[k] < 200 || px[k+1] < 200 || px[k+2] < 200) ink++;
+            const r = i.getBoundingClientRect();
+            return [ink / (px.length / 4), r.left, r.right, r.width / i.naturalWidth, window.innerWidth];
+        })""")
         page.screenshot(path=str(shot), full_page=True)
         browser.close()
     assert len(images) == 3
     assert all(done and w > 100 and h > 100 for done, w, h in images), images
+    for ink, left, right, scale, viewport in looks:
+        assert 0.01 < ink < 0.6, looks  # something is drawn, and it is not a block of colour
+        assert left >= 0 and right <= viewport and scale >= 0.6, looks
     assert shot.read_bytes().startswith(PNG)
 
 

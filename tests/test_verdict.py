@@ -138,3 +138,31 @@ def test_the_four_kinds_tour_names_each_kind_with_numbers_that_agree(tmp_path):
         assert all(b > a for a, b in zip(after[1:], after[2:]))
     assert "Code problem or card problem?" in r.stdout
     assert set(df.loc[df["status"] == "oom", "verdict"]) <= {"code problem", "card problem"}
+    from harness.report import figures
+    from tests.test_figures import _check_legible
+
+    # the tour's own figures read as pictures too
+    for fig in (figures.peak_vs_batch(df, cards.cards()), figures.step_timeline(df), figures.breakdown(df)):
+        _check_legible(fig)
+
+
+def test_every_key_that_varies_is_in_the_label_and_a_column():
+    from harness.report import tables
+
+    df = pd.DataFrame([_row(run_id="a", optimizer="adamw"), _row(run_id="s", optimizer="sgd"),
+                       _row(run_id="w1", model="memjob:build", workload_target="memjob:build",
+                            workload_args='{"width": 256}'),
+                       _row(run_id="w2", model="memjob:build", workload_target="memjob:build",
+                            workload_args='{"width": 512}'),
+                       _row(run_id="h1", overrides="model.hf.num_hidden_layers=2"),
+                       _row(run_id="h2", overrides="model.hf.num_hidden_layers=4")])
+    labels = words.job_labels(df)
+    assert len(set(labels.values())) == len(df)  # no two runs under one label
+    assert "sgd/auto" in labels["s"] and "width=512" in labels["w2"] and "num_hidden_layers=4" in labels["h2"]
+    fit_long = pd.DataFrame([{"run_id": r, "card": "t4", "fits": True, "edge": "room", "headroom_pct": 5.0}
+                             for r in df["run_id"]])
+    for col in ("gpu", "backend", "kind", "peak_allocated_bytes", "peak_reserved_bytes"):
+        df[col] = df.get(col, None)
+    (header, rows), _ = tables.fold_constant(tables.fits_table(df, fit_long), tables.FITS_IDENTITY_COLUMNS)
+    assert "optimizer" in header and "args" in header
+    assert {r[header.index("optimizer")] for r in rows} == {"adamw/auto", "sgd/auto"}
