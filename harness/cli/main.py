@@ -1,7 +1,8 @@
 """`python -m harness run|sweep|report`: validate everything first, run through Hydra, aggregate.
 
 Exit codes: 0 every point produced a row (OOM rows count); 1 some row is an error, a timeout,
-or missing; 2 usage or config error (nothing was run, nothing already written is touched).
+or missing; 2 usage or config error (nothing was run, nothing already written is touched);
+130/143 interrupted by SIGINT/SIGTERM (every point's process stopped, the rows written kept).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ USAGE = """usage: python -m harness <verb> [overrides]
                         the recording, or what-if under other settings / on another card
 
 exit codes: 0 every point produced a row (OOM rows count); 1 some row is an error, timeout or
-missing; 2 usage or config error."""
+missing; 2 usage or config error; 130/143 interrupted by Ctrl-C/SIGTERM (rows written are kept)."""
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
