@@ -77,6 +77,16 @@ def test_a_run_that_fits_only_after_a_cache_flush_is_decided_by_replaying_its_tr
     # segment and retries, as PyTorch does.
     assert fit.fits(row, card, 0.5) is True
     assert fit.fits(row, card, 0.7) is False  # 1.2 GiB of room < 1.5 GiB allocated
+    # and it is said: a fit on the allocator's retry, never a plain fit with negative headroom
+    assert fit.edge(row, card, 0.5) == "after_retry" and fit.edge(row, card, 0.0) == "room"
+    from harness.report import tables
+
+    group = {"status": "ok", "axis": "batch_size", "margin": 0.5, "card": "c", "largest": 22, "first_oom": 23,
+             "monotone": True, "cache_flushes": 3, "probes": 5, "grid_points": 64, "peak_reserved_bytes": 5 * GIB // 2,
+             "headroom_bytes": -GIB // 2, "edge": "after_retry", "model": "m", "workload": "train",
+             "precision": "bf16", "checkpointing": False, "seq_len": 1024, "batch_size": None, "allocator_conf": ""}
+    _, [cells] = tables.frontier_table(pd.DataFrame([group]))
+    assert cells[4] == "22 (fits on retry)" and cells[7] == "none (fits on retry)"
 
 
 def test_fit_table_has_a_row_per_run_and_card_with_headroom():
