@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from harness.config.point import Point
 REPO = Path(__file__).resolve().parents[1]
 
 # A user's own calibrated cards (calibrate's measured-cards.json) must not move the catalog under test.
-os.environ[cards.MEASURED_ENV] = str(REPO / "tests" / "data" / "no-measured-cards.json")
+os.environ[cards.MEASURED_ENV] = os.path.join(tempfile.mkdtemp(prefix="harness-measured-"), "measured-cards.json")
 
 
 def model_cfg(name: str, **hf) -> dict:
