@@ -18,6 +18,7 @@ import pandas as pd
 
 from harness.config import cards as catalog
 from harness.config.point import Card
+from harness.record.row import listed, recorded_edge
 
 # What each kind of remedy costs (a code, worded by the report), and its rank: cheapest first.
 COSTS = {
@@ -38,22 +39,15 @@ def leak_of(row) -> str:
     return value if isinstance(value, str) else "none"  # rows from before leaks were recorded
 
 
-def _listed(row, column: str) -> list:
-    listed = row.get(column)
-    return [] if listed is None or (isinstance(listed, float) and pd.isna(listed)) else list(listed)
-
-
 def _fits(row, card_key: str) -> bool:
     if card_key.startswith(_OWN):  # a card outside the catalog: only its own runs say
         return row.get("gpu") == card_key[len(_OWN):] and row.get("status") == "ok"
-    return card_key in _listed(row, "fits_cards")
+    return card_key in (listed(row, "fits_cards") or [])
 
 
 def _edge(row, card_key: str) -> str:
-    """room | after_retry | tight for a run that fits the card (probe.sim.reserved.EDGES)."""
-    if card_key in _listed(row, "tight_cards"):
-        return "tight"
-    return "after_retry" if card_key in _listed(row, "retry_cards") else "room"
+    """room | after_retry | tight for a run that fits the card (rows from before the edges: room)."""
+    return recorded_edge(row, card_key) or "room"
 
 
 _OWN = "own:"  # the key of a card outside the catalog (gpu.memory_bytes=...), by its name

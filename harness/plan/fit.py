@@ -12,15 +12,11 @@ from harness.config import cards as catalog
 from harness.config.point import Card
 from harness.probe.sim import reserved
 from harness.record import trace_store
+from harness.record.row import listed, recorded_edge
 
 
 def _missing(v) -> bool:
     return v is None or (isinstance(v, float) and pd.isna(v))
-
-
-def _listed(row: dict, column: str):
-    listed = row.get(column)
-    return None if _missing(listed) else list(listed)
 
 
 def _peaks(row: dict) -> tuple[int, int] | None:
@@ -46,9 +42,9 @@ def fits(row: dict, card: Card, margin: float = 0.0) -> bool | None:
     """Whether the run of `row` fits `card` with `margin` kept free: the allocator model's verdict
     (a replay of the run's trace on the card where the peaks alone do not settle it); None when
     the row has no numbers (an error)."""
-    listed = _listed(row, "fits_cards")
-    if not margin and listed is not None:
-        return card.key in listed
+    recorded = listed(row, "fits_cards")
+    if not margin and recorded is not None:
+        return card.key in recorded
     if _peaks(row) is None:
         return None
     return _fits_on(row, card.with_margin(margin))
@@ -62,9 +58,9 @@ def edge(row: dict, card: Card, margin: float = 0.0) -> str | None:
         return None
     if not fitting:
         return "oom"
-    tight, retry = _listed(row, "tight_cards"), _listed(row, "retry_cards")
-    if not margin and tight is not None and retry is not None:
-        return "tight" if card.key in tight else "after_retry" if card.key in retry else "room"
+    recorded = recorded_edge(row, card.key) if not margin else None
+    if recorded is not None:
+        return recorded
     return reserved.edge(lambda c: _fits_on(row, c), _peaks(row)[0], card.with_margin(margin))
 
 

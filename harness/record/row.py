@@ -34,6 +34,23 @@ COLUMNS = (
 )
 
 
+def listed(row, column: str) -> list | None:
+    """A list column of a row (fits_cards, ...); None where the row has none (read back as NaN)."""
+    value = row.get(column)
+    return None if value is None or (isinstance(value, float) and value != value) else list(value)
+
+
+def recorded_edge(row, card_key: str) -> str | None:
+    """The edge a row recorded for a catalog card (probe.sim.reserved.EDGES: room, after_retry,
+    tight, oom); None for a row from before the edges were recorded."""
+    fits, tight, retry = (listed(row, c) for c in ("fits_cards", "tight_cards", "retry_cards"))
+    if fits is None or tight is None or retry is None:
+        return None
+    if card_key not in fits:
+        return "oom"
+    return "tight" if card_key in tight else "after_retry" if card_key in retry else "room"
+
+
 def point_identity(point: Point) -> dict:
     """What defines a run: everything that can change its numbers or its status."""
     d = point.to_dict()
