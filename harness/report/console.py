@@ -57,9 +57,8 @@ def render(df: pd.DataFrame, fit_long: pd.DataFrame, title: str) -> None:
     from rich.markup import escape
 
     table, same = tables.fold_constant(tables.fits_table(df, fit_long), columns=tables.FITS_IDENTITY_COLUMNS)
-    cards = list(dict.fromkeys(fit_long["card"])) if not fit_long.empty else []
     own = {c.key for c in catalog.cards() if c.name in set(df["gpu"].astype(str))}
-    table, uniform = tables.fold_uniform_cards(table, cards, own)  # 20 cards do not fit a terminal
+    table, uniform = tables.fold_uniform_cards(table, fit_long, own)  # 20 cards do not fit a terminal
     first_number = table[0].index("alloc GiB")
     caption = FITS_CAPTION + "; GiB = 1024^3 B" + (f"\n{uniform} (report.html has every card)" if uniform else "")
     _print(table, f"{title}\n{same}" if same else title, caption, right_from=first_number)

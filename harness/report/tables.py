@@ -62,31 +62,21 @@ def fold_constant(table: Table, columns: int) -> tuple[Table, str]:
     return ([header[i] for i in keep], [[r[i] for i in keep] for r in rows]), caption
 
 
-def fold_uniform_cards(table: Table, cards: list[str], keep: set[str]) -> tuple[Table, str]:
-    """Card columns that say the same of every run (every run fits with room, or none fits) moved
+def fold_uniform_cards(table: Table, fit_long: pd.DataFrame, keep: set[str]) -> tuple[Table, str]:
+    """Card columns whose edge is the same for every run (all fit with room, or none fits) moved
     into a caption, so the cards that tell runs apart stay readable; the `keep` cards (the runs'
     own) stay as columns."""
     header, rows = table
-    if not rows:
+    if not rows or fit_long.empty:
         return table, ""
-    folded: dict[str, list[str]] = {}
-    drop = set()
-    for card in cards:
-        if card not in header or card in keep:
-            continue
-        i = header.index(card)
-        kinds = {r[i].split(" ")[0] if r[i].startswith(("fits ", "tight ")) and not r[i].startswith("fits on")
-                 else r[i] for r in rows}
-        if kinds == {"fits"}:
-            folded.setdefault("every run fits", []).append(card)
-        elif kinds == {"OOM"}:
-            folded.setdefault("no run fits", []).append(card)
-        else:
-            continue
-        drop.add(i)
-    keep_cols = [i for i in range(len(header)) if i not in drop]
-    caption = "; ".join(f"{what}: {', '.join(names)}" for what, names in folded.items())
-    return ([header[i] for i in keep_cols], [[r[i] for i in keep_cols] for r in rows]), caption
+    edges = fit_long.groupby("card", sort=False)["edge"].agg(lambda e: frozenset(e.dropna()))
+    uniform = {"every run fits": frozenset({"room"}), "no run fits": frozenset({"oom"})}
+    folded = {what: [c for c, e in edges.items() if e == kinds and c not in keep and c in header]
+              for what, kinds in uniform.items()}
+    drop = {header.index(c) for cards in folded.values() for c in cards}
+    kept = [i for i in range(len(header)) if i not in drop]
+    caption = "; ".join(f"{what}: {', '.join(cards)}" for what, cards in folded.items() if cards)
+    return ([header[i] for i in kept], [[r[i] for i in kept] for r in rows]), caption
 
 
 def verdict_table(judged: pd.DataFrame) -> Table:
