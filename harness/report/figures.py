@@ -34,13 +34,6 @@ def _style(i: int) -> dict:
     return {"color": plt.get_cmap("tab20")(2 * j if j < 10 else 2 * (j - 10) + 1), "ls": "-" if i < 20 else "--"}
 
 
-def _variant(r, varying: frozenset) -> str:
-    """A run's line within a panel: every knob that tells it from the others but the batch."""
-    label = words.job_label(r, varying)
-    # the panel's title holds model, workload and sequence; the x axis holds the batch
-    return label.split(" ", 4)[4] if label.count(" ") >= 4 else label
-
-
 def _wrap(text: str, width_in: float, fontsize: float) -> str:
     """A title that fits its width: about 1.9 characters per point of width per inch at this size."""
     return textwrap.fill(text, max(20, int(width_in * 72 / (fontsize * 0.55))))
@@ -72,7 +65,7 @@ def peak_vs_batch(df: pd.DataFrame, cards: list[Card]) -> plt.Figure | None:
     fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.6 * rows), squeeze=False)
     for ax, ((model, workload, seq), g) in zip(axes.flat, panels):
         top = 0.0
-        groups = sorted(g.groupby(g.apply(lambda r: _variant(r, varying), axis=1)), key=lambda x: x[0])
+        groups = sorted(g.groupby(g.apply(lambda r: words.variant_label(r, varying), axis=1)), key=lambda x: x[0])
         for i, (variant, v) in enumerate(groups):
             v = v.sort_values("batch_size")
             res = v["peak_reserved_bytes"].fillna(v["peak_allocated_bytes"]) / GiB
@@ -124,7 +117,7 @@ def _representatives(df: pd.DataFrame, limit: int) -> tuple[pd.DataFrame, int]:
         return d, 0
     varying = words.varying_keys(d)
     d["_size"] = d["batch_size"] * d["seq_len"]
-    d["_variant"] = d.apply(lambda r: f"{r['model']} {r['workload']} {_variant(r, varying)}", axis=1)
+    d["_variant"] = d.apply(lambda r: f"{r['model']} {r['workload']} {words.variant_label(r, varying)}", axis=1)
     reps = d.sort_values("_size").groupby("_variant").tail(1)
     leak = reps["leak"].fillna("none") != "none"
     return pd.concat([reps[leak], reps[~leak]]).head(limit), len(reps)

@@ -44,8 +44,12 @@ def job_args(row) -> str:
 def job_label(row, varying=frozenset()) -> str:
     """A run in words: model, workload, batch, sequence, precision, checkpointing; the allocator
     and leak where set; and each key of `varying` (VARYING_KEYS that differ among the runs shown)."""
-    parts = [f"{row['model']} {row['workload']} b{row['batch_size']} s{row['seq_len']} {row['precision']} "
-             f"ckpt={'yes' if row.get('checkpointing') else 'no'}"]
+    return f"{row['model']} {row['workload']} b{row['batch_size']} s{row['seq_len']} {variant_label(row, varying)}"
+
+
+def variant_label(row, varying=frozenset()) -> str:
+    """A run's label without its model, workload, batch and sequence (a figure's panel and axis)."""
+    parts = [f"{row['precision']} ckpt={'yes' if row.get('checkpointing') else 'no'}"]
     if {"optimizer", "optimizer_impl"} & set(varying):
         parts.append(f"{row.get('optimizer')}/{row.get('optimizer_impl')}")
     if "workload_args" in varying and job_args(row):
