@@ -116,16 +116,8 @@ def _run(cell, tmp_path: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cell", PRESET_CELLS, ids=lambda c: "-".join(str(v) for v in c.values()))
-def test_every_pair_of_preset_knob_values_runs_to_a_row(cell, tmp_path):
-    rec = _run(cell, tmp_path)
-    assert rec["status"] in ("ok", "oom"), rec.get("error")
-    assert rec["peak_allocated_bytes"] > 0
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("cell", JOB_CELLS, ids=lambda c: "-".join(str(v) for v in c.values()))
-def test_every_pair_of_knob_values_runs_on_each_example_job(cell, tmp_path):
+@pytest.mark.parametrize("cell", PRESET_CELLS + JOB_CELLS, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_every_pair_of_knob_values_runs_to_a_row_on_the_preset_and_each_example_job(cell, tmp_path):
     rec = _run(cell, tmp_path)
     assert rec["status"] in ("ok", "oom"), rec.get("error")
     assert rec["peak_allocated_bytes"] > 0

@@ -31,11 +31,11 @@ START_TIMEOUT_S = 60
 
 
 def _code_key() -> str:
-    root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha1(sys.executable.encode())
-    for path in sorted(root.rglob("*.py")):
-        h.update(f"{path}:{path.stat().st_mtime_ns}".encode())
-    return h.hexdigest()[:12]
+    """This interpreter and the code it would load (provenance.versions: torch, transformers and
+    harness's sources): another install or an edit to harness gets a zygote of its own."""
+    from harness.record.provenance import versions
+
+    return hashlib.sha1(f"{sys.executable}:{sorted(versions().items())}".encode()).hexdigest()[:12]
 
 
 def socket_path() -> Path:

@@ -29,8 +29,7 @@ def run_sim(point: Point, run_dir: Path) -> dict:
     import transformers
 
     t0 = time.perf_counter()
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
-    tid = trace_store.trace_id(point, versions)
+    tid = trace_store.trace_id(point)
     cache = Path(point.trace_cache) if point.trace_cache else None
     trace_path = run_dir / trace_store.TRACE_FILE
     cached = trace_store.load_cached(cache, tid)

@@ -9,7 +9,7 @@ import pandas as pd
 
 from harness.record import provenance
 from harness.record.provenance import USER_CODE
-from harness.record.row import COLUMNS, RESULT_FILE
+from harness.record.row import COLUMNS, RESULT_FILE, base_record, run_id
 
 _REUSABLE = ("ok", "oom")  # rows a re-run takes over; errors and timeouts run again
 
@@ -36,8 +36,6 @@ MANIFEST_FILE = "points.json"  # every point a sweep was asked for, written befo
 def manifest_entry(point, overrides: list[str]) -> dict:
     """What a sweep's manifest keeps of a point: its run_id, the overrides that name it, and the
     fields a verdict compares (analysis.verdict) for a point that may never get a row."""
-    from harness.record.row import base_record, run_id
-
     rec = base_record(point)
     fields = {k: rec[k] for k in ("model", "workload", "seq_len", "batch_size", "precision", "checkpointing",
                                   "optimizer", "optimizer_impl", "allocator_conf", "leak", "gpu",

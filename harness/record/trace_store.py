@@ -27,12 +27,13 @@ MEASUREMENTS_FILE = "measurements.json"
 COLUMNS = ["seq", "action", "key", "size", "kind", "phase", "step", "module"]
 
 
-def trace_id(point: Point, versions: dict) -> str:
-    """Everything that shapes the trace; allocator settings and the card do not."""
+def trace_id(point: Point) -> str:
+    """Everything that shapes the trace (the versions of torch, transformers and harness included);
+    allocator settings and the card do not."""
     ident = point_identity(point)
     for replay_only in ("allocator_conf", "gpu", "gpu_memory_bytes"):
         del ident[replay_only]
-    blob = json.dumps({**ident, **versions}, sort_keys=True, default=str)
+    blob = json.dumps(ident, sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
