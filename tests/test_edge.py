@@ -86,6 +86,7 @@ def test_a_fit_on_retry_never_reads_as_a_plain_fit_with_negative_headroom():
 
 def test_what_calibrate_measured_replaces_the_estimate(tmp_path, monkeypatch):
     monkeypatch.setenv(cards.MEASURED_ENV, str(tmp_path / "measured.json"))
+    cards._measured.cache_clear()
     cards._catalog.cache_clear()
     try:
         t4 = cards.by_key()["t4"]
@@ -103,4 +104,5 @@ def test_what_calibrate_measured_replaces_the_estimate(tmp_path, monkeypatch):
         composed = dataclasses.replace(t4, key="")
         assert cards.as_measured(composed).non_pytorch_bytes == 409 * MiB  # a point's card, composed from YAML
     finally:
+        cards._measured.cache_clear()
         cards._catalog.cache_clear()

@@ -29,6 +29,7 @@ def measured_path() -> Path:
     return Path(os.environ.get(MEASURED_ENV, default))
 
 
+@functools.cache
 def _measured() -> dict[str, dict]:
     try:
         return json.loads(measured_path().read_text())
@@ -59,13 +60,9 @@ def with_measured(card: Card, m: dict) -> Card:
 
 def as_measured(card: Card) -> Card:
     """A point's card (composed from its YAML) with the measured figures where calibrate has them."""
-    known = next((c for c in _catalog() if c.name == card.name and c.device_name == card.device_name), None)
-    if known is None or not known.non_pytorch_source.startswith(MEASURED_PREFIX):
-        return card
-    return dataclasses.replace(card, memory_bytes=known.memory_bytes, memory_spread_bytes=0,
-                               non_pytorch_bytes=known.non_pytorch_bytes,
-                               non_pytorch_spread_bytes=known.non_pytorch_spread_bytes,
-                               non_pytorch_source=known.non_pytorch_source)
+    key = next((c.key for c in _catalog() if c.name == card.name and c.device_name == card.device_name), None)
+    measured = _measured().get(key) if key else None
+    return with_measured(card, measured) if measured else card
 
 
 MEASURED_PREFIX = "measured by calibrate"
@@ -83,7 +80,7 @@ def record_measured(rows: list[dict], keys: dict[str, str]) -> dict[str, dict]:
             seen.setdefault(key, []).append(r)
     if not seen:
         return {}
-    out = _measured()
+    out = dict(_measured())
     for key, rs in seen.items():
         np_bytes = [int(r["measured_non_pytorch_bytes"]) for r in rs]
         out[key] = {"memory_bytes": int(rs[0]["device_memory_bytes"]), "non_pytorch_bytes": max(np_bytes),
@@ -93,6 +90,7 @@ def record_measured(rows: list[dict], keys: dict[str, str]) -> dict[str, dict]:
     path = measured_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1, sort_keys=True))
+    _measured.cache_clear()
     _catalog.cache_clear()
     return {k: out[k] for k in seen}
 
