@@ -7,6 +7,8 @@ context manager so nothing leaks out of the trace:
   for-loop path, whose temporaries are one parameter's, not all of them (13% of a 7B peak);
 - scaled-dot-product attention: CUDA's kernel choice (flash for fp16/bf16 without a mask,
   memory-efficient otherwise) instead of the CPU kernels;
+- dropout: CUDA's fused kernel keeps a bool mask (1 B per element) for backward, where the CPU
+  path keeps a noise tensor in the input's dtype (4 B in fp32);
 - autocast: CUDA's op lists (lower precision for GEMMs, fp32 for exp/pow/rsqrt/losses, fp32
   output for softmax/sum) with CUDA's cast cache for leaf weights, which lives until the
   autocast region exits.
@@ -41,11 +43,19 @@ def _flash_eligible(q, k, v, attn_mask, dropout_p) -> bool:
 
 def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):
-    """F.scaled_dot_product_attention as CUDA dispatches it: flash, else memory-efficient."""
-    if _flash_eligible(query, key, value, attn_mask, dropout_p):
+    """F.scaled_dot_product_attention as CUDA dispatches it: flash, else memory-efficient, else the
+    math path, each only while enabled (torch.backends.cuda.*_sdp_enabled, sdpa_kernel)."""
+    backends = torch.backends.cuda
+    if backends.flash_sdp_enabled() and _flash_eligible(query, key, value, attn_mask, dropout_p):
         out = torch.ops.aten._scaled_dot_product_flash_attention(
             query, key, value, dropout_p, is_causal, False, scale=scale)
         return out[0]
+    if not backends.mem_efficient_sdp_enabled():
+        if not backends.math_sdp_enabled():
+            raise RuntimeError("No available kernel for scaled_dot_product_attention: flash, memory-efficient "
+                               "and math are all disabled or ineligible")
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
     if key.shape[1] != query.shape[1]:
         # The memory-efficient kernel takes no grouped KV heads: expand them, as the
         # fallback does (one K- and one V-sized copy per layer).
@@ -60,6 +70,19 @@ def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     out = torch.ops.aten._scaled_dot_product_efficient_attention(
         query, key, value, attn_mask, query.requires_grad, dropout_p, is_causal, scale=scale)
     return out[0]
+
+
+# ---- dropout ----------------------------------------------------------------------------------
+
+_original_dropout = F.dropout
+
+
+def cuda_dropout(input, p=0.5, training=True, inplace=False):
+    """F.dropout as CUDA runs it: out of place, training and 0 < p < 1 take the fused kernel
+    (at::native_dropout: the output and a bool mask); otherwise what every device does."""
+    if inplace or not training or not 0.0 < p < 1.0 or input.numel() == 0 or input.is_nested:
+        return _original_dropout(input, p, training, inplace)
+    return torch.ops.aten.native_dropout(input, p, True)[0]
 
 
 # ---- autocast with CUDA's op lists -----------------------------------------------------------
@@ -244,9 +267,9 @@ def unpacked_sequences():
 
 @contextlib.contextmanager
 def cuda_kernels():
-    """Route F.scaled_dot_product_attention through CUDA's kernel choice while tracing."""
-    F.scaled_dot_product_attention = cuda_sdpa
+    """Route F.scaled_dot_product_attention and F.dropout through CUDA's kernels while tracing."""
+    F.scaled_dot_product_attention, F.dropout = cuda_sdpa, cuda_dropout
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = _original_sdpa
+        F.scaled_dot_product_attention, F.dropout = _original_sdpa, _original_dropout

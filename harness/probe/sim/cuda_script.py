@@ -5,6 +5,12 @@ dtype=torch.bfloat16)` and `torch.cuda.synchronize()`. Fake CUDA tensors cannot 
 torch without a GPU (fidelity.md, B), so the trace stays on fake CPU tensors: CUDA device arguments
 become the CPU, the script's own CUDA autocast becomes the CUDA autocast emulation, and the CUDA
 calls that only synchronize or report become no-ops. Nothing here runs on the cuda backend.
+
+Where each tensor would live is kept beside it: the tracker counts device tensors only. A factory
+call without a device makes a tensor where the code's default device is (the card inside a Job,
+which the cuda backend builds and steps under `torch.device("cuda")`; the host in a plain script,
+as in Python); `device=`, `.to(...)`, `.cuda()` and `.cpu()` say where; every other op's output
+lives where its inputs do.
 """
 
 from __future__ import annotations
@@ -30,18 +36,86 @@ def _to_cpu(x):
     return _CPU if _is_cuda(x) else x
 
 
+def _placement(device) -> str | None:
+    """"device" (the card), "host", or None for an argument that names no device."""
+    if isinstance(device, bool):
+        return None
+    if isinstance(device, int) or _is_cuda(device):
+        return "device"  # an int device is a CUDA ordinal
+    if isinstance(device, torch.device) or (isinstance(device, str) and device.split(":")[0] == "cpu"):
+        return "host"
+    return None
+
+
+def _has_tensor(values) -> bool:
+    """A tensor among the arguments, or in a list of them (torch.cat's)."""
+    for a in values:
+        if isinstance(a, torch.Tensor):
+            return True
+        if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+            return True
+    return False
+
+
+_MOVES = (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu)
+
+
 class CudaDevicesOnCpu(TorchFunctionMode):
-    """Every CUDA device argument (factory `device=`, `.to("cuda")`, `.cuda()`) goes to the CPU."""
+    """Every CUDA device argument (factory `device=`, `.to("cuda")`, `.cuda()`) goes to the CPU,
+    and the tracker is told where the call's outputs would live (its `placement`)."""
+
+    def __init__(self, tracker, default_host: bool):
+        super().__init__()
+        self.tracker = tracker
+        self.default_host = default_host
+
+    def _target(self, func, args, kwargs) -> str | None:
+        if func is torch.Tensor.cuda:
+            return "device"
+        if func is torch.Tensor.cpu or kwargs.get("pin_memory"):
+            return "host"
+        if "device" in kwargs and kwargs["device"] is not None:
+            return _placement(kwargs["device"])
+        if func is torch.Tensor.to:
+            for a in args[1:]:
+                if isinstance(a, torch.Tensor):
+                    return self.tracker.placement_of(a)
+                if _placement(a) is not None:
+                    return _placement(a)
+            return None
+        if not _has_tensor(args) and not _has_tensor(kwargs.values()):
+            return "host" if self.default_host else "device"  # a factory: the default device
+        return None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            return args[0]  # already where the trace keeps it
+        target = self._target(func, args, kwargs)
+        if func in _MOVES:
+            source = args[0]
+            if target is None or target == self.tracker.placement_of(source):
+                if func is not torch.Tensor.to:
+                    return source  # already there
+            else:  # a copy on the other side (the trace keeps both on the CPU: force it)
+                func, args, kwargs = torch.Tensor.to, (source, _CPU), {"copy": True, **_dtype_only(func, args, kwargs)}
         if "device" in kwargs:
             kwargs = {**kwargs, "device": _to_cpu(kwargs["device"])}
         if func is torch.Tensor.to:
             args = tuple(tree_map(_to_cpu, a) if not isinstance(a, torch.Tensor) else a for a in args)
-        return func(*args, **kwargs)
+        with self.tracker.placed(target):
+            return func(*args, **kwargs)
+
+
+def _dtype_only(func, args, kwargs) -> dict:
+    """What a move keeps beside its device: the dtype and memory format asked for."""
+    if func is not torch.Tensor.to:
+        return {}
+    keep = {k: v for k, v in kwargs.items() if k in ("dtype", "memory_format")}
+    for a in args[1:]:
+        if isinstance(a, torch.dtype):
+            keep["dtype"] = a
+        elif isinstance(a, torch.Tensor):
+            keep["dtype"] = a.dtype
+    return keep
 
 
 @contextlib.contextmanager
@@ -95,6 +169,8 @@ def quiet_cuda_calls():
 
 
 @contextlib.contextmanager
-def cuda_script_on_cpu():
-    with script_autocast(), quiet_cuda_calls(), CudaDevicesOnCpu():
+def cuda_script_on_cpu(tracker, default_host: bool = False):
+    """`default_host`: a factory call without a device makes a host tensor (a plain script);
+    inside a Job the default device is the card."""
+    with script_autocast(), quiet_cuda_calls(), CudaDevicesOnCpu(tracker, default_host):
         yield

@@ -60,7 +60,7 @@ def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tup
     # unpacked_sequences: transformers models read position_ids values (see cuda_emulation);
     # cuda_script_on_cpu: a script's "cuda" devices, autocast and synchronize, on the trace's CPU.
     with FakeTensorMode() if fake else contextlib.nullcontext(), cu.unpacked_sequences(), \
-            cu.cuda_kernels() if emulate_cuda else contextlib.nullcontext(), cuda_script_on_cpu(), \
+            cu.cuda_kernels() if emulate_cuda else contextlib.nullcontext(), cuda_script_on_cpu(tracker), \
             cu.checkpoint_keeps_autocast(), OptimizerScalarReads() as scalar_reads, tracker, watching(tracker):
         tracker.set_phase("setup")
         try:

@@ -8,6 +8,9 @@ the side effect that makes MemTracker over-count forward loops run with gradient
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -26,12 +29,44 @@ CUBLAS_WORKSPACE_BYTES = 8_519_680
 
 KINDS = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "workspace")
 
-# cuBLAS-backed ops. Under inference_mode composite ops such as linear reach the tracker
-# undecomposed, so they are listed too.
+# cuBLAS-backed ops. Under no_grad and inference_mode composite ops (linear, matmul, einsum,
+# SDPA's math path) reach the tracker undecomposed, so they are listed too.
 _GEMM_OPS = {
-    "mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "_addmm_activation",
-    "linear", "matmul", "_scaled_mm",
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "_addmm_activation",
+    "linear", "matmul", "_scaled_mm", "einsum", "tensordot", "bilinear", "chain_matmul",
+    "linalg_multi_dot", "_scaled_dot_product_attention_math",
 }
+
+_aten = torch.ops.aten
+# Backward formulas that fill a fresh zeros tensor (gather, index, index_select, take, max/topk/
+# sort's value selection) do it in place in eager mode, and out of place when any tensor is
+# "subclass-like" - which every tensor is while a dispatch mode (this one, FakeTensorMode) is
+# active: one input-sized temporary that eager CUDA never allocates (fidelity.md, C.2).
+_ZEROS_OPS = {_aten.zeros.default, _aten.new_zeros.default, _aten.zeros_like.default}
+_IN_PLACE_IN_EAGER = {
+    _aten.scatter_add.default: _aten.scatter_add_.default,
+    _aten.scatter.src: _aten.scatter_.src,
+    _aten.scatter.value: _aten.scatter_.value,
+    _aten.index_add.default: _aten.index_add_.default,
+    _aten.index_put.default: _aten.index_put_.default,
+    _aten.put.default: _aten.put_.default,
+    _aten.index_fill.int_Tensor: _aten.index_fill_.int_Tensor,
+    _aten.index_fill.int_Scalar: _aten.index_fill_.int_Scalar,
+}
+_ENGINE_FILE = os.path.join("torch", "autograd", "graph.py")
+_WRAPPER_FILES = (os.path.join("torch", "_compile.py"), os.path.join("torch", "_dynamo", "eval_frame.py"))
+
+
+def _in_autograd_formula() -> bool:
+    """Whether an op comes from autograd's C++ formulas (the engine running, no Python between it
+    and this mode but torch's dynamo-disable wrappers) rather than from a custom Function's
+    backward or a checkpoint's recompute."""
+    if torch._C._current_graph_task_id() == -1:
+        return False
+    caller = sys._getframe(2)  # __torch_dispatch__ <- its caller
+    while caller is not None and caller.f_code.co_filename.endswith(_WRAPPER_FILES):
+        caller = caller.f_back
+    return caller is not None and caller.f_code.co_filename.endswith(_ENGINE_FILE)
 
 
 def round_request(nbytes: int) -> int:
@@ -80,6 +115,9 @@ class StorageTracker(TorchDispatchMode):
         self.emulate_cublas_workspace = emulate_cublas_workspace
         self._workspaces: set[str] = set()
         self._next_synthetic = -1
+        self._fresh_zeros = 0  # storage key of the last zeros a backward formula made
+        self._host: set[int] = set()  # keys of storages a real run keeps in host memory (not counted)
+        self.placement: str | None = None  # where the running call's outputs live (cuda_script)
         # A user's step has no phase marks: count what runs inside autograd's engine as backward.
         self.auto_backward = False
 
@@ -135,14 +173,40 @@ class StorageTracker(TorchDispatchMode):
         if entry is not None:
             self.events.append(TraceEvent(len(self.events), "free", key, entry[0], entry[2], self._phase(), self.step, ""))
 
-    def track(self, t: torch.Tensor, kind: str) -> None:
-        """Start tracking a tensor's storage (idempotent); `kind` applies if it is new."""
+    def track(self, t: torch.Tensor, kind: str, host: bool = False) -> None:
+        """Start tracking a tensor's storage (idempotent); `kind` applies if it is new. A host
+        storage is remembered as such and not counted."""
         st = t.untyped_storage()
         key = st._cdata
-        if key in self._live or st.nbytes() == 0:
+        if key in self._live or key in self._host or st.nbytes() == 0:
+            return
+        if host:
+            self._host.add(key)
+            weakref.finalize(st, self._host.discard, key)
             return
         self._record_alloc(key, st.nbytes(), kind)
         weakref.finalize(st, self._record_free, key)
+
+    # ---- host and device -------------------------------------------------------------
+    def placement_of(self, t: torch.Tensor) -> str:
+        return "host" if t.untyped_storage()._cdata in self._host else "device"
+
+    @contextlib.contextmanager
+    def placed(self, placement: str | None):
+        """Outputs made inside live on `placement` ("host" or "device"; None: where inputs are)."""
+        previous, self.placement = self.placement, placement if placement is not None else self.placement
+        try:
+            yield
+        finally:
+            self.placement = previous
+
+    def _outputs_on_host(self, args, kwargs) -> bool:
+        if self.placement is not None:
+            return self.placement == "host"
+        if not self._host:
+            return False
+        inputs = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        return bool(inputs) and all(a.untyped_storage()._cdata in self._host for a in inputs)
 
     def retag(self, t: torch.Tensor | None, kind: str) -> None:
         """Move a live storage to another kind (e.g. a new tensor that became a .grad)."""
@@ -194,13 +258,21 @@ class StorageTracker(TorchDispatchMode):
 
     # ---- dispatch --------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        in_place = _IN_PLACE_IN_EAGER.get(func)
+        if in_place is not None and self._fresh_zeros and isinstance(args[0], torch.Tensor) \
+                and args[0].untyped_storage()._cdata == self._fresh_zeros and _in_autograd_formula():
+            self._fresh_zeros = 0
+            return in_place(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
-        if self.emulate_cublas_workspace and func.overloadpacket.__name__ in _GEMM_OPS:
+        if func in _ZEROS_OPS and _in_autograd_formula():
+            self._fresh_zeros = out.untyped_storage()._cdata
+        host = self._outputs_on_host(args, kwargs)
+        if self.emulate_cublas_workspace and not host and func.overloadpacket.__name__ in _GEMM_OPS:
             self._workspace(func)
         kind = self._default_kind()
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                self.track(t, kind)
+                self.track(t, kind, host)
         return out
 
     # ---- module attribution ----------------------------------------------------------
