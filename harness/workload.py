@@ -67,15 +67,16 @@ class Job:
 
     `loss(model, batch) -> scalar tensor`, or `step(model, optimizer, batch)` for a whole training
     step of your own (a plain script's step function as it is). Neither: forward only, as in
-    inference (`model(batch)` under torch.no_grad). `blocks`: the module class to checkpoint one
+    inference (`model(batch)` under torch.no_grad). With a `step`, there may be no model (a step
+    over the batch's tensors alone, e.g. one attention kernel). `blocks`: the module class to checkpoint one
     by one when the sweep sets checkpointing=true. `name`: the row's `model` column.
     `autocast=False`: for amp_* precisions your step enters `torch.autocast("cuda", ...)` itself
     (the harness then enters none). `steps`: how many steps to run (default `workload.steps`);
     `tokens_per_step`: for tokens_per_s (default batch_size x seq_len). The harness's own presets
     (workload=train|infer) are Jobs too (harness/probe/presets.py)."""
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer | None
-    batch: Any
+    model: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    batch: Any = None
     loss: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None
     step: Callable[[torch.nn.Module, Any, Any], Any] | None = None
     blocks: type | tuple[type, ...] | None = None

@@ -150,18 +150,31 @@ def _steps():
     return out
 
 
-def test_training_peaks_come_from_step_two_on_and_reserved_from_the_whole_run():
+def test_the_whole_run_and_the_steady_state_each_have_one_window_for_all_three_peaks():
     steps = _steps()
     setup = [_phase(None, "setup", 300 * MiB, 1500 * MiB)]
     m = measurements(steps, setup + [p for s in steps for p in s.phases], trains=True, tokens_per_step=4096)
     assert m["peak_allocated_bytes"] == 1100 * MiB and m["peak_phase"] == "optimizer" and m["peak_step"] == 1
     assert m["peak_requested_bytes"] == 1100 * MiB - 100
-    assert m["peak_reserved_bytes"] == 1500 * MiB  # the cache only grows: setup counts
+    assert m["peak_reserved_bytes"] == 1500 * MiB  # the whole run: setup counts
+    assert (m["steady_peak_allocated_bytes"], m["steady_peak_requested_bytes"], m["steady_peak_reserved_bytes"]) \
+        == (1100 * MiB, 1100 * MiB - 100, 1300 * MiB)  # from step 2 on
     assert m["step_peak_bytes"] == [1000 * MiB, 1100 * MiB, 1100 * MiB]
     assert m["step_allocated_bytes"] == [400 * MiB, 403 * MiB, 412 * MiB]
     assert m["retained_bytes"] == 9 * MiB
     assert m["step_time_s"] == pytest.approx(0.115) and m["tokens_per_s"] == pytest.approx(4096 / 0.115)
     assert m["peak_inactive_split_bytes"] == 5 * MiB
+
+
+def test_a_peak_in_the_first_step_is_the_whole_runs_and_a_single_step_has_no_steady_state():
+    steps = _steps()
+    steps[0].phases[0] = _phase(0, "forward", 2000 * MiB, 2100 * MiB)  # e.g. a one-off warm-up
+    phases = [p for s in steps for p in s.phases]
+    m = measurements(steps, phases, trains=True, tokens_per_step=8)
+    assert (m["peak_allocated_bytes"], m["peak_step"], m["peak_reserved_bytes"]) == (2000 * MiB, 0, 2100 * MiB)
+    assert m["steady_peak_allocated_bytes"] == 1100 * MiB
+    one = measurements(steps[:1], steps[0].phases, trains=False, tokens_per_step=8)
+    assert one["peak_allocated_bytes"] == 2000 * MiB and one["steady_peak_allocated_bytes"] is None
 
 
 def test_inference_peaks_count_every_step():

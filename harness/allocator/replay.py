@@ -16,6 +16,10 @@ class ReplayResult:
     peak_reserved_bytes: int = 0
     peak_allocated_bytes: int = 0
     peak_requested_bytes: int = 0
+    # the same peaks from the steady state on (a virtual-GPU trace's second step); None: no such step
+    steady_peak_allocated_bytes: int | None = None
+    steady_peak_requested_bytes: int | None = None
+    steady_peak_reserved_bytes: int | None = None
     final_reserved_bytes: int = 0
     final_allocated_bytes: int = 0
     # reserved minus allocated when reserved peaked, and the largest free split remainder total
@@ -45,18 +49,29 @@ class ReplayResult:
 
 
 class _Peaks:
-    """Reserved minus allocated at the moment reserved peaks."""
+    """Reserved minus allocated at the moment reserved peaks; and, once a window opens, the
+    allocated, requested and reserved peaks inside it (what is held when it opens counts)."""
 
     def __init__(self, alloc: CachingAllocator):
         self.a = alloc
         self.best = -1
         self.frag = 0
+        self.window: list[int] | None = None  # allocated, requested, reserved
+
+    def open_window(self) -> None:
+        st = self.a.stats
+        self.window = [st.allocated_bytes.current, st.requested_bytes.current, st.reserved_bytes.current]
 
     def observe(self) -> None:
         st = self.a.stats
         if st.reserved_bytes.current > self.best:
             self.best = st.reserved_bytes.current
             self.frag = st.reserved_bytes.current - st.allocated_bytes.current
+        if self.window is not None:
+            w = self.window
+            w[0] = max(w[0], st.allocated_bytes.current)
+            w[1] = max(w[1], st.requested_bytes.current)
+            w[2] = max(w[2], st.reserved_bytes.current)
 
 
 def seed(alloc: CachingAllocator, state: snap.StartState) -> dict[int, Block]:
@@ -217,9 +232,15 @@ class ReplayRow(NamedTuple):
     tag: EventTag | None
 
 
+# The steady state of a virtual-GPU trace begins with its second step (step 1 builds the optimizer
+# state, the cuBLAS workspaces and whatever else a first step creates once).
+STEADY_FROM_STEP = 1
+
+
 def replay_events(events, settings: AllocSettings, device: Device | None = None, on_event=None,
                   stop_at_oom: bool = True) -> tuple[ReplayResult, CachingAllocator]:
-    """Replay a virtual-GPU trace (ReplayRow: action, key, size, tag).
+    """Replay a virtual-GPU trace (ReplayRow: action, key, size, tag): the whole run's peaks and
+    the steady state's (from the first event of step STEADY_FROM_STEP on).
     `on_event(action, addr, size, stream, tag)` sees each allocator event with the row's tag."""
     alloc = CachingAllocator(settings, device or Device())
     result = ReplayResult(settings=settings.conf)
@@ -230,6 +251,8 @@ def replay_events(events, settings: AllocSettings, device: Device | None = None,
         alloc.on_event = lambda action, addr, size, stream: on_event(action, addr, size, stream, tag)
     for i, (action, key, size, tag) in enumerate(events):
         result.requests = i + 1
+        if peaks.window is None and tag is not None and tag.step >= STEADY_FROM_STEP:
+            peaks.open_window()
         if action == "alloc":
             try:
                 b = alloc.malloc(int(size))
@@ -259,6 +282,9 @@ def _finish(result: ReplayResult, alloc: CachingAllocator, peaks: _Peaks) -> Non
     result.fragmentation_at_peak_bytes = peaks.frag
     result.peak_inactive_split_bytes = st.inactive_split_bytes.peak
     result.num_alloc_retries = st.num_alloc_retries
+    if peaks.window is not None:
+        (result.steady_peak_allocated_bytes, result.steady_peak_requested_bytes,
+         result.steady_peak_reserved_bytes) = peaks.window
 
 
 def _oom_row(oom: OutOfMemory, index: int, size: int, tag=None) -> dict:

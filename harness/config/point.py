@@ -92,10 +92,14 @@ class Model:
     hf: dict[str, Any] = field(default_factory=dict)  # config-class keyword arguments
 
 
+# A training step's peak comes once the optimizer state exists: in step 2.
+TRAINING_STEPS_WHY = " (training holds the optimizer state from step 2 on: its peak needs a second step)"
+
+
 @dataclass(frozen=True)
 class Workload:
     name: WorkloadName = WorkloadName.train
-    steps: int = 3  # train: steps run; the peak is read from step 2 on (step 1 creates optimizer state)
+    steps: int = 3  # train, custom: steps run; rows hold the whole run's peak and the steady state's from step 2 on
     new_tokens: int = 16  # infer: tokens decoded after the prefill; prompt = seq_len - new_tokens
     leak: Leak = Leak.none
     target: str | None = None  # custom: the user's build function, 'module:function'
@@ -107,8 +111,10 @@ class Workload:
         object.__setattr__(self, "leak", _choice("workload.leak", Leak, self.leak))
         if self.leak != Leak.none and self.name != WorkloadName.train:
             raise ConfigError("workload.leak", "the leaks reproduce training-loop mistakes: use workload=train")
-        if self.name != WorkloadName.infer:
-            _at_least("workload.steps", self.steps, 2, " (the peak is read from step 2 on)")
+        if self.name == WorkloadName.train:
+            _at_least("workload.steps", self.steps, 2, TRAINING_STEPS_WHY)
+        elif self.name == WorkloadName.custom:
+            _at_least("workload.steps", self.steps, 1)
         if self.name == WorkloadName.custom and not self.target:
             raise ConfigError("workload.target", "workload=custom needs workload.target=module:function "
                               "(a build function, see harness/workload.py)")

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from harness.config.point import Point, WorkloadName
+from harness.config.point import TRAINING_STEPS_WHY, Point, WorkloadName
 from harness.config.target import load_target
 from harness.probe import presets
 from harness.workload import Job, Knobs, checkpoint_blocks, watched_by
@@ -47,9 +47,29 @@ def knobs(point: Point) -> Knobs:
                  checkpointing=bool(point.checkpointing), args=dict(point.workload.args or {}))
 
 
-def check_job(job, point: Point) -> None:
+def check_job(job, point: Point) -> int:
+    """What the build returned is a Job that can run; returns how many steps it runs."""
     if not isinstance(job, Job):
         raise UserCodeError(f"{point.workload.target} returned {type(job).__name__}, not a harness.workload.Job")
+    if job.model is None and (job.step is None or job.blocks is not None):
+        raise UserCodeError("the Job has no model: it needs a step of its own (Job(step=...)) and no blocks")
+    if job.optimizer is not None and job.model is None:
+        raise UserCodeError("the Job has an optimizer but no model: give it the model the optimizer trains")
+    steps = job.steps or point.workload.steps
+    if steps < 1 or (job.optimizer is not None and steps < 2):
+        raise UserCodeError(f"workload.steps={steps}: at least {2 if job.optimizer is not None else 1}"
+                            + (TRAINING_STEPS_WHY if job.optimizer is not None else ""))
+    return steps
+
+
+def job_name(job: Job) -> str:
+    """A custom job's row's model column: its name, else its model's class, else "step"."""
+    return job.name or (type(job.model).__name__ if job.model is not None else "step")
+
+
+def parameters(job: Job) -> list:
+    """The job's model's parameters (none without a model)."""
+    return list(job.model.parameters()) if job.model is not None else []
 
 
 def apply_checkpointing(job: Job, k: Knobs, point: Point) -> None:

@@ -16,9 +16,11 @@ from harness.probe.jobs import (
     apply_checkpointing,
     build_function,
     check_job,
+    job_name,
     job_step,
     knobs,
     optimizer_phases,
+    parameters,
     prepare_optimizer,
     watching,
 )
@@ -61,11 +63,8 @@ def measure(point: Point) -> dict:
     tokens = facts.pop("tokens_per_step", 0)
     phases = watch.all_phases()
     out.update(facts)
+    # the whole run's peaks: after an OOM, how far it got (the failing phase included)
     out.update(measurements(watch.steps, phases, trains, tokens))
-    if out["status"] == "oom":  # how far it got: the peak of every phase, the failing one included
-        top = max(phases, key=lambda p: p.peak_allocated_bytes)
-        out.update(peak_allocated_bytes=top.peak_allocated_bytes, peak_step=top.step, peak_phase=top.phase,
-                   peak_requested_bytes=max(p.peak_requested_bytes for p in phases))
     stats = torch.cuda.memory_stats()
     out.update(num_alloc_retries=stats.get("num_alloc_retries", 0), num_ooms=stats.get("num_ooms", 0))
     return out
@@ -89,14 +88,14 @@ def _run(point: Point, watch: CudaWatch, facts: dict) -> None:
     torch.manual_seed(0)
     with torch.device("cuda"), watching(watch):
         job = build(k)
-        check_job(job, point)
+        n_steps = check_job(job, point)
         apply_checkpointing(job, k, point)
-        params = list(job.model.parameters())
+        params = parameters(job)
         opt = job.optimizer
         facts.update(trains=opt is not None, n_params=sum(p.numel() for p in params), params_bytes=storage_bytes(params),
                      tokens_per_step=job.tokens_per_step or k.batch_size * k.seq_len)
         if custom:  # the job names itself; a preset's row keeps the config's names
-            facts.update(model=job.name or type(job.model).__name__,
+            facts.update(model=job_name(job),
                          optimizer=type(opt).__name__ if opt is not None else None)
         if opt is not None:
             prepare_optimizer(opt, point.optimizer.impl, virtual=False)
@@ -110,7 +109,7 @@ def _run(point: Point, watch: CudaWatch, facts: dict) -> None:
         step = job_step(job, region)
         if cycle:
             gc.disable()  # as on the virtual GPU: the cycle lives until the collector runs, after the steps
-        for i in range(job.steps or point.workload.steps):
+        for i in range(n_steps):
             watch.begin_step(i)
             watch.set_phase("forward")
             step()

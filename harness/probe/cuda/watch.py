@@ -101,23 +101,28 @@ class CudaWatch:
 
 def measurements(watch_steps: list[StepReading], phases: list[PhaseReading], trains: bool,
                  tokens_per_step: int) -> dict:
-    """Record columns from the readings. Windows as on the virtual GPU: allocated and requested
-    peaks from step 2 on for training (step 1 builds the optimizer state), reserved and inactive
-    split over the whole run (the cache only grows)."""
-    window = watch_steps[1:] if trains and len(watch_steps) > 1 else watch_steps
+    """Record columns from the readings, in the virtual GPU's windows: the whole run's peaks
+    (building the job and every step: what decides an OOM) and the steady state's from step 2 on
+    (None with a single step), the same window for allocated, requested and reserved."""
+    window = watch_steps[1:]
     in_window = [p for s in window for p in s.phases]
     out: dict = {
-        "peak_reserved_bytes": max((p.peak_reserved_bytes for p in phases), default=None),
         "peak_inactive_split_bytes": max((p.peak_inactive_split_bytes for p in phases), default=None),
         "step_allocated_bytes": [s.allocated_after_bytes for s in watch_steps],
         "step_reserved_bytes": [s.reserved_after_bytes for s in watch_steps],
         "step_peak_bytes": [s.peak_allocated_bytes for s in watch_steps],
         "step_times_s": [s.time_s for s in watch_steps],
     }
-    if in_window:
-        top = max(in_window, key=lambda p: p.peak_allocated_bytes)
+    if phases:
+        top = max(phases, key=lambda p: p.peak_allocated_bytes)
         out.update(peak_allocated_bytes=top.peak_allocated_bytes, peak_step=top.step, peak_phase=top.phase,
-                   peak_requested_bytes=max(p.peak_requested_bytes for p in in_window))
+                   peak_requested_bytes=max(p.peak_requested_bytes for p in phases),
+                   peak_reserved_bytes=max(p.peak_reserved_bytes for p in phases))
+    if in_window:
+        out.update(steady_peak_allocated_bytes=max(p.peak_allocated_bytes for p in in_window),
+                   steady_peak_requested_bytes=max(p.peak_requested_bytes for p in in_window),
+                   steady_peak_reserved_bytes=max(p.peak_reserved_bytes for p in in_window))
+    window = window or watch_steps
     if window:
         # The median step: the first steps pay for cuBLAS handles and autotuning.
         step_time = statistics.median(s.time_s for s in window)

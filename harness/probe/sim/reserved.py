@@ -78,9 +78,15 @@ def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog:
 
     on_card, alloc = replay_events(rows, settings, Device.for_card(card), on_event if snapshot_path else None)
     out: dict = {
-        # block sizes, as max_memory_allocated counts them (unsplit remainders included)
+        # The whole run (what decides an OOM) and its steady state from step 2 on, one window
+        # each for all three. Block sizes, as max_memory_allocated counts them (unsplit remainders
+        # included); requested bytes, as the trace asked.
         "peak_allocated_bytes": unlimited.peak_allocated_bytes,
+        "peak_requested_bytes": unlimited.peak_requested_bytes,
         "peak_reserved_bytes": unlimited.peak_reserved_bytes,
+        "steady_peak_allocated_bytes": unlimited.steady_peak_allocated_bytes,
+        "steady_peak_requested_bytes": unlimited.steady_peak_requested_bytes,
+        "steady_peak_reserved_bytes": unlimited.steady_peak_reserved_bytes,
         "peak_inactive_split_bytes": unlimited.peak_inactive_split_bytes,
         "fragmentation_bytes": unlimited.fragmentation_at_peak_bytes,
         "num_alloc_retries": on_card.num_alloc_retries,

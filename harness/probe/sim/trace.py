@@ -21,9 +21,11 @@ from harness.probe.jobs import (
     apply_checkpointing,
     build_function,
     check_job,
+    job_name,
     job_step,
     knobs,
     optimizer_phases,
+    parameters,
     prepare_optimizer,
     watching,
 )
@@ -68,13 +70,15 @@ def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tup
                 job = build(k)
         except VALUE_READS as e:
             raise explain(e, "while building the job") from e
-        check_job(job, point)
-        for t in (*job.model.parameters(), *job.model.buffers()):
+        n_steps = check_job(job, point)
+        params = parameters(job)
+        for t in (*params, *(job.model.buffers() if job.model is not None else ())):
             tracker.track(t, "parameter")
         for t in tree_leaves(job.batch):
             if isinstance(t, torch.Tensor):
                 tracker.retag(t, "input")
-        tracker.attach_modules(job.model)
+        if job.model is not None:
+            tracker.attach_modules(job.model)
         apply_checkpointing(job, k, point)
         opt = job.optimizer
         if opt is not None:
@@ -86,7 +90,6 @@ def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tup
             scalar_reads.watch(opt)
             optimizer_phases(opt, tracker)
         step = job_step(job, region)
-        n_steps = job.steps or point.workload.steps
         if cycle:
             gc.disable()  # the cycle lives until the GC gets round to it; here, not during the steps
         else:
@@ -113,11 +116,10 @@ def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tup
         finally:
             gc.unfreeze()
             gc.enable()
-        params = list(job.model.parameters())
         m = measurements(tracker, opt is not None,
                          sum(p.numel() for p in params), sum(tracker.allocated_bytes_of(p) for p in params),
                          optimizer_state_bytes(tracker, opt) if opt is not None else 0)
         if custom:  # the job names itself; a preset's row keeps the config's names
-            m["model"] = job.name or type(job.model).__name__
+            m["model"] = job_name(job)
             m["optimizer"] = type(opt).__name__ if opt is not None else None
     return m, tracker

@@ -112,6 +112,7 @@ class StorageTracker(TorchDispatchMode):
         self.step = -1
         self.module_stack: list[str] = []
         self.steps: list[StepStats] = []
+        self.setup = StepStats(step=-1)  # before the first step: building the model and the batch
         self.emulate_cublas_workspace = emulate_cublas_workspace
         self._workspaces: set[str] = set()
         self._next_synthetic = -1
@@ -150,14 +151,13 @@ class StorageTracker(TorchDispatchMode):
         module = self.module_stack[-1] if self.module_stack else ""
         phase = self._phase()
         self.events.append(TraceEvent(len(self.events), "alloc", key, nbytes, kind, phase, self.step, module))
-        if self.steps:
-            s = self.steps[-1]
-            if self.allocated > s.peak_allocated_bytes:
-                s.peak_allocated_bytes = self.allocated
-                s.peak_breakdown = dict(self.kind_bytes)
-                s.peak_phase = phase
-                s.peak_module = module
-            s.peak_requested_bytes = max(s.peak_requested_bytes, self.requested)
+        s = self.steps[-1] if self.steps else self.setup
+        if self.allocated > s.peak_allocated_bytes:
+            s.peak_allocated_bytes = self.allocated
+            s.peak_breakdown = dict(self.kind_bytes)
+            s.peak_phase = phase
+            s.peak_module = module
+        s.peak_requested_bytes = max(s.peak_requested_bytes, self.requested)
 
     def _forget(self, key: int) -> list | None:
         """Stop counting a live storage; returns its [requested, allocated, kind] entry."""
