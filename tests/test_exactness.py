@@ -1,0 +1,178 @@
+"""Where fake CPU tensors behave unlike eager CUDA, the virtual GPU does as eager CUDA does
+(fidelity.md): dropout's mask, backward formulas that fill zeros in place, the cuBLAS workspace,
+host tensors, and the windows a row's peaks are read over."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from harness.config.point import Workload
+from harness.probe.jobs import UserCodeError
+from harness.probe.sim import cuda_emulation as cu
+from harness.probe.sim.cuda_script import cuda_script_on_cpu
+from harness.probe.sim.fake_code import module_conversion_on_fake_tensors
+from harness.probe.sim.trace import run_point
+from harness.probe.sim.tracker import CUBLAS_WORKSPACE_BYTES, StorageTracker, round_request
+from harness.probe.worker import run_sim
+from tests.conftest import REPO, train_point
+
+MiB = 2**20
+
+
+def _custom(target, steps=3, args=None, **kw):
+    return train_point(**kw).replace(workload=Workload(name="custom", steps=steps, target=target, args=args or {}),
+                                     cwd=str(REPO))
+
+
+# ---- dropout --------------------------------------------------------------------------------
+
+def test_dropout_keeps_a_bool_mask_for_backward_as_cuda_does():
+    """CUDA's fused dropout keeps the output and a 1-byte mask; the CPU path a 4-byte noise tensor."""
+    n = 1 << 20
+    tr = StorageTracker(emulate_cublas_workspace=False)
+    with FakeTensorMode(), cu.cuda_kernels(), tr:
+        x = torch.randn(n, requires_grad=True)
+        before = tr.allocated
+        y = torch.nn.Dropout(0.1)(x)
+        assert tr.allocated - before == 4 * n + n  # output (fp32) + bool mask
+        y.sum().backward()
+        tr.allocated  # noqa: B018 - the backward ran on the mask
+        z = F.dropout(x, 0.1, training=False)
+        assert z is x  # evaluation: nothing allocated, as on every device
+    assert F.dropout is cu._original_dropout
+
+
+# ---- backward formulas ----------------------------------------------------------------------
+
+class _OutOfPlaceByHand(torch.autograd.Function):
+    """A user's backward that fills zeros out of place: the code says so, eager CUDA does so."""
+
+    @staticmethod
+    def forward(ctx, x, idx):
+        ctx.save_for_backward(idx)
+        ctx.shape = x.shape
+        return x.gather(1, idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (idx,) = ctx.saved_tensors
+        return torch.zeros(ctx.shape).scatter_add(1, idx, grad), None
+
+
+@pytest.mark.parametrize("op,copies", [
+    (lambda x, i: x.gather(1, i), 2),
+    (lambda x, i: x[:, i[0]], 2),
+    (lambda x, i: x.index_select(1, i[0]), 2),
+    (lambda x, i: x.take(i), 2),
+    (lambda x, i: x.max(1)[0], 2),
+    (lambda x, i: x.topk(3, 1)[0], 2),
+    (lambda x, i: _OutOfPlaceByHand.apply(x, i), 3),
+], ids=["gather", "index", "index_select", "take", "max", "topk", "custom_function"])
+def test_backward_formulas_fill_their_zeros_in_place_as_eager_cuda_does(op, copies):
+    """Under any dispatch mode autograd's formulas take their out-of-place branch (one more
+    input-sized tensor); eager CUDA takes the in-place one. At most x and its gradient are alive."""
+    tr = StorageTracker(emulate_cublas_workspace=False)
+    with FakeTensorMode(), tr:
+        x = torch.randn(64, 1000, requires_grad=True)
+        idx = torch.randint(0, 1000, (64, 10))
+        op(x, idx).sum().backward()
+    size = 64 * 1000 * 4
+    alive = most = 0
+    for e in tr.events:
+        if e.size == size:
+            alive += 1 if e.action == "alloc" else -1
+            most = max(most, alive)
+    assert most == copies
+
+
+# ---- cuBLAS workspace -----------------------------------------------------------------------
+
+_GEMMS = {
+    "mm": lambda a: torch.mm(a, a), "matmul": lambda a: a @ a, "linear": lambda a: F.linear(a, a),
+    "addmm": lambda a: torch.addmm(a, a, a), "bmm": lambda a: torch.bmm(a[None], a[None]),
+    "baddbmm": lambda a: torch.baddbmm(a[None], a[None], a[None]),
+    "einsum": lambda a: torch.einsum("ij,jk->ik", a, a),
+    "sdpa_math": lambda a: F.scaled_dot_product_attention(a[None, None], a[None, None], a[None, None]),
+}
+
+
+@pytest.mark.parametrize("grad_mode", ["inference_mode", "no_grad", "grad"])
+@pytest.mark.parametrize("op", list(_GEMMS))
+def test_every_gemm_issuing_op_allocates_the_cublas_workspace_once(op, grad_mode):
+    mode = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "grad": contextlib.nullcontext}
+    tr = StorageTracker()
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), FakeTensorMode(), cu.cuda_kernels():
+        a = torch.randn(64, 64, requires_grad=grad_mode == "grad")
+        with mode[grad_mode](), tr:
+            _GEMMS[op](a)
+            _GEMMS[op](a)
+    assert [e.size for e in tr.events if e.kind == "workspace"] == [CUBLAS_WORKSPACE_BYTES]
+
+
+def test_a_matmul_on_host_tensors_allocates_no_workspace():
+    tr = StorageTracker()
+    with FakeTensorMode(), cuda_script_on_cpu(tr, default_host=True), tr:
+        a = torch.randn(64, 64)
+        a @ a
+    assert tr.events == []
+
+
+# ---- host tensors ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("default_host", [False, True], ids=["job", "script"])
+def test_host_tensors_are_not_device_memory(default_host):
+    """Where a tensor lives follows the code: the default device (the card in a Job, the host in a
+    script), device=, .to(), .cuda(), .cpu(); an op's output lives with its inputs."""
+    n = MiB // 4  # 1 MiB of fp32
+    tr = StorageTracker()
+    with FakeTensorMode(), module_conversion_on_fake_tensors(), cuda_script_on_cpu(tr, default_host), tr:
+        default = torch.zeros(n)
+        host = torch.zeros(n, device="cpu")
+        card = torch.zeros(n, device="cuda")
+        assert tr.allocated == (1 if default_host else 2) * MiB
+        host * 2, host.cpu(), card.cpu()  # host tensors, made and dropped
+        assert tr.allocated == (1 if default_host else 2) * MiB
+        assert card.to("cuda") is card and card.cuda() is card  # already there: no copy
+        moved = host.to("cuda")
+        assert tr.allocated == (2 if default_host else 3) * MiB
+        layer = torch.nn.Linear(256, 256, bias=False, device="cpu")
+        layer.cuda()
+        assert tr.allocated == (2 if default_host else 3) * MiB + 256 * 256 * 4
+        layer.cpu()
+        del moved, card
+        assert tr.allocated == (0 if default_host else 1) * MiB
+
+
+def test_a_dataset_kept_on_the_host_is_not_counted_in_a_jobs_peak():
+    on_host, _ = run_point(_custom("tests.jobs.host_data:build", precision="fp32"))
+    on_card, _ = run_point(_custom("tests.jobs.host_data:build", args={"on_host": False}, precision="fp32"))
+    batch_copy = round_request(2 * 256 * 4)  # each step's rows copied to the card
+    assert on_card["peak_allocated_bytes"] - on_host["peak_allocated_bytes"] == 4096 * 256 * 4 - batch_copy
+
+
+# ---- windows --------------------------------------------------------------------------------
+
+def test_a_peak_in_step_one_is_the_whole_runs_and_the_steady_state_is_read_from_step_two(tmp_path):
+    """All three peaks over one window each: the whole run (step 1's one-off table included) and
+    the steady state; a Job with no model and no optimizer runs."""
+    from tests.jobs.first_step_spike import SPIKE_BYTES
+
+    rec = run_sim(_custom("tests.jobs.first_step_spike:build"), tmp_path)
+    assert rec["model"] == "attention" and rec["status"] == "ok"
+    assert rec["peak_step"] == 0
+    assert rec["peak_allocated_bytes"] > SPIKE_BYTES > rec["steady_peak_allocated_bytes"]
+    assert rec["peak_requested_bytes"] > SPIKE_BYTES > rec["steady_peak_requested_bytes"]
+    assert rec["peak_reserved_bytes"] >= rec["peak_allocated_bytes"] >= rec["peak_requested_bytes"]
+    assert rec["steady_peak_reserved_bytes"] >= rec["steady_peak_allocated_bytes"] >= rec["steady_peak_requested_bytes"]
+    (tmp_path / "one").mkdir()
+    one = run_sim(_custom("tests.jobs.first_step_spike:build", steps=1), tmp_path / "one")
+    assert one["peak_allocated_bytes"] == rec["peak_allocated_bytes"]
+    assert one["steady_peak_allocated_bytes"] is None and one["steady_peak_reserved_bytes"] is None
+
+
+def test_a_job_with_an_optimizer_needs_two_steps():
+    with pytest.raises(UserCodeError, match="workload.steps=1"):
+        run_point(_custom("tests.jobs.host_data:build", steps=1))
