@@ -112,6 +112,7 @@ def measurements(watch_steps: list[StepReading], phases: list[PhaseReading], tra
         "step_reserved_bytes": [s.reserved_after_bytes for s in watch_steps],
         "step_peak_bytes": [s.peak_allocated_bytes for s in watch_steps],
         "step_times_s": [s.time_s for s in watch_steps],
+        "steady_peak_allocated_bytes": None, "steady_peak_requested_bytes": None, "steady_peak_reserved_bytes": None,
     }
     if phases:
         top = max(phases, key=lambda p: p.peak_allocated_bytes)
