@@ -112,36 +112,89 @@ class Pool:
 class Stat:
     current: int = 0
     peak: int = 0
+    allocated: int = 0  # everything ever added (memory_stats' "allocated")
+    freed: int = 0  # everything ever taken away ("freed")
 
     def add(self, n: int) -> None:
         self.current += n
-        if self.current > self.peak:
-            self.peak = self.current
+        if n > 0:
+            self.allocated += n
+            if self.current > self.peak:
+                self.peak = self.current
+        else:
+            self.freed -= n
+
+
+class PoolStat:
+    """A statistic over both pools and for each (memory_stats' all, large_pool, small_pool)."""
+
+    __slots__ = ("all", "large", "small")
+
+    def __init__(self):
+        self.all, self.large, self.small = Stat(), Stat(), Stat()
+
+    @property
+    def current(self) -> int:
+        return self.all.current
+
+    @property
+    def peak(self) -> int:
+        return self.all.peak
+
+    def add(self, n: int, small: bool) -> None:
+        self.all.add(n)
+        (self.small if small else self.large).add(n)
+
+    def reset_peak(self) -> None:
+        for s in (self.all, self.large, self.small):
+            s.peak = s.current
+
+
+_POOLED = ("allocated_bytes", "requested_bytes", "reserved_bytes", "active_bytes", "inactive_split_bytes",
+           "allocation", "active", "segment", "inactive_split")
 
 
 @dataclass
 class Stats:
-    allocated_bytes: Stat = field(default_factory=Stat)
-    requested_bytes: Stat = field(default_factory=Stat)
-    reserved_bytes: Stat = field(default_factory=Stat)
-    active_bytes: Stat = field(default_factory=Stat)
-    inactive_split_bytes: Stat = field(default_factory=Stat)
-    allocation: Stat = field(default_factory=Stat)
-    segment: Stat = field(default_factory=Stat)
+    """CUDACachingAllocator's DeviceStats, by the same names."""
+    allocated_bytes: PoolStat = field(default_factory=PoolStat)
+    requested_bytes: PoolStat = field(default_factory=PoolStat)
+    reserved_bytes: PoolStat = field(default_factory=PoolStat)
+    active_bytes: PoolStat = field(default_factory=PoolStat)
+    inactive_split_bytes: PoolStat = field(default_factory=PoolStat)
+    allocation: PoolStat = field(default_factory=PoolStat)
+    active: PoolStat = field(default_factory=PoolStat)  # one stream: every allocation is active
+    segment: PoolStat = field(default_factory=PoolStat)
+    inactive_split: PoolStat = field(default_factory=PoolStat)
+    oversize_allocations: Stat = field(default_factory=Stat)  # blocks >= max_split_size
+    oversize_segments: Stat = field(default_factory=Stat)
     num_alloc_retries: int = 0
     num_ooms: int = 0
     num_device_alloc: int = 0
     num_device_free: int = 0
 
+    def reset_peaks(self) -> None:
+        """reset_peak_memory_stats: every peak back to its current value."""
+        for name in _POOLED:
+            getattr(self, name).reset_peak()
+        for s in (self.oversize_allocations, self.oversize_segments):
+            s.peak = s.current
+
     def as_dict(self) -> dict:
+        """torch.cuda.memory_stats()' keys and values."""
         out = {}
-        for name in ("allocated_bytes", "requested_bytes", "reserved_bytes", "active_bytes",
-                     "inactive_split_bytes", "allocation", "segment"):
+        for name in _POOLED:
+            ps = getattr(self, name)
+            for pool, s in (("all", ps.all), ("large_pool", ps.large), ("small_pool", ps.small)):
+                for what in ("current", "peak", "allocated", "freed"):
+                    out[f"{name}.{pool}.{what}"] = getattr(s, what)
+        for name in ("oversize_allocations", "oversize_segments"):
             s = getattr(self, name)
-            out[f"{name}.all.current"] = s.current
-            out[f"{name}.all.peak"] = s.peak
+            for what in ("current", "peak", "allocated", "freed"):
+                out[f"{name}.{what}"] = getattr(s, what)
         for name in ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free"):
             out[name] = getattr(self, name)
+        out["num_sync_all_streams"] = 0
         return out
 
 
@@ -225,8 +278,12 @@ class CachingAllocator:
     def free(self, block: Block) -> None:
         """free + free_block (a single stream: the free completes at once)."""
         addr, requested, stream = block.addr, block.requested, block.stream  # merging moves block.addr
-        self.stats.allocation.add(-1)
-        self.stats.allocated_bytes.add(-block.size)
+        st = self.stats
+        st.allocation.add(-1, block.small)
+        st.active.add(-1, block.small)
+        st.allocated_bytes.add(-block.size, block.small)
+        if block.size >= self.settings.max_split_size:
+            st.oversize_allocations.add(-1)
         self._emit("free_requested", addr, requested, stream)
         self._free_block(block)
         self._emit("free_completed", addr, requested, stream)
@@ -277,17 +334,22 @@ class CachingAllocator:
             pool.insert(rest)
             if b.es is None:
                 if already_split:
-                    st.inactive_split_bytes.add(-size)
+                    st.inactive_split_bytes.add(-size, b.small)
                 else:
-                    st.inactive_split_bytes.add(rest.size)
+                    st.inactive_split_bytes.add(rest.size, b.small)
+                    st.inactive_split.add(1, b.small)
         elif already_split and b.es is None:
-            st.inactive_split_bytes.add(-b.size)
+            st.inactive_split_bytes.add(-b.size, b.small)
+            st.inactive_split.add(-1, b.small)
         b.allocated = True
         b.requested = orig_size
-        st.allocation.add(1)
-        st.allocated_bytes.add(b.size)
-        st.active_bytes.add(b.size)
-        st.requested_bytes.add(orig_size)
+        st.allocation.add(1, b.small)
+        st.active.add(1, b.small)
+        st.allocated_bytes.add(b.size, b.small)
+        st.active_bytes.add(b.size, b.small)
+        st.requested_bytes.add(orig_size, b.small)
+        if b.size >= self.settings.max_split_size:
+            st.oversize_allocations.add(1)
         self._emit("alloc", b.addr, orig_size, b.stream)
         return b
 
@@ -331,18 +393,21 @@ class CachingAllocator:
         st = self.stats
         pool = self.small if b.small else self.large
         original, requested = b.size, b.requested
-        delta = 0
+        delta = count = 0
         for cand in (b.prev, b.next):
             subsumed = self._try_merge(b, cand, pool)
             delta -= subsumed
+            count -= subsumed > 0
         b.allocated = False
         pool.insert(b)
         if b.is_split():
             delta += b.size
+            count += 1
         if b.es is None:
-            st.inactive_split_bytes.add(delta)
-        st.active_bytes.add(-original)
-        st.requested_bytes.add(-requested)
+            st.inactive_split_bytes.add(delta, b.small)
+            st.inactive_split.add(count, b.small)
+        st.active_bytes.add(-original, b.small)
+        st.requested_bytes.add(-requested, b.small)
 
     # ---- memory from the device -------------------------------------------------------------
     def _device_has(self, nbytes: int) -> bool:
@@ -362,9 +427,11 @@ class CachingAllocator:
         self.blocks[addr] = b
         self.segments[addr] = b
         self.total_allocated_memory += alloc_size
-        self.stats.segment.add(1)
-        self.stats.reserved_bytes.add(alloc_size)
+        self.stats.segment.add(1, pool.small)
+        self.stats.reserved_bytes.add(alloc_size, pool.small)
         self.stats.num_device_alloc += 1
+        if alloc_size >= self.settings.max_split_size:
+            self.stats.oversize_segments.add(1)
         self._emit("segment_alloc", addr, alloc_size, stream)
         return b
 
@@ -374,9 +441,11 @@ class CachingAllocator:
         del self.blocks[b.addr]
         self.segments.pop(b.addr, None)
         self.total_allocated_memory -= b.size
-        self.stats.segment.add(-1)
-        self.stats.reserved_bytes.add(-b.size)
+        self.stats.segment.add(-1, b.small)
+        self.stats.reserved_bytes.add(-b.size, b.small)
         self.stats.num_device_free += 1
+        if b.size >= self.settings.max_split_size:
+            self.stats.oversize_segments.add(-1)
         self._emit("segment_free", b.addr, b.size, b.stream)
 
     def _release_available_cached_blocks(self, pool: Pool, stream: int, size: int) -> bool:
@@ -503,7 +572,7 @@ class CachingAllocator:
         self._try_merge(b, b.next, pool)
         pool.insert(b)
         self.total_allocated_memory += nbytes
-        self.stats.reserved_bytes.add(nbytes)
+        self.stats.reserved_bytes.add(nbytes, b.small)
         self.stats.num_device_alloc += 1
         self._emit("segment_map", addr, nbytes, b.stream)
         return True
@@ -541,7 +610,7 @@ class CachingAllocator:
         self._try_merge(middle, middle.next, pool)
         pool.insert_unmapped(middle)
         self.total_allocated_memory -= nbytes
-        self.stats.reserved_bytes.add(-nbytes)
+        self.stats.reserved_bytes.add(-nbytes, middle.small)
         self.stats.num_device_free += 1
         self._emit("segment_unmap", start, nbytes, middle.stream)
         return middle

@@ -103,20 +103,22 @@ def seed(alloc: CachingAllocator, state: snap.StartState) -> dict[int, Block]:
             prev.next, nxt.prev = nxt, prev
         alloc.segments[base] = pieces[0]
         alloc.total_allocated_memory += seg_size
-        st.segment.add(1)
-        st.reserved_bytes.add(seg_size)
+        st.segment.add(1, small)
+        st.reserved_bytes.add(seg_size, small)
         for b in pieces:
             alloc.blocks[b.addr] = b
             if b.allocated:
                 live[b.addr] = b
-                st.allocation.add(1)
-                st.allocated_bytes.add(b.size)
-                st.active_bytes.add(b.size)
-                st.requested_bytes.add(b.requested)
+                st.allocation.add(1, small)
+                st.active.add(1, small)
+                st.allocated_bytes.add(b.size, small)
+                st.active_bytes.add(b.size, small)
+                st.requested_bytes.add(b.requested, small)
             else:
                 pool.insert(b)
                 if b.is_split():
-                    st.inactive_split_bytes.add(b.size)
+                    st.inactive_split_bytes.add(b.size, small)
+                    st.inactive_split.add(1, small)
     return live
 
 

@@ -153,6 +153,13 @@ def requests(data: dict, device: int) -> list[tuple]:
 
 def write(path: Path, allocator, trace: list[dict], device: int = 0) -> Path:
     """A snapshot memory_viz reads: the allocator's segments now, and `trace` as device_traces."""
+    with open(path, "wb") as f:
+        pickle.dump(as_dict(allocator, trace, device), f)
+    return path
+
+
+def as_dict(allocator, trace: list[dict], device: int = 0) -> dict:
+    """What torch.cuda.memory._snapshot() returns, for the model's allocator and `trace`."""
     segments = []
     for seg, blocks in allocator.segment_blocks():
         total = sum(b.size for b in blocks)
@@ -171,8 +178,4 @@ def write(path: Path, allocator, trace: list[dict], device: int = 0) -> Path:
             "segment_type": "small" if seg["small"] else "large", "segment_pool_id": (0, 0),
             "is_expandable": seg["is_expandable"], "frames": [], "blocks": out_blocks,
         })
-    data = {"segments": segments, "device_traces": [trace],
-            "allocator_settings": allocator.settings.snapshot_dict()}
-    with open(path, "wb") as f:
-        pickle.dump(data, f)
-    return path
+    return {"segments": segments, "device_traces": [trace], "allocator_settings": allocator.settings.snapshot_dict()}

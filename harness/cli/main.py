@@ -39,6 +39,9 @@ USAGE = """usage: python -m harness <verb> [overrides]
   replay <snapshot.pickle> [allocator=...] [gpu=... [fraction=0.5]] [torch_version=2.6] [--json]
                         replay a memory snapshot through the allocator model: checked against
                         the recording, or what-if under other settings / on another card
+  script <file.py> [its args] [gpu=...] [allocator=...]
+                        run a whole script as it is on the virtual GPU: its torch.cuda memory
+                        readings, snapshots and OOMs are the card's (exit code: the script's)
 
 exit codes: 0 every point produced a row (OOM rows count); 1 some row is an error, timeout or
 missing; 2 usage or config error; 130/143 interrupted by Ctrl-C/SIGTERM (rows written are kept)."""
@@ -185,6 +188,10 @@ def entry(argv: list[str]) -> int:
         from harness.cli.replay import main as replay
 
         return replay(rest)
+    if verb == "script":
+        from harness.cli.script import main as script
+
+        return script(rest)
     if verb in ("plan", "calibrate"):
         return _searching(verb, rest, argv[1:])
     if verb == "report":
@@ -195,7 +202,7 @@ def entry(argv: list[str]) -> int:
             return _fail(f"report: no such file or directory: {path}")
         return aggregate(path)
     if verb not in ("run", "sweep"):
-        return _fail(f"unknown verb '{verb}' (run, sweep, plan, calibrate, report, replay, diagnose)")
+        return _fail(f"unknown verb '{verb}' (run, sweep, plan, calibrate, report, replay, diagnose, script)")
     flags = [a for a in rest if a.startswith("-")]
     overrides = [a for a in rest if not a.startswith("-")]
     if flags:  # --cfg, --info, --help: Hydra's own, nothing runs

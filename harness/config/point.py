@@ -162,6 +162,7 @@ class Card:
     name: str = ""
     device_name: str = ""
     memory_bytes: int = 0  # torch.cuda.get_device_properties().total_memory
+    compute_capability: str = ""  # "major.minor", torch.cuda.get_device_capability(); "" where unknown
     # +- on memory_bytes: reports differ by driver and ECC, and an OOM message's 2-decimal GiB is +-5 MiB
     memory_spread_bytes: int = 0
     non_pytorch_bytes: int = 0  # CUDA context, libraries: outside PyTorch's allocator
@@ -175,6 +176,18 @@ class Card:
         for key in ("memory_spread_bytes", "non_pytorch_bytes", "non_pytorch_spread_bytes"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"gpu.{key}", f"must be >= 0, got {getattr(self, key)}")
+        cc = str(self.compute_capability)
+        if cc and not (cc.count(".") == 1 and all(p.isdigit() for p in cc.split("."))):
+            raise ConfigError("gpu.compute_capability", f"'major.minor' such as 8.0, got {cc!r}")
+        object.__setattr__(self, "compute_capability", cc)
+
+    @property
+    def capability(self) -> tuple[int, int] | None:
+        """(major, minor) as torch.cuda.get_device_capability() reports it; None where unknown."""
+        if not self.compute_capability:
+            return None
+        major, minor = self.compute_capability.split(".")
+        return int(major), int(minor)
 
     def with_margin(self, margin: float) -> Card:
         """The card as a plan sees it: `margin` x its memory kept free, counted as outside PyTorch."""

@@ -3,8 +3,8 @@
 Public training code says `device = "cuda"`, `.to(device)`, `.cuda()`, `torch.autocast("cuda",
 dtype=torch.bfloat16)` and `torch.cuda.synchronize()`. Fake CUDA tensors cannot run backward on a
 torch without a GPU (fidelity.md, B), so the trace stays on fake CPU tensors: CUDA device arguments
-become the CPU, the script's own CUDA autocast becomes the CUDA autocast emulation, and the CUDA
-calls that only synchronize or report become no-ops. Nothing here runs on the cuda backend.
+become the CPU and the script's own CUDA autocast becomes the CUDA autocast emulation (torch.cuda's
+own calls are virtual_cuda's). Nothing here runs on the cuda backend.
 
 Where each tensor would live is kept beside it: the tracker counts device tensors only. A factory
 call without a device makes a tensor where the code's default device is (the card inside a Job,
@@ -155,22 +155,8 @@ def script_autocast():
 
 
 @contextlib.contextmanager
-def quiet_cuda_calls():
-    """Calls that only synchronize or reset counters do nothing on the virtual GPU."""
-    names = ("synchronize", "empty_cache", "reset_peak_memory_stats", "reset_max_memory_allocated")
-    saved = {n: getattr(torch.cuda, n) for n in names}
-    for n in names:
-        setattr(torch.cuda, n, lambda *a, **k: None)
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.cuda, n, f)
-
-
-@contextlib.contextmanager
 def cuda_script_on_cpu(tracker, default_host: bool = False):
     """`default_host`: a factory call without a device makes a host tensor (a plain script);
     inside a Job the default device is the card."""
-    with script_autocast(), quiet_cuda_calls(), CudaDevicesOnCpu(tracker, default_host):
+    with script_autocast(), CudaDevicesOnCpu(tracker, default_host):
         yield

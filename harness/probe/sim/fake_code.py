@@ -23,11 +23,22 @@ from harness.probe.jobs import (
 VALUE_READS = (DataDependentOutputException, DynamicOutputShapeException)
 
 
+def _users(frames) -> list[traceback.FrameSummary]:
+    """The frames of the user's code: not torch, not the harness, not an installed package."""
+    skip = (str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[2]), sys.prefix, sys.base_prefix)
+    return [f for f in frames if not f.filename.startswith(skip)]
+
+
 def _user_frame(tb) -> traceback.FrameSummary | None:
-    """The innermost frame of the user's code: not torch, not the harness, not an installed package."""
-    skip = [str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[2]), sys.prefix, sys.base_prefix]
-    frames = [f for f in traceback.extract_tb(tb) if not any(f.filename.startswith(s) for s in skip)]
+    """The innermost frame of the user's code in a traceback."""
+    frames = _users(traceback.extract_tb(tb))
     return frames[-1] if frames else None
+
+
+def user_line() -> str:
+    """file:line of the user's code running now (innermost)."""
+    frames = _users(traceback.extract_stack())
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "the script"
 
 
 def explain(e: Exception, where: str) -> UserCodeError:

@@ -16,6 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
 
+from harness.allocator.settings import AllocSettings
 from harness.config.point import Leak, Point, WorkloadName
 from harness.probe.jobs import (
     apply_checkpointing,
@@ -40,6 +41,7 @@ from harness.probe.sim.fake_code import (
 )
 from harness.probe.sim.measure import find_holders, measurements, optimizer_state_bytes, watch_training
 from harness.probe.sim.tracker import StorageTracker
+from harness.probe.sim.virtual_cuda import LiveAllocator, virtual_cuda
 
 
 def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tuple[dict, StorageTracker]:
@@ -57,13 +59,16 @@ def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tup
     region = (lambda: cu.autocast_region(autocast_mode)) if autocast_mode else contextlib.nullcontext
     tracker = StorageTracker(emulate_cublas_workspace=emulate_cuda)
     tracker.auto_backward = True
+    live = LiveAllocator(tracker, AllocSettings.from_conf(point.allocator.conf), point.gpu)
     cycle = point.workload.leak == Leak.cycle
     torch.manual_seed(0)
     # unpacked_sequences: transformers models read position_ids values (see cuda_emulation);
-    # cuda_script_on_cpu: a script's "cuda" devices, autocast and synchronize, on the trace's CPU.
+    # cuda_script_on_cpu: a script's "cuda" devices and autocast on the trace's CPU; virtual_cuda:
+    # torch.cuda's readings (memory_allocated, snapshots, ...) are the virtual card's.
     with FakeTensorMode() if fake else contextlib.nullcontext(), cu.unpacked_sequences(), \
             cu.cuda_kernels() if emulate_cuda else contextlib.nullcontext(), cuda_script_on_cpu(tracker), \
-            cu.checkpoint_keeps_autocast(), OptimizerScalarReads() as scalar_reads, tracker, watching(tracker):
+            cu.checkpoint_keeps_autocast(), OptimizerScalarReads() as scalar_reads, tracker, watching(tracker), \
+            virtual_cuda(live):
         tracker.set_phase("setup")
         try:
             with module_conversion_on_fake_tensors() if fake else contextlib.nullcontext(), shape_only_init():

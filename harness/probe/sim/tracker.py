@@ -12,6 +12,7 @@ import contextlib
 import os
 import sys
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -121,6 +122,10 @@ class StorageTracker(TorchDispatchMode):
         self.placement: str | None = None  # where the running call's outputs live (cuda_script)
         # A user's step has no phase marks: count what runs inside autograd's engine as backward.
         self.auto_backward = False
+        # Followers of the events (virtual_cuda.LiveAllocator): called after each alloc event, and
+        # with (key, index) when an alloc event is taken back.
+        self.after_alloc: Callable[[], None] | None = None
+        self.on_drop: Callable[[int, int], None] | None = None
 
     # ---- phases and steps ------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -158,6 +163,8 @@ class StorageTracker(TorchDispatchMode):
             s.peak_phase = phase
             s.peak_module = module
         s.peak_requested_bytes = max(s.peak_requested_bytes, self.requested)
+        if self.after_alloc is not None:
+            self.after_alloc()
 
     def _forget(self, key: int) -> list | None:
         """Stop counting a live storage; returns its [requested, allocated, kind] entry."""
@@ -228,6 +235,8 @@ class StorageTracker(TorchDispatchMode):
         for i in range(len(self.events) - 1, -1, -1):
             if self.events[i].key == key and self.events[i].action == "alloc":
                 del self.events[i]
+                if self.on_drop is not None:
+                    self.on_drop(key, i)
                 break
 
     def allocated_bytes_of(self, t: torch.Tensor) -> int:

@@ -1,0 +1,78 @@
+"""`python -m harness script file.py [its args] [gpu=...] [allocator=...]`: a whole script, as it
+is, on the virtual GPU. Its own `torch.cuda` readings, snapshots and OOMs are the virtual card's.
+
+Arguments `gpu=...`, `gpu.<key>=...`, `allocator=...` and `allocator.<key>=...` are the harness's,
+wherever they stand; everything else goes to the script. Exit codes: the script's own (0 when it
+ends normally, its SystemExit code, 1 when it raises: the error is printed with its file and
+line), 2 when the command itself is wrong (no such script, a bad gpu=/allocator= value).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import traceback
+
+from harness.errors import EXIT_USAGE, ConfigError
+from harness.units import GiB
+
+_HARNESS_KEY = re.compile(r"^(gpu|allocator)(\.[\w.]+)?=")
+
+
+def split_args(args: list[str]) -> tuple[str, list[str], list[str]]:
+    """(script, the script's args, the harness's overrides)."""
+    ours = [a for a in args if _HARNESS_KEY.match(a)]
+    rest = [a for a in args if not _HARNESS_KEY.match(a)]
+    if not rest:
+        raise ConfigError("script", "names the script to run: script file.py [its args] [gpu=...] [allocator=...]")
+    return rest[0], rest[1:], ours
+
+
+def _card_and_settings(overrides: list[str]):
+    from harness.allocator.settings import AllocSettings
+    from harness.config.compose import as_dict, compose, user_card_and_free_text
+    from harness.config.point import Card
+
+    cfg = compose(user_card_and_free_text(overrides))
+    card = Card.from_dict(as_dict(cfg.gpu))
+    return card, AllocSettings.from_conf(cfg.allocator.conf)
+
+
+def _print_error(e: BaseException) -> None:
+    """The script's error as Python prints it, without the harness's frames in between."""
+    from harness.probe.jobs import UserCodeError
+
+    if isinstance(e, UserCodeError):
+        print(f"harness: {e}", file=sys.stderr)
+        return
+    from harness.probe.sim.virtual_cuda import shown
+
+    frames = shown(traceback.extract_tb(e.__traceback__))
+    print("Traceback (most recent call last):", file=sys.stderr)
+    print("".join(traceback.format_list(frames)), end="", file=sys.stderr)
+    print("".join(traceback.format_exception_only(type(e), e)), end="", file=sys.stderr)
+
+
+def main(args: list[str]) -> int:
+    try:
+        script, script_args, overrides = split_args(args)
+        from harness.probe.sim.script import run_script, script_path
+
+        path = script_path(script)
+        card, settings = _card_and_settings(overrides)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"harness: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    run = run_script(path, script_args, card, settings)
+    sys.stdout.flush()
+    if run.error is not None:
+        _print_error(run.error)
+    peaks = run.peaks
+    print(f"harness: {path.name} on a virtual {card.name} ({card.room() / GiB:.2f} GiB for PyTorch"
+          f"{', ' + settings.conf if settings.conf else ''}): peak allocated "
+          f"{peaks['allocated_bytes'] / GiB:.2f} GiB, peak reserved {peaks['reserved_bytes'] / GiB:.2f} GiB"
+          f"{', out of memory' if run.stats['num_ooms'] else ''}", file=sys.stderr)
+    if run.value_reads:
+        print(f"harness: values read from tensors (first at {run.value_reads[0]}) are stand-ins (1): the "
+              "virtual GPU has shapes, not values", file=sys.stderr)
+    return run.exit_code

@@ -1,0 +1,129 @@
+"""A whole Python script, as it is, on the virtual GPU (`python -m harness script file.py ...`).
+
+The script runs as `__main__` with its own argv, under the same emulation as a traced job
+(cuda_emulation, cuda_script), with a plain script's defaults: a tensor made without a device is a
+host tensor, and `torch.cuda` describes the card (virtual_cuda) - its memory readings, snapshots
+and out-of-memory errors are the card's. Values do not exist on the virtual GPU: a value read
+(`loss.item()`) answers a stand-in (1) and is reported once with its line; code whose shapes depend
+on values (nonzero, boolean masks) stops with its file and line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from harness.allocator.settings import AllocSettings
+from harness.config.point import Card
+from harness.probe.jobs import prepare_optimizer
+from harness.probe.sim import cuda_emulation as cu
+from harness.probe.sim.cuda_script import cuda_script_on_cpu
+from harness.probe.sim.fake_code import (
+    VALUE_READS,
+    explain,
+    module_conversion_on_fake_tensors,
+    shape_only_init,
+    user_line,
+)
+from harness.probe.sim.tracker import StorageTracker
+from harness.probe.sim.virtual_cuda import LiveAllocator, virtual_cuda
+
+
+@dataclass
+class ScriptRun:
+    """What a script did on the virtual card: its allocator's counters at the end, the whole run's
+    peaks (whatever the script reset), how it ended."""
+    stats: dict
+    peaks: dict = field(default_factory=dict)
+    exit_code: int = 0
+    error: BaseException | None = None  # what the script raised (SystemExit aside)
+    value_reads: list[str] = field(default_factory=list)  # file:line of the first value read, if any
+
+
+class _ValueStandIns(TorchDispatchMode):
+    """`.item()` and friends (aten._local_scalar_dense) answer 1 (True, 1.0): the virtual GPU has
+    shapes, not values. The first read's line is kept for the report."""
+
+    def __init__(self, reads: list[str]):
+        super().__init__()
+        self.reads = reads
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            if not self.reads:
+                self.reads.append(user_line())
+            t = args[0]
+            return True if t.dtype == torch.bool else 1.0 if t.is_floating_point() or t.is_complex() else 1
+        return func(*args, **(kwargs or {}))
+
+
+def _cuda_optimizers():
+    """torch.optim's implementation as CUDA picks it (foreach where it is left unset): on the trace's
+    CPU tensors torch would run the for-loop. Applied before each optimizer's first step."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    seen: set[int] = set()
+
+    def prepare(opt, *_):
+        if id(opt) not in seen:
+            seen.add(id(opt))
+            prepare_optimizer(opt, "auto", virtual=True)
+
+    return register_optimizer_step_pre_hook(prepare)
+
+
+@contextlib.contextmanager
+def _as_main(path: Path, argv: list[str]):
+    """sys.argv and sys.path as `python path argv...` would have them."""
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = [str(path), *argv]
+    sys.path.insert(0, str(path.parent))
+    try:
+        yield
+    finally:
+        sys.argv[:], sys.path[:] = saved_argv, saved_path
+
+
+def run_script(path: Path, argv: list[str], card: Card, settings: AllocSettings) -> ScriptRun:
+    """Run the script on the virtual `card` under `settings`; never raises for the script's own errors."""
+    tracker = StorageTracker()
+    tracker.auto_backward = True
+    live = LiveAllocator(tracker, settings, card, eager=True)
+    reads: list[str] = []
+    run = ScriptRun(stats={})
+    hook = _cuda_optimizers()
+    torch.manual_seed(0)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), cu.unpacked_sequences(), cu.cuda_kernels(), \
+                cuda_script_on_cpu(tracker, default_host=True), cu.checkpoint_keeps_autocast(), \
+                module_conversion_on_fake_tensors(), shape_only_init(), tracker, _ValueStandIns(reads), \
+                virtual_cuda(live), _as_main(path, argv):
+            try:
+                runpy.run_path(str(path), run_name="__main__")
+            except SystemExit as e:
+                run.exit_code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except VALUE_READS as e:
+                run.error, run.exit_code = explain(e, "in the script"), 1
+            except Exception as e:  # the script's own error: reported with its traceback
+                run.error, run.exit_code = e, 1
+            run.stats, run.peaks = live.stats(), live.peaks()
+    finally:
+        hook.remove()
+    run.value_reads = reads
+    return run
+
+
+def script_path(arg: str) -> Path:
+    """The script named on the command line, as a path (it must exist and be a file)."""
+    path = Path(arg).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"{arg}: no such script" if not path.exists() else f"{arg}: not a file")
+    return Path(os.path.abspath(path))

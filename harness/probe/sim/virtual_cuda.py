@@ -1,0 +1,252 @@
+"""torch.cuda answered by the virtual GPU: the user's own memory code runs unchanged.
+
+Inside a traced job or script, `torch.cuda.memory_allocated`, `max_memory_allocated`,
+`memory_reserved`, `max_memory_reserved`, `memory_stats`, `memory_summary`, `mem_get_info`,
+`reset_peak_memory_stats`, `empty_cache` and `set_per_process_memory_fraction` read and drive the
+allocator model fed with the tracker's events (the card of `gpu=`, the settings of `allocator=`);
+`torch.cuda.memory._record_memory_history` / `_snapshot` / `_dump_snapshot` record and write the
+virtual snapshot of exactly the recorded region; `torch.cuda.nvtx` does nothing; the device
+queries (`is_available`, `get_device_properties`, ...) describe the card.
+
+The model is fed lazily (at each reading) unless `eager`: a script's allocations then go through
+it as they happen, so one that does not fit the card raises torch.OutOfMemoryError where a real
+run would.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import sys
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from harness.allocator import oom_message
+from harness.allocator import snapshot as snap
+from harness.allocator.model import CachingAllocator, Device, OutOfMemory
+from harness.allocator.settings import AllocSettings
+from harness.config.point import Card
+from harness.probe.sim.tracker import StorageTracker
+
+_HARNESS = str(Path(__file__).resolve().parents[2])
+_TORCH = Path(torch.__file__).parent
+# Frames of the dispatch machinery between the user's op and the tracker: not where memory is used.
+_MACHINERY = tuple(str(_TORCH / p) for p in ("_ops.py", "_compile.py", "_dynamo", "utils/_python_dispatch.py",
+                                               "_subclasses", "overrides.py"))
+
+
+class LiveAllocator:
+    """The allocator model following a tracker's events, readable at any moment."""
+
+    def __init__(self, tracker: StorageTracker, settings: AllocSettings, card: Card, eager: bool = False):
+        self.tracker, self.card, self.settings = tracker, card, settings
+        # Eager, it is the card; lazy (a sweep's trace, whose replays decide each card's OOM), a card
+        # of the same size that never runs out.
+        self.alloc = CachingAllocator(settings, Device.for_card(card) if eager else Device(total=card.memory_bytes))
+        self.alloc.on_event = self._on_event
+        self.blocks: dict = {}  # tracker key -> Block
+        self.done = 0  # tracker events consumed
+        self.eager = eager
+        self.history: collections.deque | None = None  # trace entries while recording
+        self._frames: list = []
+        self.whole_run: dict = {}  # the peaks before the code last reset them
+        tracker.on_drop = self._dropped
+        tracker.after_alloc = self.catch_up if eager else None
+
+    # ---- following the tracker -------------------------------------------------------------
+    def catch_up(self) -> None:
+        events = self.tracker.events
+        while self.done < len(events):
+            e = events[self.done]
+            self.done += 1
+            if e.action == "alloc":
+                try:
+                    self.blocks[e.key] = self.alloc.malloc(e.size)
+                except OutOfMemory as oom:
+                    text = oom_message.message(oom, torch.__version__)
+                    raise torch.OutOfMemoryError(text) from None
+            else:
+                b = self.blocks.pop(e.key, None)
+                if b is not None:
+                    self.alloc.free(b)
+
+    def _dropped(self, key: int, index: int) -> None:
+        """The tracker took back an alloc event (a tensor a real run keeps on the host)."""
+        if index < self.done:
+            self.done -= 1
+            b = self.blocks.pop(key, None)
+            if b is not None:
+                self.alloc.free(b)
+
+    # ---- recording -------------------------------------------------------------------------
+    def record(self, enabled, max_entries: int | None) -> None:
+        self.catch_up()
+        if not enabled:
+            self.tracker.after_alloc = self.catch_up if self.eager else None
+            self.history = None
+            return
+        self.history = collections.deque(maxlen=max_entries if max_entries and max_entries < sys.maxsize else None)
+        self.tracker.after_alloc = self._catch_up_with_frames  # each allocation where it happens
+
+    def _catch_up_with_frames(self) -> None:
+        self._frames = _user_frames()
+        self.catch_up()
+
+    def _on_event(self, action, addr, size, stream) -> None:
+        if self.history is not None:
+            self.history.append({"action": action, "addr": addr, "size": size, "stream": stream,
+                                 "time_us": len(self.history), "frames": self._frames if action == "alloc" else []})
+
+    def snapshot(self) -> dict:
+        self.catch_up()
+        return snap.as_dict(self.alloc, list(self.history or ()))
+
+    # ---- torch.cuda's readings ---------------------------------------------------------------
+    def stats(self) -> dict:
+        self.catch_up()
+        return self.alloc.stats.as_dict()
+
+    def reset_peaks(self) -> None:
+        self.catch_up()
+        self.whole_run = self.peaks()
+        self.alloc.stats.reset_peaks()
+
+    def peaks(self) -> dict:
+        """The whole run's peaks, whatever the code reset: allocated, requested, reserved."""
+        self.catch_up()
+        st = self.alloc.stats
+        now = {"allocated_bytes": st.allocated_bytes.peak, "requested_bytes": st.requested_bytes.peak,
+               "reserved_bytes": st.reserved_bytes.peak}
+        return {k: max(v, self.whole_run.get(k, 0)) for k, v in now.items()}
+
+    def empty_cache(self) -> None:
+        self.catch_up()
+        self.alloc.empty_cache()
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) as cudaMemGetInfo: the card less what the CUDA context holds and PyTorch reserved."""
+        self.catch_up()
+        total = self.card.memory_bytes
+        return max(0, total - self.card.non_pytorch_bytes - self.alloc.stats.reserved_bytes.current), total
+
+    def set_fraction(self, fraction: float) -> None:
+        self.catch_up()
+        if self.eager:
+            self.alloc.device = Device.for_card(self.card, fraction)
+
+
+def shown(frames) -> list[traceback.FrameSummary]:
+    """The frames worth showing of a stack or traceback: the code's own and torch's modules, without
+    the harness, runpy and the dispatch machinery between an op and the virtual GPU."""
+    return [f for f in frames if not f.filename.startswith((_HARNESS, *_MACHINERY)) and f.filename != "<frozen runpy>"]
+
+
+def _user_frames() -> list[dict]:
+    """The Python stack of an allocation as a real snapshot's frames (innermost first)."""
+    return [{"filename": f.filename, "line": f.lineno, "name": f.name} for f in reversed(shown(traceback.extract_stack()))]
+
+
+class _NoNvtx:
+    """torch.cuda.nvtx's C functions: no profiler is attached to a virtual GPU."""
+
+    def __getattr__(self, name):
+        return lambda *a, **k: 0
+
+
+def _flat(stats: dict) -> dict:
+    """memory_stats()' keys: torch's flat "allocated_bytes.all.current" naming."""
+    return dict(sorted(stats.items()))
+
+
+def _nested(stats: dict) -> dict:
+    out: dict = {}
+    for key, value in stats.items():
+        parts = key.split(".")
+        d = out
+        for p in parts[:-1]:
+            d = d.setdefault(p, {})
+        d[parts[-1]] = value
+    return out
+
+
+def _functions(live: LiveAllocator, original_summary) -> dict:
+    """torch.cuda.memory's functions, answered by `live`."""
+    card = live.card
+
+    def stat(key):
+        return lambda device=None: live.stats()[key]
+
+    def record(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, device=None, **kw):
+        live.record(enabled, kw.get("trace_alloc_max_entries", max_entries))
+
+    def dump(filename="dump_snapshot.pickle", augment_with_fx_traces=False):
+        live.catch_up()
+        snap.write(Path(filename), live.alloc, list(live.history or ()))
+
+    # An unknown card answers as the commonest training card does (an A100's 8.0).
+    major, minor = card.capability or (8, 0)
+    props = SimpleNamespace(name=card.device_name, total_memory=card.memory_bytes, major=major, minor=minor,
+                            is_integrated=False, is_multi_gpu_board=False)
+    return {
+        "memory_stats": lambda device=None: _flat(live.stats()),
+        "memory_stats_as_nested_dict": lambda device=None: _nested(live.stats()),
+        "memory_allocated": stat("allocated_bytes.all.current"),
+        "max_memory_allocated": stat("allocated_bytes.all.peak"),
+        "memory_reserved": stat("reserved_bytes.all.current"),
+        "max_memory_reserved": stat("reserved_bytes.all.peak"),
+        "memory_cached": stat("reserved_bytes.all.current"),
+        "max_memory_cached": stat("reserved_bytes.all.peak"),
+        "reset_peak_memory_stats": lambda device=None: live.reset_peaks(),
+        "reset_max_memory_allocated": lambda device=None: live.reset_peaks(),
+        "reset_max_memory_cached": lambda device=None: live.reset_peaks(),
+        "reset_accumulated_memory_stats": lambda device=None: None,
+        "empty_cache": live.empty_cache,
+        "mem_get_info": lambda device=None: live.mem_get_info(),
+        "memory_summary": lambda device=None, abbreviated=False: original_summary(0, abbreviated),
+        "memory_snapshot": lambda *a, **k: live.snapshot()["segments"],
+        "set_per_process_memory_fraction": lambda fraction, device=None: live.set_fraction(fraction),
+        "get_per_process_memory_fraction": lambda device=None: (
+            live.alloc.device.allowed / card.memory_bytes if live.alloc.device.allowed else 1.0),
+        "_record_memory_history": record,
+        "_snapshot": lambda device=None, augment_with_fx_traces=False: live.snapshot(),
+        "_dump_snapshot": dump,
+        # the card itself
+        "is_available": lambda: True,
+        "is_initialized": lambda: True,
+        "init": lambda: None,
+        "device_count": lambda: 1,
+        "current_device": lambda: 0,
+        "set_device": lambda device: None,
+        "get_device_name": lambda device=None: card.device_name,
+        "get_device_properties": lambda device=None: props,
+        "get_device_capability": lambda device=None: (props.major, props.minor),
+        "is_bf16_supported": lambda including_emulation=True: major >= 8,
+        "manual_seed": lambda seed: None,
+        "manual_seed_all": lambda seed: None,
+        "synchronize": lambda device=None: None,
+    }
+
+
+@contextlib.contextmanager
+def virtual_cuda(live: LiveAllocator):
+    """torch.cuda (and torch.cuda.memory) answered by `live` inside; everything restored after."""
+    import torch.cuda.memory as memory
+    import torch.cuda.nvtx as nvtx
+
+    fns = _functions(live, memory.memory_summary)
+    saved: list = []
+    for name, fn in fns.items():
+        for module in (torch.cuda, memory):
+            if hasattr(module, name):
+                saved.append((module, name, getattr(module, name)))
+                setattr(module, name, fn)
+    saved.append((nvtx, "_nvtx", nvtx._nvtx))
+    nvtx._nvtx = _NoNvtx()  # type: ignore[assignment]  # restored below
+    try:
+        yield live
+    finally:
+        for module, name, fn in reversed(saved):
+            setattr(module, name, fn)
