@@ -374,3 +374,47 @@ def test_a_snapshot_written_from_a_replay_replays_exactly(tmp_path, conf):
     again = replay_snapshot(data)
     assert again.exact, again
     assert again.peak_reserved_bytes == result.peak_reserved_bytes
+
+
+# ---- recordings that begin with memory in use ------------------------------------------------
+
+def _recording(conf: str, program: list, start: int) -> dict:
+    """The snapshot a program leaves when history recording begins at step `start` (as a ring
+    buffer or a late _record_memory_history leaves it): the model stands in for the real allocator."""
+    alloc = allocator(conf)
+    trace: list = []
+    live: dict = {}
+    for i, (action, name, size) in enumerate(program):
+        alloc.on_event = (lambda a, addr, s, st: trace.append({"action": a, "addr": addr, "size": s, "stream": st,
+                                                                 "time_us": len(trace), "frames": []})) if i >= start else None
+        if action == "alloc":
+            live[name] = alloc.malloc(size)
+        else:
+            alloc.free(live.pop(name))
+    return snap.as_dict(alloc, trace)
+
+
+def test_a_block_handed_its_remainder_unsplit_before_the_recording_is_rebuilt_whole():
+    """B takes a 5 MiB hole for 4.5 MiB (the 0.5 MiB remainder is never split off); the free space
+    after it is larger than 1 MiB. Recorded from after that, B's block is rebuilt with its remainder:
+    where the first allocation after it lands says where the free space began."""
+    program = [("alloc", "x1", 3 * MiB), ("alloc", "x2", 5 * MiB), ("alloc", "x3", 5 * MiB),
+               ("free", "x2", 0), ("alloc", "b", 4 * MiB + 512 * 1024), ("free", "x3", 0),
+               ("alloc", "c", 2 * MiB), ("free", "b", 0), ("alloc", "d", 4 * MiB), ("free", "c", 0)]
+    data = _recording("", program, start=6)
+    r = replay_snapshot(data)
+    assert r.exact, r
+
+
+def test_expandable_segments_recorded_after_memory_was_in_use_replay_when_nothing_is_mapped():
+    """Reserved is constant when the recording holds no map or unmap: the start state is the final
+    one's mapped ranges."""
+    program = [("alloc", f"a{i}", 16 * MiB) for i in range(6)] + [("free", f"a{i}", 0) for i in range(0, 6, 2)]
+    program += [("alloc", "b", 12 * MiB), ("alloc", "c", 3 * MiB), ("free", "a1", 0), ("alloc", "d", 20 * MiB)]
+    data = _recording("expandable_segments:True", program, start=9)
+    assert not any(e["action"].startswith("segment_") for e in data["device_traces"][0])
+    r = replay_snapshot(data)
+    assert r.exact and r.allocs_total == 3
+    mapping = _recording("expandable_segments:True", program + [("alloc", "e", 200 * MiB)], start=9)
+    with pytest.raises(snap.SnapshotError, match="mapped or unmapped memory during a recording"):
+        replay_snapshot(mapping)

@@ -7,7 +7,15 @@ from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 from harness.allocator import snapshot as snap
-from harness.allocator.model import Block, CachingAllocator, Device, OutOfMemory
+from harness.allocator.model import (
+    K_LARGE_BUFFER,
+    K_SMALL_BUFFER,
+    Block,
+    CachingAllocator,
+    Device,
+    ExpandableSegment,
+    OutOfMemory,
+)
 from harness.allocator.settings import AllocSettings
 
 
@@ -76,19 +84,17 @@ class _Peaks:
 
 def seed(alloc: CachingAllocator, state: snap.StartState) -> dict[int, Block]:
     """Put the recorded start state into the allocator; returns its live blocks by address."""
-    live: dict[int, Block] = {}
-    st = alloc.stats
-    by_segment: dict[int, list] = {base: [] for base in state.segments}
-    bases = sorted(state.segments)
     import bisect
 
+    by_segment: dict[int, list] = {base: [] for base in state.segments}
+    bases = sorted(state.segments)
     for addr, (size, requested) in state.blocks.items():
         j = bisect.bisect_right(bases, addr) - 1
         if j >= 0:
             by_segment[bases[j]].append((addr, size, requested))
+    chains: dict[tuple[bool, int], list[Block]] = {}  # expandable: one address range per pool and stream
     for base in bases:
         seg_size, small, stream = state.segments[base]
-        pool = alloc.small if small else alloc.large
         pieces, pos = [], base
         for addr, size, requested in sorted(by_segment[base]):
             if addr > pos:
@@ -99,27 +105,64 @@ def seed(alloc: CachingAllocator, state: snap.StartState) -> dict[int, Block]:
             pos = addr + size
         if pos < base + seg_size:
             pieces.append(Block(pos, base + seg_size - pos, stream, small))
-        for prev, nxt in zip(pieces, pieces[1:]):
-            prev.next, nxt.prev = nxt, prev
-        alloc.segments[base] = pieces[0]
         alloc.total_allocated_memory += seg_size
-        st.segment.add(1, small)
-        st.reserved_bytes.add(seg_size, small)
-        for b in pieces:
-            alloc.blocks[b.addr] = b
-            if b.allocated:
-                live[b.addr] = b
-                st.allocation.add(1, small)
-                st.active.add(1, small)
-                st.allocated_bytes.add(b.size, small)
-                st.active_bytes.add(b.size, small)
-                st.requested_bytes.add(b.requested, small)
-            else:
-                pool.insert(b)
-                if b.is_split():
-                    st.inactive_split_bytes.add(b.size, small)
-                    st.inactive_split.add(1, small)
+        alloc.stats.reserved_bytes.add(seg_size, small)
+        if state.expandable:
+            chains.setdefault((small, stream), []).extend(pieces)
+        else:
+            _link(pieces)
+            alloc.segments[base] = pieces[0]
+            alloc.stats.segment.add(1, small)
+            for b in pieces:
+                alloc.blocks[b.addr] = b
+    for (small, stream), mapped in chains.items():
+        _expandable_range(alloc, mapped, small, stream)
+    live: dict[int, Block] = {}
+    for b in alloc.blocks.values():
+        pool = alloc.small if b.small else alloc.large
+        if not b.mapped:
+            pool.insert_unmapped(b)
+        elif b.allocated:
+            live[b.addr] = b
+            for stat, n in (("allocation", 1), ("active", 1), ("allocated_bytes", b.size), ("active_bytes", b.size),
+                            ("requested_bytes", b.requested)):
+                getattr(alloc.stats, stat).add(n, b.small)
+        else:
+            pool.insert(b)
+            if b.is_split() and b.es is None:
+                alloc.stats.inactive_split_bytes.add(b.size, b.small)
+                alloc.stats.inactive_split.add(1, b.small)
     return live
+
+
+def _link(pieces: list[Block]) -> None:
+    for prev, nxt in zip(pieces, pieces[1:]):
+        prev.next, nxt.prev = nxt, prev
+
+
+def _expandable_range(alloc: CachingAllocator, mapped: list[Block], small: bool, stream: int) -> None:
+    """The recorded mapped ranges of one pool's expandable segment, with unmapped address space
+    between and after them, as the model keeps an expandable segment."""
+    page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
+    base = mapped[0].addr
+    extent = mapped[-1].addr + mapped[-1].size - base
+    total = alloc.device.total
+    size = max(-(-(total + total // 8) // page) * page, -(-extent // page) * page)
+    es = ExpandableSegment(base, size, page, stream, small)
+    alloc.expandable[(small, base)] = es
+    chain, pos = [], base
+    for b in mapped:
+        if b.addr > pos:
+            chain.append(Block(pos, b.addr - pos, stream, small, es, mapped=False))
+        b.es = es
+        chain.append(b)
+        es.mapped.update(range((b.addr - base) // page, -(-(b.addr + b.size - base) // page)))
+        pos = b.addr + b.size
+    if pos < base + size:
+        chain.append(Block(pos, base + size - pos, stream, small, es, mapped=False))
+    _link(chain)
+    for b in chain:
+        alloc.blocks[b.addr] = b
 
 
 def replay_snapshot(data: dict, settings: AllocSettings | None = None, device: Device | None = None,

@@ -56,6 +56,7 @@ class StartState:
 
     segments: dict[int, tuple[int, bool, int]] = field(default_factory=dict)  # addr -> (size, small, stream)
     blocks: dict[int, tuple[int, int]] = field(default_factory=dict)  # addr -> (block size, requested)
+    expandable: bool = False  # the segments are mapped ranges of expandable segments
 
 
 def start_state(data: dict, device: int) -> StartState:
@@ -63,6 +64,7 @@ def start_state(data: dict, device: int) -> StartState:
     trace = data["device_traces"][device]
     segs, small_of = {}, {}
     blocks: dict[int, tuple[int | None, int]] = {}
+    freed_at: dict[int, int] = {}  # a block alive at the start -> the event that frees it
     for s in data["segments"]:
         if s.get("device", device) != device:
             continue
@@ -71,7 +73,8 @@ def start_state(data: dict, device: int) -> StartState:
         for b in s["blocks"]:
             if b["state"] in ("active_allocated", "active_pending_free"):
                 blocks[b["address"]] = (b["size"], b["requested_size"])
-    for e in reversed(trace):
+    for i in range(len(trace) - 1, -1, -1):
+        e = trace[i]
         a = e.get("action")
         if a in ("segment_alloc", "segment_map"):
             segs.pop(e["addr"], None)
@@ -79,26 +82,48 @@ def start_state(data: dict, device: int) -> StartState:
             segs[e["addr"]] = (e["size"], e["stream"])
         elif a == "alloc":
             blocks.pop(e["addr"], None)
+            freed_at.pop(e["addr"], None)
         elif a == "free_completed":
             blocks[e["addr"]] = (None, e["size"])  # block size inferred below
-    expandable = any(s.get("is_expandable") for s in data["segments"]) or any(
-        e.get("action") in ("segment_map", "segment_unmap") for e in trace)
-    if expandable and segs:
-        raise SnapshotError("expandable segments recorded after memory was already in use: the state at "
-                            "the start of the trace cannot be rebuilt; record from before the first CUDA "
-                            "allocation")
-    state = StartState()
+            freed_at[e["addr"]] = i
+    expandable = any(s.get("is_expandable") for s in data["segments"] if s.get("device", device) == device)
+    remapped = any(e.get("action") in ("segment_map", "segment_unmap") for e in trace)
+    if (expandable or remapped) and segs and remapped:
+        raise SnapshotError("expandable segments mapped or unmapped memory during a recording that began with "
+                            "memory in use: the state at its start cannot be rebuilt; record from before the "
+                            "first CUDA allocation")
+    state = StartState(expandable=expandable)
     for addr, (size, stream) in segs.items():
         small = small_of.get(addr, size == K_SMALL_BUFFER)
         state.segments[addr] = (size, small, stream)
-    _block_sizes(state, blocks)
+    _block_sizes(state, blocks, _first_alloc_after(trace, freed_at))
     return state
 
 
-def _block_sizes(state: StartState, blocks: dict) -> None:
+def _first_alloc_after(trace: list, freed_at: dict[int, int]):
+    """For a block alive at the start and freed during the trace: the address of the first
+    allocation in (its address, limit) made before it is freed, or None."""
+    import bisect
+
+    allocs = sorted((e["addr"], i) for i, e in enumerate(trace) if e.get("action") == "alloc")
+    addrs = [a for a, _ in allocs]
+
+    def first(addr: int, limit: int) -> int | None:
+        end = freed_at.get(addr)
+        if end is None:
+            return None
+        lo, hi = bisect.bisect_right(addrs, addr), bisect.bisect_left(addrs, limit)
+        found = [(i, a) for a, i in allocs[lo:hi] if i < end]
+        return min(found)[1] if found else None
+    return first
+
+
+def _block_sizes(state: StartState, blocks: dict, first_alloc_after) -> None:
     """A block freed during the trace but allocated before it has only its requested size. Its
-    block is the rounded request, plus the tail to the next block when that tail is <= 1 MiB in
-    the large pool: such a remainder is never split off, and every large-pool block is > 1 MiB."""
+    block is the rounded request plus, in the large pool, the remainder it was handed unsplit
+    (<= 1 MiB: such a remainder is never split off). That remainder ends where the free space
+    after it began: where the first allocation into that space lands while the block still lives
+    (best fit carves from a free block's start), else at the next block when it is that close."""
     bases = sorted(state.segments)
     addrs = sorted(blocks)
     import bisect
@@ -118,7 +143,9 @@ def _block_sizes(state: StartState, blocks: dict) -> None:
                 limit = base + seg_size
                 if i + 1 < len(addrs) and addrs[i + 1] < limit:
                     limit = addrs[i + 1]
-                tail = limit - (addr + size)
+                landed = first_alloc_after(addr, limit)
+                end = landed if landed is not None and landed - (addr + size) <= K_SMALL_SIZE else limit
+                tail = end - (addr + size)
                 if 0 < tail <= K_SMALL_SIZE:
                     size += tail
         state.blocks[addr] = (size, requested)

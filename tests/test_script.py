@@ -1,0 +1,107 @@
+"""The user's own memory code on the virtual GPU: torch.cuda's readings, snapshots and OOMs are the
+virtual card's inside a job and in a whole script (`python -m harness script`)."""
+
+import pytest
+import torch
+
+from harness.allocator import snapshot as snap
+from harness.allocator.model import round_size
+from harness.allocator.replay import replay_snapshot
+from harness.allocator.settings import AllocSettings
+from harness.config import cards
+from harness.config.point import Workload
+from harness.probe.sim.script import run_script
+from harness.probe.sim.tracker import CUBLAS_WORKSPACE_BYTES
+from harness.probe.worker import run_sim
+from tests.conftest import REPO, run_cli, train_point
+
+SCRIPT = REPO / "tests" / "scripts" / "profile_memory.py"
+
+
+def _readings(out: str) -> dict:
+    """The script's own printed readings: {label: [numbers]}."""
+    got = {}
+    for line in out.splitlines():
+        words = line.split()
+        if line.startswith("after model"):
+            got["after model"] = [int(words[-1])]
+        elif line.startswith("mem_get_info"):
+            got["mem_get_info"] = [int(w) for w in words[1:]]
+        elif line.startswith("step "):
+            got[f"step {words[1]}"] = {words[i]: int(words[i + 1]) for i in range(4, len(words) - 1, 2)}
+    return got
+
+
+def test_a_profiling_script_reads_the_virtual_cards_memory(tmp_path, capsys):
+    card = cards.by_key()["a100-80gb"]
+    run = run_script(SCRIPT, [str(tmp_path / "snap.pickle")], card, AllocSettings())
+    out = capsys.readouterr().out
+    assert run.exit_code == 0 and run.error is None
+    got = _readings(out)
+    # Linear(1024, 4096) and Linear(4096, 1024) in fp32, as the allocator rounds each
+    params = sum(round_size(n * 4) for n in (4096 * 1024, 4096, 1024 * 4096, 1024))
+    assert got["after model"] == [params]  # built on the host, then moved: only the copies count
+    after = got["step 0"]
+    x, loss = round_size(64 * 1024 * 4), round_size(4)
+    # parameters, AdamW's two moments, the step's input and loss, a cuBLAS workspace per thread
+    assert after["allocated"] == 3 * params + x + loss + 2 * CUBLAS_WORKSPACE_BYTES
+    assert after["max_allocated"] > after["allocated"] and after["max_reserved"] >= after["reserved"]
+    assert got["step 1"] == got["step 2"]  # peaks reset each step: the steady state repeats
+    free, total = got["mem_get_info"]
+    assert total == card.memory_bytes and free == total - card.non_pytorch_bytes - after["reserved"]
+    assert "PyTorch CUDA memory summary" in out and "GPU reserved memory" in out  # torch's own summary
+    assert run.peaks["allocated_bytes"] == got["step 0"]["max_allocated"]  # the whole run, past the resets
+    assert run.value_reads == [f"{SCRIPT}:23"]  # loss.item(): a stand-in, reported with its line
+
+
+def test_a_scripts_snapshot_holds_exactly_the_recorded_region_and_replays_exactly(tmp_path, capsys):
+    path = tmp_path / "snap.pickle"
+    run_script(SCRIPT, [str(path)], cards.by_key()["a100-80gb"], AllocSettings())
+    data = snap.load(path)
+    trace = data["device_traces"][0]
+    assert trace[0]["action"] == "alloc" and trace[0]["frames"][0]["filename"] == str(SCRIPT)
+    assert trace[0]["frames"][0]["line"] == 20  # the first allocation recorded: the step's input
+    live_params = [b for s in data["segments"] for b in s["blocks"] if b["size"] == 4096 * 1024 * 4]
+    assert len(live_params) >= 2  # the weights (and moments) allocated before recording began, still alive
+    result = replay_snapshot(data)
+    assert result.exact
+
+
+@pytest.mark.parametrize("settings", ["", "expandable_segments:True"])
+def test_a_script_that_does_not_fit_the_card_raises_torch_out_of_memory_at_its_line(tmp_path, capsys, settings):
+    run = run_script(SCRIPT, [str(tmp_path / "s.pickle"), "30000"], cards.by_key()["t4"], AllocSettings.from_conf(settings))
+    assert isinstance(run.error, torch.OutOfMemoryError) and run.exit_code == 1
+    assert "CUDA out of memory. Tried to allocate 13.41 GiB" in str(run.error)
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(run.error.__traceback__) if f.filename == str(SCRIPT)]
+    assert frames[-1].lineno == 13  # model.to(device): the second weight does not fit a T4
+    assert run.stats["num_ooms"] == 1
+
+
+def test_a_jobs_own_memory_readings_are_the_virtual_cards(tmp_path):
+    from tests.jobs import reads_memory
+
+    point = train_point(precision="bf16").replace(
+        workload=Workload(name="custom", steps=3, target="tests.jobs.reads_memory:build"), cwd=str(REPO))
+    rec = run_sim(point, tmp_path)
+    peaks = [r[0] for r in reads_memory.READINGS]
+    assert len(peaks) == 3 and peaks[1] == peaks[2]
+    assert max(peaks[1:]) == rec["steady_peak_allocated_bytes"]  # what the step saw is the row's
+    assert max(peaks) <= rec["peak_allocated_bytes"]  # the whole run also holds the build
+    assert reads_memory.READINGS[-1][2] <= rec["peak_reserved_bytes"]
+
+
+def test_the_script_verb_passes_its_args_and_takes_the_harness_options(tmp_path):
+    ok = run_cli("script", str(SCRIPT), str(tmp_path / "snap.pickle"), "gpu=t4", "512",
+                 "allocator=expandable", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert "device cuda Tesla T4 total" in ok.stdout and "step 2 loss" in ok.stdout
+    assert "virtual T4" in ok.stderr and (tmp_path / "snap.pickle").exists()
+    oom = run_cli("script", str(SCRIPT), str(tmp_path / "s.pickle"), "30000", "gpu=t4", cwd=tmp_path)
+    assert oom.returncode == 1 and "torch.OutOfMemoryError: CUDA out of memory" in oom.stderr
+    assert f'File "{SCRIPT}", line 13' in oom.stderr
+    missing = run_cli("script", "nope.py", cwd=tmp_path)
+    assert missing.returncode == 2 and missing.stderr.strip() == "harness: error: nope.py: no such script"
+    bad = run_cli("script", str(SCRIPT), "gpu=nope", cwd=tmp_path)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "gpu" in bad.stderr
