@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from harness.config.point import Workload
 from harness.probe.jobs import UserCodeError
 from harness.probe.sim import cuda_emulation as cu
-from harness.probe.sim.cuda_script import cuda_script_on_cpu
+from harness.probe.sim.cuda_script import CARD_DEVICE, cuda_script_on_cpu
 from harness.probe.sim.fake_code import module_conversion_on_fake_tensors
 from harness.probe.sim.trace import run_point
 from harness.probe.sim.tracker import CUBLAS_WORKSPACE_BYTES, StorageTracker, round_request
@@ -144,6 +144,13 @@ def test_host_tensors_are_not_device_memory(default_host):
         layer.cpu()
         del moved, card
         assert tr.allocated == (0 if default_host else 1) * MiB
+        on_card = torch.zeros(n, device="cuda")
+        assert on_card.device == CARD_DEVICE and host.device == torch.device("cpu")
+        before = tr.allocated
+        torch.zeros(n, device=on_card.device), torch.zeros(n, device=host.device)  # where x is, as on CUDA
+        assert tr.allocated == before
+        like = [torch.zeros(n, device=on_card.device), torch.zeros(n, device=host.device)]
+        assert tr.allocated - before == MiB and [t.device for t in like] == [CARD_DEVICE, torch.device("cpu")]
 
 
 def test_a_dataset_kept_on_the_host_is_not_counted_in_a_jobs_peak():

@@ -24,12 +24,17 @@ from torch.utils._pytree import tree_map
 from harness.probe.sim import cuda_emulation as cu
 
 _CPU = torch.device("cpu")
+# How a tensor on the card reports its device inside a trace: the CPU, where the trace keeps it, with
+# an index, so that code passing it on (`torch.zeros(n, device=x.device)`) makes a tensor on the card
+# as on CUDA, and a host tensor's plain "cpu" keeps meaning the host.
+CARD_DEVICE = torch.device("cpu", 0)
 
 
 def _is_cuda(x) -> bool:
+    """A device on the card: CUDA's, or a card tensor's CARD_DEVICE."""
     if isinstance(x, torch.device):
-        return x.type == "cuda"
-    return isinstance(x, str) and x.split(":")[0] == "cuda"
+        return x.type == "cuda" or x == CARD_DEVICE
+    return isinstance(x, str) and (x.split(":")[0] == "cuda" or x == str(CARD_DEVICE))
 
 
 def _to_cpu(x):
@@ -155,8 +160,46 @@ def script_autocast():
 
 
 @contextlib.contextmanager
+def card_devices(tracker):
+    """`t.device` of a tensor on the card answers CARD_DEVICE to the code (FakeTensorMode's own
+    device propagation, inside its dispatch, still sees the CPU)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    inside = [0]
+    base_device = torch._C.TensorBase.device.__get__  # type: ignore[attr-defined]
+    fake_property = FakeTensor.device
+    original_dispatch = FakeTensorMode.__torch_dispatch__
+
+    def dispatch(self, *args, **kwargs):
+        inside[0] += 1
+        try:
+            return original_dispatch(self, *args, **kwargs)
+        finally:
+            inside[0] -= 1
+
+    def reported(t, device):
+        if device.type != "cpu" or device.index is not None or inside[0]:
+            return device
+        try:
+            on_card = tracker.placement_of(t) == "device"
+        except (RuntimeError, NotImplementedError):  # no storage (sparse, nested): as it is
+            return device
+        return CARD_DEVICE if on_card else device
+
+    torch.Tensor.device = property(lambda t: reported(t, base_device(t)))  # type: ignore[assignment,method-assign]
+    FakeTensor.device = property(lambda t: reported(t, fake_property.fget(t)))  # type: ignore[assignment,method-assign,attr-defined]
+    FakeTensorMode.__torch_dispatch__ = dispatch  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del torch.Tensor.device
+        FakeTensor.device = fake_property  # type: ignore[method-assign]
+        FakeTensorMode.__torch_dispatch__ = original_dispatch  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
 def cuda_script_on_cpu(tracker, default_host: bool = False):
     """`default_host`: a factory call without a device makes a host tensor (a plain script);
     inside a Job the default device is the card."""
-    with script_autocast(), CudaDevicesOnCpu(tracker, default_host):
+    with script_autocast(), card_devices(tracker), CudaDevicesOnCpu(tracker, default_host):
         yield
