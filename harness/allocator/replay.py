@@ -296,7 +296,7 @@ def replay_events(events, settings: AllocSettings, device: Device | None = None,
         alloc.on_event = lambda action, addr, size, stream: on_event(action, addr, size, stream, tag)
     for i, (action, key, size, tag) in enumerate(events):
         result.requests = i + 1
-        if peaks.window is None and tag is not None and tag.step >= STEADY_FROM_STEP:
+        if peaks.window is None and tag is not None and tag[1] >= STEADY_FROM_STEP:  # EventTag.step
             peaks.open_window()
         if action == "alloc":
             try:
