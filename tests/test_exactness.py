@@ -183,3 +183,15 @@ def test_a_peak_in_step_one_is_the_whole_runs_and_the_steady_state_is_read_from_
 def test_a_job_with_an_optimizer_needs_two_steps():
     with pytest.raises(UserCodeError, match="workload.steps=1"):
         run_point(_custom("tests.jobs.host_data:build", steps=1))
+
+
+def test_steps_is_checked_per_workload_before_anything_runs():
+    from harness.config.point import TRAINING_STEPS_WHY
+    from harness.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="workload.steps") as e:
+        Workload(name="train", steps=1)
+    assert TRAINING_STEPS_WHY.strip(" ()") in str(e.value)
+    assert Workload(name="custom", steps=1, target="m:f").steps == 1  # a job without an optimizer may
+    with pytest.raises(ConfigError, match="workload.steps"):
+        Workload(name="custom", steps=0, target="m:f")

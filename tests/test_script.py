@@ -105,3 +105,16 @@ def test_the_script_verb_passes_its_args_and_takes_the_harness_options(tmp_path)
     assert missing.returncode == 2 and missing.stderr.strip() == "harness: error: nope.py: no such script"
     bad = run_cli("script", str(SCRIPT), "gpu=nope", cwd=tmp_path)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "gpu" in bad.stderr
+
+
+def test_mixed_precision_with_grad_scaler_events_and_compile_runs_its_steps(capsys):
+    """GradScaler reads its found-inf count (a stand-in 0: the optimizer steps, its state exists);
+    CUDA events and streams do nothing; torch.compile runs eagerly and says so."""
+    run = run_script(REPO / "tests" / "scripts" / "amp_scaler.py", [], cards.by_key()["a100-80gb"], AllocSettings())
+    out = capsys.readouterr().out
+    assert run.exit_code == 0, run.error
+    params = round_size(1024 * 1024 * 4) + round_size(1024 * 4)
+    scaler = 2 * round_size(4)  # its scale and growth tracker, on the card
+    expected = 3 * params + round_size(32 * 1024 * 4) + round_size(4) + scaler + 2 * CUBLAS_WORKSPACE_BYTES
+    assert f"step 1 states 2 allocated {expected} ms 0.0" in out
+    assert run.compiled and run.compiled[0].endswith("amp_scaler.py:7")

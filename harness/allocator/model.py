@@ -180,6 +180,14 @@ class Stats:
         for s in (self.oversize_allocations, self.oversize_segments):
             s.peak = s.current
 
+    def reset_accumulated(self) -> None:
+        """reset_accumulated_memory_stats: the allocated and freed totals, the retry and OOM counts."""
+        stats = [s for name in _POOLED for s in (getattr(self, name).all, getattr(self, name).large,
+                                                 getattr(self, name).small)]
+        for s in (*stats, self.oversize_allocations, self.oversize_segments):
+            s.allocated = s.freed = 0
+        self.num_alloc_retries = self.num_ooms = self.num_device_alloc = self.num_device_free = 0
+
     def as_dict(self) -> dict:
         """torch.cuda.memory_stats()' keys and values."""
         out = {}

@@ -73,6 +73,9 @@ def main(args: list[str]) -> int:
           f"{peaks['allocated_bytes'] / GiB:.2f} GiB, peak reserved {peaks['reserved_bytes'] / GiB:.2f} GiB"
           f"{', out of memory' if run.stats['num_ooms'] else ''}", file=sys.stderr)
     if run.value_reads:
-        print(f"harness: values read from tensors (first at {run.value_reads[0]}) are stand-ins (1): the "
-              "virtual GPU has shapes, not values", file=sys.stderr)
+        print(f"harness: values read from tensors (first at {run.value_reads[0]}) are stand-ins (0, or True): "
+              "the virtual GPU has shapes, not values", file=sys.stderr)
+    if run.compiled:
+        print(f"harness: torch.compile (first at {run.compiled[0]}) ran the code eagerly: these are eager "
+              "peaks; a compiled graph's can be lower", file=sys.stderr)
     return run.exit_code

@@ -46,38 +46,75 @@ class ScriptRun:
     exit_code: int = 0
     error: BaseException | None = None  # what the script raised (SystemExit aside)
     value_reads: list[str] = field(default_factory=list)  # file:line of the first value read, if any
+    compiled: list[str] = field(default_factory=list)  # file:line of the first torch.compile, run eagerly
 
 
 class _ValueStandIns(TorchDispatchMode):
-    """`.item()` and friends (aten._local_scalar_dense) answer 1 (True, 1.0): the virtual GPU has
-    shapes, not values. The first read's line is kept for the report."""
+    """`.item()` and friends (aten._local_scalar_dense) answer 0 (True for a bool): the virtual GPU
+    has shapes, not values. Zero and true are what the checks of a healthy step read (GradScaler's
+    found-inf count, `torch.isfinite(loss).all()`), so the step goes on as it would. Inside a
+    torch.optim step the answer is 1 (a step count: bias corrections divide by 1 - beta**step).
+    The first read's line outside torch.optim is kept for the report."""
 
     def __init__(self, reads: list[str]):
         super().__init__()
         self.reads = reads
+        self.in_optimizer = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
-            if not self.reads:
+            value = 1 if self.in_optimizer else 0
+            if not self.reads and not self.in_optimizer:
                 self.reads.append(user_line())
             t = args[0]
-            return True if t.dtype == torch.bool else 1.0 if t.is_floating_point() or t.is_complex() else 1
+            return True if t.dtype == torch.bool else float(value) if t.is_floating_point() or t.is_complex() else value
         return func(*args, **(kwargs or {}))
 
 
-def _cuda_optimizers():
-    """torch.optim's implementation as CUDA picks it (foreach where it is left unset): on the trace's
-    CPU tensors torch would run the for-loop. Applied before each optimizer's first step."""
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+@contextlib.contextmanager
+def _cuda_optimizers(stand_ins: _ValueStandIns):
+    """torch.optim's implementation as CUDA picks it (foreach where it is left unset: on the trace's
+    CPU tensors torch would run the for-loop), set before each optimizer's first step; and the
+    stand-ins told when a step runs."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     seen: set[int] = set()
 
-    def prepare(opt, *_):
+    def before(opt, *_):
+        stand_ins.in_optimizer += 1
         if id(opt) not in seen:
             seen.add(id(opt))
             prepare_optimizer(opt, "auto", virtual=True)
 
-    return register_optimizer_step_pre_hook(prepare)
+    def after(opt, *_):
+        stand_ins.in_optimizer -= 1
+
+    hooks = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _eager_compile(notes: list[str]):
+    """torch.compile returns the code as it is: the virtual GPU measures eager execution (a compiled
+    graph fuses kernels and frees intermediates earlier, so its peak can be lower)."""
+    original = torch.compile
+
+    def compile(model=None, **kwargs):
+        if not notes:
+            notes.append(user_line())
+        if model is None:  # @torch.compile(...) used as a decorator factory
+            return lambda fn: fn
+        return model
+
+    torch.compile = compile  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.compile = original
 
 
 @contextlib.contextmanager
@@ -97,27 +134,22 @@ def run_script(path: Path, argv: list[str], card: Card, settings: AllocSettings)
     tracker = StorageTracker()
     tracker.auto_backward = True
     live = LiveAllocator(tracker, settings, card, eager=True)
-    reads: list[str] = []
     run = ScriptRun(stats={})
-    hook = _cuda_optimizers()
+    stand_ins = _ValueStandIns(run.value_reads)
     torch.manual_seed(0)
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True), cu.unpacked_sequences(), cu.cuda_kernels(), \
-                cuda_script_on_cpu(tracker, default_host=True), cu.checkpoint_keeps_autocast(), \
-                module_conversion_on_fake_tensors(), shape_only_init(), tracker, _ValueStandIns(reads), \
-                virtual_cuda(live), _as_main(path, argv):
-            try:
-                runpy.run_path(str(path), run_name="__main__")
-            except SystemExit as e:
-                run.exit_code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            except VALUE_READS as e:
-                run.error, run.exit_code = explain(e, "in the script"), 1
-            except Exception as e:  # the script's own error: reported with its traceback
-                run.error, run.exit_code = e, 1
-            run.stats, run.peaks = live.stats(), live.peaks()
-    finally:
-        hook.remove()
-    run.value_reads = reads
+    with FakeTensorMode(allow_non_fake_inputs=True), cu.unpacked_sequences(), cu.cuda_kernels(), \
+            cuda_script_on_cpu(tracker, default_host=True), cu.checkpoint_keeps_autocast(), \
+            module_conversion_on_fake_tensors(), shape_only_init(), tracker, stand_ins, _cuda_optimizers(stand_ins), \
+            virtual_cuda(live), _eager_compile(run.compiled), _as_main(path, argv):
+        try:
+            runpy.run_path(str(path), run_name="__main__")
+        except SystemExit as e:
+            run.exit_code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except VALUE_READS as e:
+            run.error, run.exit_code = explain(e, "in the script"), 1
+        except Exception as e:  # the script's own error: reported with its traceback
+            run.error, run.exit_code = e, 1
+        run.stats, run.peaks = live.stats(), live.peaks()
     return run
 
 

@@ -126,6 +126,11 @@ class LiveAllocator:
         self.catch_up()
         self.alloc.empty_cache()
 
+    def reset_accumulated(self) -> None:
+        """reset_accumulated_memory_stats: the allocated/freed totals and the retry and OOM counts."""
+        self.catch_up()
+        self.alloc.stats.reset_accumulated()
+
     def mem_get_info(self) -> tuple[int, int]:
         """(free, total) as cudaMemGetInfo: the card less what the CUDA context holds and PyTorch reserved."""
         self.catch_up()
@@ -147,6 +152,69 @@ def shown(frames) -> list[traceback.FrameSummary]:
 def _user_frames() -> list[dict]:
     """The Python stack of an allocation as a real snapshot's frames (innermost first)."""
     return [{"filename": f.filename, "line": f.lineno, "name": f.name} for f in reversed(shown(traceback.extract_stack()))]
+
+
+class _Event:
+    """torch.cuda.Event on the virtual GPU: nothing runs, so no time passes (elapsed_time is 0)."""
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False, external=False):
+        pass
+
+    def record(self, stream=None):
+        return None
+
+    def wait(self, stream=None):
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self):
+        return None
+
+    def elapsed_time(self, end_event) -> float:
+        return 0.0
+
+
+class _Stream:
+    """torch.cuda.Stream: the virtual GPU has one stream (the allocator model frees at once)."""
+
+    def __init__(self, device=None, priority=0, **kwargs):
+        self.device, self.priority = torch.device("cuda", 0), priority
+
+    def synchronize(self):
+        return None
+
+    def wait_stream(self, stream):
+        return None
+
+    def wait_event(self, event):
+        return None
+
+    def record_event(self, event=None):
+        return event or _Event()
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _DeviceContext:
+    """`with torch.cuda.device(0):` - there is one device."""
+
+    def __init__(self, device):
+        self.idx = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 class _NoNvtx:
@@ -202,7 +270,7 @@ def _functions(live: LiveAllocator, original_summary) -> dict:
         "reset_peak_memory_stats": lambda device=None: live.reset_peaks(),
         "reset_max_memory_allocated": lambda device=None: live.reset_peaks(),
         "reset_max_memory_cached": lambda device=None: live.reset_peaks(),
-        "reset_accumulated_memory_stats": lambda device=None: None,
+        "reset_accumulated_memory_stats": lambda device=None: live.reset_accumulated(),
         "empty_cache": live.empty_cache,
         "mem_get_info": lambda device=None: live.mem_get_info(),
         "memory_summary": lambda device=None, abbreviated=False: original_summary(0, abbreviated),
@@ -227,6 +295,12 @@ def _functions(live: LiveAllocator, original_summary) -> dict:
         "manual_seed": lambda seed: None,
         "manual_seed_all": lambda seed: None,
         "synchronize": lambda device=None: None,
+        "Event": _Event,
+        "Stream": _Stream,
+        "current_stream": lambda device=None: _Stream(),
+        "default_stream": lambda device=None: _Stream(),
+        "stream": lambda stream=None: contextlib.nullcontext(stream),
+        "device": _DeviceContext,
     }
 
 
