@@ -51,7 +51,7 @@ def test_a_profiling_script_reads_the_virtual_cards_memory(tmp_path, capsys):
     assert total == card.memory_bytes and free == total - card.non_pytorch_bytes - after["reserved"]
     assert "PyTorch CUDA memory summary" in out and "GPU reserved memory" in out  # torch's own summary
     assert run.peaks["allocated_bytes"] == got["step 0"]["max_allocated"]  # the whole run, past the resets
-    assert run.value_reads == [f"{SCRIPT}:23"]  # loss.item(): a stand-in, reported with its line
+    assert run.value_reads == [f"{SCRIPT}:26"]  # loss.item() in the print: a stand-in, reported with its line
 
 
 def test_a_scripts_snapshot_holds_exactly_the_recorded_region_and_replays_exactly(tmp_path, capsys):
