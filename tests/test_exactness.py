@@ -128,11 +128,13 @@ def test_host_tensors_are_not_device_memory(default_host):
     script), device=, .to(), .cuda(), .cpu(); an op's output lives with its inputs."""
     n = MiB // 4  # 1 MiB of fp32
     tr = StorageTracker()
-    with FakeTensorMode(), module_conversion_on_fake_tensors(), cuda_script_on_cpu(tr, default_host), tr:
+    with FakeTensorMode(allow_non_fake_inputs=True), module_conversion_on_fake_tensors(), \
+            cuda_script_on_cpu(tr, default_host), tr:
         default = torch.zeros(n)
         host = torch.zeros(n, device="cpu")
         card = torch.zeros(n, device="cuda")
         assert tr.allocated == (1 if default_host else 2) * MiB
+        assert default.device == (torch.device("cpu") if default_host else CARD_DEVICE)
         host * 2, host.cpu(), card.cpu()  # host tensors, made and dropped
         assert tr.allocated == (1 if default_host else 2) * MiB
         assert card.to("cuda") is card and card.cuda() is card  # already there: no copy

@@ -118,3 +118,16 @@ def test_mixed_precision_with_grad_scaler_events_and_compile_runs_its_steps(caps
     expected = 3 * params + round_size(32 * 1024 * 4) + round_size(4) + scaler + 2 * CUBLAS_WORKSPACE_BYTES
     assert f"step 1 states 2 allocated {expected} ms 0.0" in out
     assert run.compiled and run.compiled[0].endswith("amp_scaler.py:7")
+
+
+def test_host_work_has_values_and_the_default_device_is_honoured(capsys):
+    """Indices drawn on the host are real (a batch sliced with them has its shape); a model built
+    under set_default_device("cuda") is on the card; a large host tensor is shapes only, not counted."""
+    run = run_script(REPO / "tests" / "scripts" / "host_batches.py", [], cards.by_key()["a100-80gb"], AllocSettings())
+    out = capsys.readouterr().out
+    assert run.exit_code == 0, run.error
+    batch = round_size(8 * 64 * 8)
+    assert f"batch (8, 64) {2 * batch}" in out
+    embedded = 2 * batch + round_size(1000 * 64 * 4) + round_size(8 * 64 * 8) + round_size(8 * 64 * 64 * 4)
+    assert f"embedded (8, 64, 64) {embedded} on the host {1 << 22}" in out
+    assert run.value_reads == []  # every value read was of a real host tensor

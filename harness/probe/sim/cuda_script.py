@@ -19,7 +19,7 @@ import contextlib
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from harness.probe.sim import cuda_emulation as cu
 
@@ -28,6 +28,8 @@ _CPU = torch.device("cpu")
 # an index, so that code passing it on (`torch.zeros(n, device=x.device)`) makes a tensor on the card
 # as on CUDA, and a host tensor's plain "cpu" keeps meaning the host.
 CARD_DEVICE = torch.device("cpu", 0)
+# A plain script's host tensors up to this many elements are real (2^20: 8 MiB at most).
+REAL_HOST_NUMEL = 1 << 20
 
 
 def _is_cuda(x) -> bool:
@@ -69,10 +71,14 @@ class CudaDevicesOnCpu(TorchFunctionMode):
     """Every CUDA device argument (factory `device=`, `.to("cuda")`, `.cuda()`) goes to the CPU,
     and the tracker is told where the call's outputs would live (its `placement`)."""
 
-    def __init__(self, tracker, default_host: bool):
+    def __init__(self, tracker, default_host: bool, real_host: bool = False):
         super().__init__()
         self.tracker = tracker
         self.default_host = default_host
+        self.real_host = real_host
+        from torch.utils._device import _device_constructors
+
+        self.constructors = _device_constructors()
 
     def _target(self, func, args, kwargs) -> str | None:
         if func is torch.Tensor.cuda:
@@ -89,12 +95,20 @@ class CudaDevicesOnCpu(TorchFunctionMode):
                     return _placement(a)
             return None
         if not _has_tensor(args) and not _has_tensor(kwargs.values()):
-            return "host" if self.default_host else "device"  # a factory: the default device
+            # a factory: the default device (`torch.set_default_device`, `with torch.device(...)`)
+            current = torch.utils._device.CURRENT_DEVICE
+            if current is not None:
+                return _placement(current) or "device"
+            return "host" if self.default_host else "device"
         return None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.pin_memory:
+            return args[0]  # page-locked host memory is host memory; the trace has none to lock
         target = self._target(func, args, kwargs)
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
         if func in _MOVES:
             source = args[0]
             if target is None or target == self.tracker.placement_of(source):
@@ -102,12 +116,36 @@ class CudaDevicesOnCpu(TorchFunctionMode):
                     return source  # already there
             else:  # a copy on the other side (the trace keeps both on the CPU: force it)
                 func, args, kwargs = torch.Tensor.to, (source, _CPU), {"copy": True, **_dtype_only(func, args, kwargs)}
-        if "device" in kwargs:
+        if kwargs.get("device") is not None:
             kwargs = {**kwargs, "device": _to_cpu(kwargs["device"])}
+        elif func in self.constructors:
+            kwargs = {**kwargs, "device": _CPU}  # torch's default-device mode, below this one, adds none
         if func is torch.Tensor.to:
             args = tuple(tree_map(_to_cpu, a) if not isinstance(a, torch.Tensor) else a for a in args)
         with self.tracker.placed(target):
+            if self.real_host and target != "device" and func not in _MOVES:
+                return self._on_the_host(func, args, kwargs, target)
             return func(*args, **kwargs)
+
+    def _on_the_host(self, func, args, kwargs, target):
+        """A plain script's host work on real tensors, which carry values (indices, a batch sampled
+        on the host): an op on real tensors only, and a factory of at most REAL_HOST_NUMEL elements
+        (a larger one stays shapes only: a model built on the host before it moves)."""
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if tensors:
+            if any(isinstance(t, FakeTensor) for t in tensors):
+                return func(*args, **kwargs)
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        if target != "host":
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)  # shapes first: is it small enough to make for real?
+        if all(t.numel() <= REAL_HOST_NUMEL for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return out
 
 
 def _dtype_only(func, args, kwargs) -> dict:
@@ -199,7 +237,9 @@ def card_devices(tracker):
 
 @contextlib.contextmanager
 def cuda_script_on_cpu(tracker, default_host: bool = False):
-    """`default_host`: a factory call without a device makes a host tensor (a plain script);
-    inside a Job the default device is the card."""
-    with script_autocast(), card_devices(tracker), CudaDevicesOnCpu(tracker, default_host):
+    """`default_host`: a plain script's defaults - a factory call without a device makes a host
+    tensor, and small host tensors are real (see CudaDevicesOnCpu._on_the_host); inside a Job the
+    default device is the card and every tensor is shapes only."""
+    tracker.real_is_host = default_host
+    with script_autocast(), card_devices(tracker), CudaDevicesOnCpu(tracker, default_host, real_host=default_host):
         yield

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.allocator.settings import AllocSettings
@@ -62,7 +62,7 @@ class _ValueStandIns(TorchDispatchMode):
         self.in_optimizer = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
             value = 1 if self.in_optimizer else 0
             if not self.reads and not self.in_optimizer:
                 self.reads.append(user_line())
@@ -119,14 +119,18 @@ def _eager_compile(notes: list[str]):
 
 @contextlib.contextmanager
 def _as_main(path: Path, argv: list[str]):
-    """sys.argv and sys.path as `python path argv...` would have them."""
+    """sys.argv and sys.path as `python path argv...` would have them; torch's defaults the script
+    may set (dtype, device) are put back after it."""
     saved_argv, saved_path = sys.argv[:], sys.path[:]
+    dtype, device = torch.get_default_dtype(), torch.utils._device.CURRENT_DEVICE
     sys.argv = [str(path), *argv]
     sys.path.insert(0, str(path.parent))
     try:
         yield
     finally:
         sys.argv[:], sys.path[:] = saved_argv, saved_path
+        torch.set_default_dtype(dtype)
+        torch.set_default_device(device)
 
 
 def run_script(path: Path, argv: list[str], card: Card, settings: AllocSettings) -> ScriptRun:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -119,6 +120,7 @@ class StorageTracker(TorchDispatchMode):
         self._next_synthetic = -1
         self._fresh_zeros = 0  # storage key of the last zeros a backward formula made
         self._host: set[int] = set()  # keys of storages a real run keeps in host memory (not counted)
+        self.real_is_host = False  # a plain script on fake tensors: its real tensors are host tensors
         self.placement: str | None = None  # where the running call's outputs live (cuda_script)
         # A user's step has no phase marks: count what runs inside autograd's engine as backward.
         self.auto_backward = False
@@ -195,8 +197,11 @@ class StorageTracker(TorchDispatchMode):
         weakref.finalize(st, self._record_free, key)
 
     # ---- host and device -------------------------------------------------------------
+    def _on_host(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage()._cdata in self._host or (self.real_is_host and not isinstance(t, FakeTensor))
+
     def placement_of(self, t: torch.Tensor) -> str:
-        return "host" if t.untyped_storage()._cdata in self._host else "device"
+        return "host" if self._on_host(t) else "device"
 
     @contextlib.contextmanager
     def placed(self, placement: str | None):
@@ -210,10 +215,10 @@ class StorageTracker(TorchDispatchMode):
     def _outputs_on_host(self, args, kwargs) -> bool:
         if self.placement is not None:
             return self.placement == "host"
-        if not self._host:
+        if not self._host and not self.real_is_host:
             return False
         inputs = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        return bool(inputs) and all(a.untyped_storage()._cdata in self._host for a in inputs)
+        return bool(inputs) and all(self._on_host(a) for a in inputs)
 
     def retag(self, t: torch.Tensor | None, kind: str) -> None:
         """Move a live storage to another kind (e.g. a new tensor that became a .grad)."""
@@ -281,7 +286,7 @@ class StorageTracker(TorchDispatchMode):
         kind = self._default_kind()
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                self.track(t, kind, host)
+                self.track(t, kind, host or (self.real_is_host and not isinstance(t, FakeTensor)))
         return out
 
     # ---- module attribution ----------------------------------------------------------
