@@ -154,3 +154,19 @@ def test_a_step_names_its_own_phases_and_enters_its_own_autocast():
     assert m["peak_phase"] in {"head", "backward"} and len(m["step_peak_bytes"]) == 4
     head_out = [e[3] for e in tracker.events if e[1] == "alloc" and e[5] == "head" and e[6] == 1]
     assert 64 * 8192 * 2 in head_out and 64 * 8192 * 4 not in head_out  # bf16 under the step's autocast
+
+
+def test_an_error_in_the_users_step_names_their_file_and_line(tmp_path):
+    import json
+
+    from harness.config.point import Point
+    from harness.probe.worker import main
+    from harness.record.row import POINT_FILE, RESULT_FILE
+
+    point = custom_point("tests.jobs.raises:build", precision="fp32")
+    (tmp_path / POINT_FILE).write_text(json.dumps(point.to_dict()))
+    assert Point.from_dict(json.loads((tmp_path / POINT_FILE).read_text())) == point
+    main(tmp_path)
+    row = json.loads((tmp_path / RESULT_FILE).read_text())
+    line = next(i for i, text in enumerate((REPO / "tests/jobs/raises.py").read_text().splitlines(), 1) if "view(-1, 15)" in text)
+    assert row["status"] == "error" and row["error"].startswith(f"{REPO / 'tests/jobs/raises.py'}:{line}: RuntimeError")

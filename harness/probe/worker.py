@@ -15,7 +15,9 @@ from harness.allocator.settings import AllocSettings
 from harness.config import cards as catalog
 from harness.config.point import Point, WorkloadName
 from harness.probe.cuda import run as cuda
+from harness.probe.jobs import UserCodeError
 from harness.probe.sim import reserved
+from harness.probe.sim.fake_code import where
 from harness.probe.sim.trace import run_point
 from harness.record import provenance, trace_store
 from harness.record.provenance import USER_CODE
@@ -93,7 +95,9 @@ def main(run_dir: Path) -> int:
         rec = run_cuda(point, run_dir) if point.backend == "cuda" else run_sim(point, run_dir)
     except Exception as e:
         rec = base_record(point)
-        rec.update(status="error", error=f"{type(e).__name__}: {e}")
+        # the user's file and line first, where the error came through their code
+        at = where(e) if point.workload.name == WorkloadName.custom and not isinstance(e, UserCodeError) else None
+        rec.update(status="error", error=f"{at + ': ' if at else ''}{type(e).__name__}: {e}")
         (run_dir / "traceback.txt").write_text(traceback.format_exc())
     write_row(run_dir, rec)
     return 0

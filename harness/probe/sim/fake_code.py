@@ -35,6 +35,12 @@ def _user_frame(tb) -> traceback.FrameSummary | None:
     return frames[-1] if frames else None
 
 
+def where(e: BaseException) -> str | None:
+    """file:line of the user's code an exception came through (innermost), if any."""
+    frame = _user_frame(e.__traceback__)
+    return f"{frame.filename}:{frame.lineno}" if frame else None
+
+
 def user_line() -> str:
     """file:line of the user's code running now (innermost)."""
     frames = _users(traceback.extract_stack())
