@@ -65,6 +65,9 @@ def test_a_scripts_snapshot_holds_exactly_the_recorded_region_and_replays_exactl
     assert len(live_params) >= 2  # the weights (and moments) allocated before recording began, still alive
     result = replay_snapshot(data)
     assert result.exact
+    from torch.cuda import _memory_viz
+
+    assert "segment" in _memory_viz.segsum(data) and len(_memory_viz.trace_plot(data)) > 1000  # memory_viz opens it
 
 
 @pytest.mark.parametrize("settings", ["", "expandable_segments:True"])
