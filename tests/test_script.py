@@ -134,3 +134,16 @@ def test_host_work_has_values_and_the_default_device_is_honoured(capsys):
     embedded = 2 * batch + round_size(1000 * 64 * 4) + round_size(8 * 64 * 8) + round_size(8 * 64 * 64 * 4)
     assert f"embedded (8, 64, 64) {embedded} on the host {1 << 22}" in out
     assert run.value_reads == []  # every value read was of a real host tensor
+
+
+def test_a_script_and_the_same_job_have_the_same_steady_peak(tmp_path, capsys):
+    """tests/jobs/hf_llama.py as a Job (workload=custom) and as a plain script (built on the host,
+    moved to the card): from step 2 on the card holds the same tensors, so the same peak."""
+    point = train_point(precision="bf16", batch_size=2, seq_len=64).replace(
+        workload=Workload(name="custom", steps=3, target="tests.jobs.hf_llama:build"), cwd=str(REPO))
+    rec = run_sim(point, tmp_path)
+    run = run_script(REPO / "tests" / "scripts" / "hf_llama_train.py", ["2", "64"], cards.by_key()["a100-80gb"],
+                     AllocSettings())
+    assert run.exit_code == 0, run.error
+    peaks = [int(line.split()[-1]) for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(peaks) == 3 and peaks[1] == peaks[2] == rec["steady_peak_allocated_bytes"]
