@@ -118,6 +118,26 @@ def _eager_compile(notes: list[str]):
 
 
 @contextlib.contextmanager
+def _host_profiler():
+    """torch.profiler profiles the host side only: the virtual GPU runs no kernels to time (asked
+    for CUDA activity, the CPU build warns with a stack trace at every op)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    original = profile.__init__
+
+    def init(self, *args, activities=None, use_cuda=None, **kwargs):
+        if activities is not None:
+            activities = [a for a in activities if a != ProfilerActivity.CUDA] or [ProfilerActivity.CPU]
+        original(self, *args, activities=activities, **kwargs)
+
+    profile.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        profile.__init__ = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
 def _as_main(path: Path, argv: list[str]):
     """sys.argv and sys.path as `python path argv...` would have them; torch's defaults the script
     may set (dtype, device) are put back after it."""
@@ -144,7 +164,7 @@ def run_script(path: Path, argv: list[str], card: Card, settings: AllocSettings)
     with FakeTensorMode(allow_non_fake_inputs=True), cu.unpacked_sequences(), cu.cuda_kernels(), \
             cuda_script_on_cpu(tracker, default_host=True), cu.checkpoint_keeps_autocast(), \
             module_conversion_on_fake_tensors(), shape_only_init(), tracker, stand_ins, _cuda_optimizers(stand_ins), \
-            virtual_cuda(live), _eager_compile(run.compiled), _as_main(path, argv):
+            virtual_cuda(live), _eager_compile(run.compiled), _host_profiler(), _as_main(path, argv):
         try:
             runpy.run_path(str(path), run_name="__main__")
         except SystemExit as e:
