@@ -52,6 +52,7 @@ class LiveAllocator:
         self.eager = eager
         self.history: collections.deque | None = None  # trace entries while recording
         self._frames: list = []
+        self._clock = 0
         self.whole_run: dict = {}  # the peaks before the code last reset them
         tracker.on_drop = self._dropped
         tracker.after_alloc = self.catch_up if eager else None
@@ -97,8 +98,9 @@ class LiveAllocator:
 
     def _on_event(self, action, addr, size, stream) -> None:
         if self.history is not None:
+            self._clock += 1  # an event count: the ring buffer keeps the newest, in order
             self.history.append({"action": action, "addr": addr, "size": size, "stream": stream,
-                                 "time_us": len(self.history), "frames": self._frames if action == "alloc" else []})
+                                 "time_us": self._clock, "frames": self._frames if action == "alloc" else []})
 
     def snapshot(self) -> dict:
         self.catch_up()
