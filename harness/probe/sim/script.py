@@ -2,10 +2,10 @@
 
 The script runs as `__main__` with its own argv, under the same emulation as a traced job
 (cuda_emulation, cuda_script), with a plain script's defaults: a tensor made without a device is a
-host tensor, and `torch.cuda` describes the card (virtual_cuda) - its memory readings, snapshots
-and out-of-memory errors are the card's. Values do not exist on the virtual GPU: a value read
-(`loss.item()`) answers a stand-in (1) and is reported once with its line; code whose shapes depend
-on values (nonzero, boolean masks) stops with its file and line.
+host tensor (small ones real, with values), and `torch.cuda` describes the card (virtual_cuda) - its
+memory readings, snapshots and out-of-memory errors are the card's. Values do not exist on the
+card: a value read (`loss.item()`) answers a stand-in (_ValueStandIns) and is reported once with its
+line; code whose shapes depend on card values (nonzero, boolean masks) stops with its file and line.
 """
 
 from __future__ import annotations
