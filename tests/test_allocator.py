@@ -418,3 +418,15 @@ def test_expandable_segments_recorded_after_memory_was_in_use_replay_when_nothin
     mapping = _recording("expandable_segments:True", program + [("alloc", "e", 200 * MiB)], start=9)
     with pytest.raises(snap.SnapshotError, match="mapped or unmapped memory during a recording"):
         replay_snapshot(mapping)
+
+
+@pytest.mark.parametrize("path", SNAPSHOTS, ids=lambda p: p.stem)
+def test_a_real_recording_cut_anywhere_replays_exactly(path):
+    """A recording that begins with memory in use (a late _record_memory_history, a full ring
+    buffer): the real trace with its first events dropped, at ten places, replays exactly."""
+    data = snap.load(path)
+    dev = snap.device_of(data)
+    trace = data["device_traces"][dev]
+    for k in range(len(trace) // 11, len(trace), len(trace) // 11):
+        cut = {**data, "device_traces": [trace[k:] if d == dev else [] for d in range(len(data["device_traces"]))]}
+        assert replay_snapshot(cut).exact, k
