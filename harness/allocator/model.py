@@ -351,15 +351,20 @@ class CachingAllocator:
             st.inactive_split.add(-1, b.small)
         b.allocated = True
         b.requested = orig_size
+        self.count_allocated(b)
+        self._emit("alloc", b.addr, orig_size, b.stream)
+        return b
+
+    def count_allocated(self, b: Block) -> None:
+        """The statistics of a block handed out (or found allocated when a replay seeds the state)."""
+        st = self.stats
         st.allocation.add(1, b.small)
         st.active.add(1, b.small)
         st.allocated_bytes.add(b.size, b.small)
         st.active_bytes.add(b.size, b.small)
-        st.requested_bytes.add(orig_size, b.small)
+        st.requested_bytes.add(b.requested, b.small)
         if b.size >= self.settings.max_split_size:
             st.oversize_allocations.add(1)
-        self._emit("alloc", b.addr, orig_size, b.stream)
-        return b
 
     def _split_off(self, b: Block, keep: int, mapped: bool = True) -> Block:
         """Cut `b` after `keep` bytes; the rest becomes a new block linked after it."""

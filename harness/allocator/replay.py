@@ -124,9 +124,7 @@ def seed(alloc: CachingAllocator, state: snap.StartState) -> dict[int, Block]:
             pool.insert_unmapped(b)
         elif b.allocated:
             live[b.addr] = b
-            for stat, n in (("allocation", 1), ("active", 1), ("allocated_bytes", b.size), ("active_bytes", b.size),
-                            ("requested_bytes", b.requested)):
-                getattr(alloc.stats, stat).add(n, b.small)
+            alloc.count_allocated(b)
         else:
             pool.insert(b)
             if b.is_split() and b.es is None:

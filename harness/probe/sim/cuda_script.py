@@ -89,10 +89,9 @@ class CudaDevicesOnCpu(TorchFunctionMode):
             return _placement(kwargs["device"])
         if func is torch.Tensor.to:
             for a in args[1:]:
-                if isinstance(a, torch.Tensor):
-                    return self.tracker.placement_of(a)
-                if _placement(a) is not None:
-                    return _placement(a)
+                where = self.tracker.placement_of(a) if isinstance(a, torch.Tensor) else _placement(a)
+                if where is not None:
+                    return where
             return None
         if not _has_tensor(args) and not _has_tensor(kwargs.values()):
             # a factory: the default device (`torch.set_default_device`, `with torch.device(...)`)

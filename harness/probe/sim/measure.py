@@ -51,11 +51,11 @@ def _retag_state(tracker: StorageTracker, optimizer, host_steps: bool) -> None:
 def measurements(tracker: StorageTracker, trains: bool, n_params: int, params_bytes: int,
                   state_bytes: int) -> dict:
     """The record's columns from the tracker: the whole run's peak (building the job and every
-    step: what decides an OOM) with where it happened and what it held, and the steady state's
-    from step 2 on (None with a single step)."""
+    step: what decides an OOM) with where it happened and what it held. Its byte peaks are the
+    storages' (the row's peak_tensor_bytes); the row's allocated, requested and reserved peaks,
+    whole and steady, are the allocator replay's (probe.sim.reserved.analyse)."""
     per_step = tracker.steps
     whole = [tracker.setup, *per_step]
-    steady = per_step[1:]
     peak = max(whole, key=lambda s: s.peak_allocated_bytes)
     bd = peak.peak_breakdown
     after = [s.allocated_after_bytes for s in per_step]
@@ -66,8 +66,6 @@ def measurements(tracker: StorageTracker, trains: bool, n_params: int, params_by
         "n_params": n_params,
         "peak_allocated_bytes": peak.peak_allocated_bytes,
         "peak_requested_bytes": max(s.peak_requested_bytes for s in whole),
-        "steady_peak_allocated_bytes": max((s.peak_allocated_bytes for s in steady), default=None),
-        "steady_peak_requested_bytes": max((s.peak_requested_bytes for s in steady), default=None),
         "peak_step": peak.step if peak.step >= 0 else None,
         "peak_phase": peak.peak_phase,
         "peak_module": peak.peak_module,

@@ -206,19 +206,6 @@ class _Stream:
         return False
 
 
-class _DeviceContext:
-    """`with torch.cuda.device(0):` - there is one device."""
-
-    def __init__(self, device):
-        self.idx = 0
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 class _NoNvtx:
     """torch.cuda.nvtx's C functions: no profiler is attached to a virtual GPU."""
 
@@ -246,8 +233,12 @@ def _functions(live: LiveAllocator, original_summary) -> dict:
     """torch.cuda.memory's functions, answered by `live`."""
     card = live.card
 
-    def stat(key):
-        return lambda device=None: live.stats()[key]
+    def stat(name, which):
+        """One reading (e.g. allocated_bytes' current), without building all of memory_stats()."""
+        def read(device=None):
+            live.catch_up()
+            return getattr(getattr(live.alloc.stats, name), which)
+        return read
 
     def record(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, device=None, **kw):
         live.record(enabled, kw.get("trace_alloc_max_entries", max_entries))
@@ -263,12 +254,12 @@ def _functions(live: LiveAllocator, original_summary) -> dict:
     return {
         "memory_stats": lambda device=None: _flat(live.stats()),
         "memory_stats_as_nested_dict": lambda device=None: _nested(live.stats()),
-        "memory_allocated": stat("allocated_bytes.all.current"),
-        "max_memory_allocated": stat("allocated_bytes.all.peak"),
-        "memory_reserved": stat("reserved_bytes.all.current"),
-        "max_memory_reserved": stat("reserved_bytes.all.peak"),
-        "memory_cached": stat("reserved_bytes.all.current"),
-        "max_memory_cached": stat("reserved_bytes.all.peak"),
+        "memory_allocated": stat("allocated_bytes", "current"),
+        "max_memory_allocated": stat("allocated_bytes", "peak"),
+        "memory_reserved": stat("reserved_bytes", "current"),
+        "max_memory_reserved": stat("reserved_bytes", "peak"),
+        "memory_cached": stat("reserved_bytes", "current"),
+        "max_memory_cached": stat("reserved_bytes", "peak"),
         "reset_peak_memory_stats": lambda device=None: live.reset_peaks(),
         "reset_max_memory_allocated": lambda device=None: live.reset_peaks(),
         "reset_max_memory_cached": lambda device=None: live.reset_peaks(),
@@ -302,7 +293,7 @@ def _functions(live: LiveAllocator, original_summary) -> dict:
         "current_stream": lambda device=None: _Stream(),
         "default_stream": lambda device=None: _Stream(),
         "stream": lambda stream=None: contextlib.nullcontext(stream),
-        "device": _DeviceContext,
+        "device": lambda device: contextlib.nullcontext(),  # `with torch.cuda.device(0):` - there is one
     }
 
 
