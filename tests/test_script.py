@@ -149,3 +149,21 @@ def test_a_script_and_the_same_job_have_the_same_steady_peak(tmp_path, capsys):
     assert run.exit_code == 0, run.error
     peaks = [int(line.split()[-1]) for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert len(peaks) == 3 and peaks[1] == peaks[2] == rec["steady_peak_allocated_bytes"]
+
+
+def test_a_trace_that_read_the_card_is_not_reused_for_another_card(tmp_path):
+    """One trace serves every card - unless the job asked torch.cuda about the card."""
+    def rec(target, card, name):
+        point = train_point(precision="fp32").replace(
+            workload=Workload(name="custom", steps=1, target=target), cwd=str(REPO), gpu=cards.by_key()[card],
+            trace_cache=str(tmp_path / "cache"))
+        (tmp_path / name).mkdir()
+        return run_sim(point, tmp_path / name)
+
+    big, small = rec("tests.jobs.sized_by_card:build", "a100-80gb", "a"), rec("tests.jobs.sized_by_card:build", "t4", "b")
+    assert not small.get("trace_reused")
+    assert big["peak_allocated_bytes"] - small["peak_allocated_bytes"] == 2 * (64 - 16) * 1024 * 4  # input and output
+    again = rec("tests.jobs.sized_by_card:build", "t4", "c")
+    assert again["trace_reused"] and again["peak_allocated_bytes"] == small["peak_allocated_bytes"]
+    plain = [rec("tests.jobs.first_step_spike:build", card, f"p{i}") for i, card in enumerate(("a100-80gb", "t4"))]
+    assert plain[1]["trace_reused"]  # it never asked: the card's trace is every card's

@@ -19,6 +19,7 @@ from harness.probe.jobs import UserCodeError
 from harness.probe.sim import reserved
 from harness.probe.sim.fake_code import where
 from harness.probe.sim.trace import run_point
+from harness.probe.sim.virtual_cuda import READS_CARD
 from harness.record import provenance, trace_store
 from harness.record.provenance import USER_CODE
 from harness.record.row import POINT_FILE, base_record, write_row
@@ -31,15 +32,17 @@ def run_sim(point: Point, run_dir: Path) -> dict:
     import transformers
 
     t0 = time.perf_counter()
-    tid = trace_store.trace_id(point)
+    # A trace that read the card is kept for that card and allocator setting only.
+    tid, own = trace_store.trace_id(point), trace_store.trace_id(point, reads_card=True)
     cache = Path(point.trace_cache) if point.trace_cache else None
     trace_path = run_dir / trace_store.TRACE_FILE
-    cached = trace_store.load_cached(cache, tid)
+    reused = next((key for key in (own, tid) if trace_store.cached(cache, key)), None)
+    cached = trace_store.load_cached(cache, reused) if reused else None
     rec = base_record(point)
     if cached is not None:
         df, m = cached
         df.to_parquet(trace_path, index=False)
-        rec["trace_reused"] = tid
+        rec["trace_reused"] = reused
     else:
         m, tracker = run_point(point)
         m = {k: v for k, v in m.items() if k in rec}
@@ -47,7 +50,7 @@ def run_sim(point: Point, run_dir: Path) -> dict:
             m[USER_CODE] = provenance.as_column(provenance.user_modules())
         df = trace_store.to_frame(tracker.events)
         df.to_parquet(trace_path, index=False)
-        trace_store.save_cached(cache, tid, trace_path, m)
+        trace_store.save_cached(cache, own if tracker.findings.get(READS_CARD) else tid, trace_path, m)
     rec.update(m)
     rec["peak_tensor_bytes"] = m["peak_allocated_bytes"]  # storages rounded to 512 B (the tracker)
     gpu = point.gpu

@@ -27,12 +27,14 @@ MEASUREMENTS_FILE = "measurements.json"
 COLUMNS = ["seq", "action", "key", "size", "kind", "phase", "step", "module"]
 
 
-def trace_id(point: Point) -> str:
+def trace_id(point: Point, reads_card: bool = False) -> str:
     """Everything that shapes the trace (the versions of torch, transformers and harness included);
-    allocator settings and the card do not."""
+    allocator settings and the card do not - unless the job read them (`reads_card`: its step asked
+    torch.cuda about the card or its memory, and may have done otherwise on another)."""
     ident = point_identity(point)
-    for replay_only in ("allocator_conf", "gpu", "gpu_memory_bytes"):
-        del ident[replay_only]
+    if not reads_card:
+        for replay_only in ("allocator_conf", "gpu", "gpu_memory_bytes"):
+            del ident[replay_only]
     blob = json.dumps(ident, sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
@@ -49,6 +51,11 @@ def replay_rows(df: pd.DataFrame) -> list[ReplayRow]:
     """The trace as the allocator model's requests, each tagged with where it happened."""
     tags = map(EventTag._make, zip(df["phase"], df["step"], df["module"], df["kind"]))
     return list(map(ReplayRow._make, zip(df["action"], df["key"], df["size"].astype("int64"), tags)))
+
+
+def cached(cache_dir: Path | None, tid: str) -> bool:
+    """Whether the cache holds a trace under `tid` (load_cached still checks it is current)."""
+    return cache_dir is not None and (Path(cache_dir) / tid / MEASUREMENTS_FILE).exists()
 
 
 def load_cached(cache_dir: Path | None, tid: str) -> tuple[pd.DataFrame, dict] | None:

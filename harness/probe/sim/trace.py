@@ -117,7 +117,7 @@ def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tup
                 tracker.end_step()
             gc.unfreeze()  # the holder search asks the collector who refers to what: all of it
             if custom or opt is not None:  # a decode's cache grows by design: no holder to look for
-                tracker.findings = {"retained_holder": find_holders(tracker, n_steps)}
+                tracker.findings["retained_holder"] = find_holders(tracker, n_steps)
         finally:
             gc.unfreeze()
             gc.enable()

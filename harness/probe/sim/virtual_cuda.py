@@ -297,13 +297,32 @@ def _functions(live: LiveAllocator, original_summary) -> dict:
     }
 
 
+# The answers that depend on the card or the allocator settings: a job that reads one may run
+# otherwise on another card (its trace is then kept for this card alone: record.trace_store).
+_READS_CARD = {
+    "memory_stats", "memory_stats_as_nested_dict", "memory_allocated", "max_memory_allocated", "memory_reserved",
+    "max_memory_reserved", "memory_cached", "max_memory_cached", "mem_get_info", "memory_summary",
+    "memory_snapshot", "get_per_process_memory_fraction", "_snapshot", "get_device_name", "get_device_properties",
+    "get_device_capability", "is_bf16_supported",
+}
+READS_CARD = "reads_card"  # the tracker's finding: the job read one of those
+
+
+def _noting_the_read(live: LiveAllocator, fn):
+    def read(*args, **kwargs):
+        live.tracker.findings[READS_CARD] = True
+        return fn(*args, **kwargs)
+    return read
+
+
 @contextlib.contextmanager
 def virtual_cuda(live: LiveAllocator):
     """torch.cuda (and torch.cuda.memory) answered by `live` inside; everything restored after."""
     import torch.cuda.memory as memory
     import torch.cuda.nvtx as nvtx
 
-    fns = _functions(live, memory.memory_summary)
+    fns = {name: _noting_the_read(live, fn) if name in _READS_CARD else fn
+           for name, fn in _functions(live, memory.memory_summary).items()}
     saved: list = []
     for name, fn in fns.items():
         for module in (torch.cuda, memory):
