@@ -123,10 +123,11 @@ def measurements(watch_steps: list[StepReading], phases: list[PhaseReading], tra
         out.update(steady_peak_allocated_bytes=max(p.peak_allocated_bytes for p in in_window),
                    steady_peak_requested_bytes=max(p.peak_requested_bytes for p in in_window),
                    steady_peak_reserved_bytes=max(p.peak_reserved_bytes for p in in_window))
-    window = window or watch_steps
-    if window:
-        # The median step: the first steps pay for cuBLAS handles and autotuning.
-        step_time = statistics.median(s.time_s for s in window)
+    timed = window or watch_steps
+    if timed:
+        # The median step from step 2 on: the first pays for cuBLAS handles and autotuning (an
+        # inference's first step is its prefill).
+        step_time = statistics.median(s.time_s for s in timed)
         out.update(step_time_s=step_time, tokens_per_s=tokens_per_step / step_time if step_time > 0 else None)
     after = out["step_allocated_bytes"]
     out["retained_bytes"] = max(0, after[-1] - after[1]) if trains and len(after) > 2 else 0
