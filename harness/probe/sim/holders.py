@@ -50,7 +50,8 @@ def old_tensors(tracker, step: int) -> list[str]:
 
 
 def collect_cycles(tracker) -> tuple[list[str], int]:
-    """Run the cyclic GC, name the objects in the cycles that held tensors, return the bytes freed."""
+    """Run the cyclic GC: (the kinds of objects in the cycles that held tensors, most first; the
+    bytes freed)."""
     before = tracker.allocated
     was = gc.get_debug()
     gc.set_debug(gc.DEBUG_SAVEALL)  # unreachable objects go to gc.garbage instead of being freed
@@ -77,8 +78,8 @@ def collect_cycles(tracker) -> tuple[list[str], int]:
             frontier = nxt
     del garbage, frontier
     gc.collect()
-    freed = before - tracker.allocated
-    if not holders:
-        return [], freed
-    names = ", ".join(name for name, _n in holders.most_common(3))
-    return [f"a reference cycle through {names}; gc.collect() freed {freed / 1024**2:.1f} MiB"], freed
+    return [name for name, _n in holders.most_common(3)], before - tracker.allocated
+
+
+def cycle_text(names: list[str], freed_bytes: int) -> str:
+    return f"a reference cycle through {', '.join(names)}; gc.collect() freed {freed_bytes / 1024**2:.1f} MiB"

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from harness.probe.sim.holders import collect_cycles, old_tensors
-from harness.probe.sim.tracker import StorageTracker
+from harness.probe.sim.holders import collect_cycles, cycle_text, old_tensors
+from harness.probe.sim.ledger import step_stats
+from harness.probe.sim.tracker import StorageTracker, TraceEvent
 
 
 def watch_training(tracker: StorageTracker, model, optimizer, host_steps: bool) -> None:
@@ -18,16 +19,24 @@ def watch_training(tracker: StorageTracker, model, optimizer, host_steps: bool) 
     optimizer.register_step_post_hook(lambda o, *_: _retag_state(tracker, o, host_steps))
 
 
-def find_holders(tracker: StorageTracker, n_steps: int) -> str | None:
+def find_holders(tracker: StorageTracker, n_steps: int) -> dict | None:
     """What keeps memory that outlived its step: Python containers holding old steps' tensors, and
     reference cycles (call while the loop's leftovers are still alive). Looking walks every Python
     object (about 1 s at 7B), so only when something outlived its step - the same test as the
-    record's retained_bytes."""
-    after = [s.allocated_after_bytes for s in tracker.steps]
+    record's retained_bytes. The parts of the row's retained_holder (holder_text)."""
+    after = [s.allocated_after_bytes for s in step_stats(tracker.journal())[1]]
     if not (len(after) > 2 and after[-1] > after[1]):
         return None
-    holders = old_tensors(tracker, n_steps - 1) + collect_cycles(tracker)[0]
-    return "; ".join(holders) or None
+    old = old_tensors(tracker, n_steps - 1)
+    cycles, freed = collect_cycles(tracker)
+    return {"old": old, "cycles": cycles, "cycle_freed_bytes": freed if cycles else 0}
+
+
+def holder_text(found: dict | None) -> str | None:
+    if not found:
+        return None
+    texts = [*found["old"], *([cycle_text(found["cycles"], found["cycle_freed_bytes"])] if found["cycles"] else [])]
+    return "; ".join(texts) or None
 
 
 def optimizer_state_bytes(tracker: StorageTracker, optimizer) -> int:
@@ -48,21 +57,21 @@ def _retag_state(tracker: StorageTracker, optimizer, host_steps: bool) -> None:
                 tracker.retag(v, "optimizer_state")
 
 
-def measurements(tracker: StorageTracker, trains: bool, n_params: int, params_bytes: int,
-                  state_bytes: int) -> dict:
-    """The record's columns from the tracker: the whole run's peak (building the job and every
-    step: what decides an OOM) with where it happened and what it held. Its byte peaks are the
-    storages' (the row's peak_tensor_bytes); the row's allocated, requested and reserved peaks,
-    whole and steady, are the allocator replay's (probe.sim.reserved.analyse)."""
-    per_step = tracker.steps
-    whole = [tracker.setup, *per_step]
+def measurements(journal: list[TraceEvent], trains: bool, n_params: int, params_bytes: int,
+                 state_bytes: int, holder: dict | None) -> dict:
+    """The record's columns from a journal (tracker.journal(), or one synthesized): the whole run's
+    peak (building the job and every step: what decides an OOM) with where it happened and what it
+    held. Its byte peaks are the storages' (the row's peak_tensor_bytes); the row's allocated,
+    requested and reserved peaks, whole and steady, are the allocator replay's
+    (probe.sim.reserved.analyse)."""
+    setup, per_step = step_stats(journal)
+    whole = [setup, *per_step]
     peak = max(whole, key=lambda s: s.peak_allocated_bytes)
     bd = peak.peak_breakdown
     after = [s.allocated_after_bytes for s in per_step]
-    findings = getattr(tracker, "findings", {})
     return {
         "retained_bytes": max(0, after[-1] - after[1]) if len(after) > 2 and trains else 0,
-        "retained_holder": findings.get("retained_holder"),
+        "retained_holder": holder_text(holder),
         "n_params": n_params,
         "peak_allocated_bytes": peak.peak_allocated_bytes,
         "peak_requested_bytes": max(s.peak_requested_bytes for s in whole),

@@ -121,9 +121,12 @@ def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tup
         finally:
             gc.unfreeze()
             gc.enable()
-        m = measurements(tracker, opt is not None,
-                         sum(p.numel() for p in params), sum(tracker.allocated_bytes_of(p) for p in params),
-                         optimizer_state_bytes(tracker, opt) if opt is not None else 0)
+        tracker.findings["scalars"] = {
+            "trains": opt is not None, "n_params": sum(p.numel() for p in params),
+            "params_bytes": sum(tracker.allocated_bytes_of(p) for p in params),
+            "state_bytes": optimizer_state_bytes(tracker, opt) if opt is not None else 0}
+        m = measurements(tracker.journal(), holder=tracker.findings.get("retained_holder"),
+                         **tracker.findings["scalars"])
         if custom:  # the job names itself; a preset's row keeps the config's names
             m["model"] = job_name(job)
             m["optimizer"] = type(opt).__name__ if opt is not None else None

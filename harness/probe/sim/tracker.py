@@ -13,7 +13,6 @@ import os
 import sys
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -77,9 +76,10 @@ def round_request(nbytes: int) -> int:
 
 
 class TraceEvent(NamedTuple):
-    """One storage's birth or death on the virtual GPU, in order (a row of trace.parquet)."""
+    """One storage's birth or death on the virtual GPU, in order (a row of trace.parquet); in the
+    tracker's journal also a storage's change of kind (retag) and a step's end (end)."""
     seq: int
-    action: str  # alloc | free
+    action: str  # alloc | free (the trace); retag | end (the journal only)
     key: int  # the storage's identity while it lives
     size: int  # requested bytes (the allocator rounds them)
     kind: str  # parameter | gradient | optimizer_state | activation | temporary | input | workspace
@@ -88,23 +88,16 @@ class TraceEvent(NamedTuple):
     module: str  # the innermost module running, "" outside any
 
 
-@dataclass
-class StepStats:
-    step: int
-    peak_allocated_bytes: int = 0
-    peak_requested_bytes: int = 0
-    peak_breakdown: dict = field(default_factory=dict)
-    peak_phase: str = ""
-    peak_module: str = ""
-    allocated_after_bytes: int = 0
-
-
 class StorageTracker(TorchDispatchMode):
     """Records alloc/free events per storage with kind, phase, step and module."""
 
     def __init__(self, emulate_cublas_workspace: bool = True):
         super().__init__()
         self.events: list[TraceEvent] = []
+        # What the record's columns need beside the events (kinds changing, steps ending), in the
+        # same sequence: the journal (probe.sim.ledger) is both, merged.
+        self.marks: list[TraceEvent] = []
+        self._seq = 0  # the next entry's seq (monotone: a dropped alloc leaves a gap)
         self.findings: dict[str, Any] = {}  # what the probe found after the steps (e.g. retained_holder)
         self._live: dict[int, list] = {}  # key -> [requested, allocated, kind]
         self.kind_bytes = {k: 0 for k in KINDS}
@@ -113,8 +106,6 @@ class StorageTracker(TorchDispatchMode):
         self.phase = "setup"
         self.step = -1
         self.module_stack: list[str] = []
-        self.steps: list[StepStats] = []
-        self.setup = StepStats(step=-1)  # before the first step: building the model and the batch
         self.emulate_cublas_workspace = emulate_cublas_workspace
         self._workspaces: set[str] = set()
         self._next_synthetic = -1
@@ -132,11 +123,17 @@ class StorageTracker(TorchDispatchMode):
     # ---- phases and steps ------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         self.step = step
-        self.steps.append(StepStats(step=step))
 
     def end_step(self) -> None:
-        if self.steps:
-            self.steps[-1].allocated_after_bytes = self.allocated
+        self._mark("end", 0, 0, "")
+
+    def _mark(self, action: str, key: int, size: int, kind: str) -> None:
+        self.marks.append(TraceEvent(self._seq, action, key, size, kind, self._phase(), self.step, ""))
+        self._seq += 1
+
+    def journal(self) -> list[TraceEvent]:
+        """The events and the marks in the order they happened."""
+        return sorted([*self.events, *self.marks], key=lambda e: e.seq)
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase
@@ -156,15 +153,8 @@ class StorageTracker(TorchDispatchMode):
         self.requested += nbytes
         self.kind_bytes[kind] += alloc
         module = self.module_stack[-1] if self.module_stack else ""
-        phase = self._phase()
-        self.events.append(TraceEvent(len(self.events), "alloc", key, nbytes, kind, phase, self.step, module))
-        s = self.steps[-1] if self.steps else self.setup
-        if self.allocated > s.peak_allocated_bytes:
-            s.peak_allocated_bytes = self.allocated
-            s.peak_breakdown = dict(self.kind_bytes)
-            s.peak_phase = phase
-            s.peak_module = module
-        s.peak_requested_bytes = max(s.peak_requested_bytes, self.requested)
+        self.events.append(TraceEvent(self._seq, "alloc", key, nbytes, kind, self._phase(), self.step, module))
+        self._seq += 1
         if self.after_alloc is not None:
             self.after_alloc()
 
@@ -180,7 +170,8 @@ class StorageTracker(TorchDispatchMode):
     def _record_free(self, key: int) -> None:
         entry = self._forget(key)
         if entry is not None:
-            self.events.append(TraceEvent(len(self.events), "free", key, entry[0], entry[2], self._phase(), self.step, ""))
+            self.events.append(TraceEvent(self._seq, "free", key, entry[0], entry[2], self._phase(), self.step, ""))
+            self._seq += 1
 
     def track(self, t: torch.Tensor, kind: str, host: bool = False) -> None:
         """Start tracking a tensor's storage (idempotent); `kind` applies if it is new. A host
@@ -230,6 +221,7 @@ class StorageTracker(TorchDispatchMode):
         self.kind_bytes[entry[2]] -= entry[1]
         self.kind_bytes[kind] += entry[1]
         entry[2] = kind
+        self._mark("retag", t.untyped_storage()._cdata, entry[0], kind)
 
     def drop(self, t: torch.Tensor) -> None:
         """Forget a storage that a real CUDA run keeps on the host (e.g. optimizer step counts):
@@ -302,5 +294,7 @@ class StorageTracker(TorchDispatchMode):
                     self.module_stack.pop()
 
             handles.append(mod.register_forward_pre_hook(pre))
-            handles.append(mod.register_forward_hook(post))
+            # always_call: a checkpoint's recompute stops part-way through a forward (by raising);
+            # the module is left all the same, so later events are not charged to it
+            handles.append(mod.register_forward_hook(post, always_call=True))
         return handles

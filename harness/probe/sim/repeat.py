@@ -1,0 +1,290 @@
+"""A deep model's journal from a shallow one's: decoder stacks repeat one block, so the journals of
+depth a and a+1 differ by one layer's entries at a few places (its parameters, its forward, its
+backward, its share of each optimizer op), and depth N is depth a+1 with N-a-1 more copies there.
+
+`learn` aligns the two journals and says, for every entry that refers to an earlier one (a free, a
+retag), which entry it refers to at any depth; `synthesize` writes the journal of depth N.
+probe.sim.shortcut checks the result against a traced depth before it is trusted.
+
+Layers are counted in the order the layers run (`layer` 0 is the first new one, a): a place that
+runs them in reverse (backward, a checkpoint's recompute) emits its copies top layer first. A
+storage handed from layer to layer (the residual stream forward, its gradient backward) is a chain:
+the first new layer takes it from the old part, each next layer from the one before, and the old
+part takes the last one's.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from harness.probe.sim.tracker import TraceEvent
+
+_REFERS = ("free", "retag")  # entries that name a storage allocated before them
+
+
+class NotRepeating(ValueError):
+    """The journals do not differ by repeated layers (or not in a way learn can follow)."""
+
+
+@dataclass
+class _Block:
+    start: int  # in the deeper journal
+    length: int
+    reverse: bool  # copies emitted top layer first (backward)
+
+
+@dataclass
+class Template:
+    """The deeper journal (depth+1 layers), its new layer's places, and where each reference goes."""
+    depth: int  # a: the shallower journal's layers
+    entries: list[TraceEvent]
+    blocks: list[_Block]
+    block_of: list[int]  # per entry: its block, -1 outside any
+    rules: dict[int, tuple]  # referring entry -> how to find what it refers to
+    layer_names: re.Pattern  # the new layer's module names (their index is rewritten per copy)
+    layer_prefix: str
+
+
+def _token(e: TraceEvent) -> tuple:
+    return (e.action, e.size, e.kind, e.phase, e.step, e.module)
+
+
+def _referents(entries: list[TraceEvent]) -> dict[int, int]:
+    """Referring entry -> the alloc it refers to (the latest alloc of its key)."""
+    last: dict[int, int] = {}
+    out = {}
+    for i, e in enumerate(entries):
+        if e.action == "alloc":
+            last[e.key] = i
+        elif e.action in _REFERS and e.key in last:
+            out[i] = last[e.key]
+    return out
+
+
+def _run(sa: str, sb: str, i: int, j: int) -> int:
+    """How many entries sa[i:] and sb[j:] have in common at their start."""
+    lo, hi = 0, min(len(sa) - i, len(sb) - j)
+    while lo < hi:  # binary search on slices: each compare runs in C
+        mid = (lo + hi + 1) // 2
+        if sa[i:i + mid] == sb[j:j + mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _insertion(sa: str, sb: str, i: int, j: int) -> int | None:
+    """The length of the insertion in sb at j: of the lengths after which sb matches sa[i:] again
+    (no more than sb has to spare), the one after which they match longest (the shortest of
+    those)."""
+    spare = (len(sb) - j) - (len(sa) - i)
+    best, best_run = None, 0
+    at = sb.find(sa[i], j + 1, j + spare + 1)
+    while at >= 0:
+        run = _run(sa, sb, i, at)
+        if run > best_run:
+            best, best_run = at - j, run
+        at = sb.find(sa[i], at + 1, j + spare + 1)
+    return best
+
+
+def _align(a: list[TraceEvent], b: list[TraceEvent], refs: dict[int, int]) -> tuple[list[_Block], list[int]]:
+    """b's insertions into a (b = a with blocks inserted), each placed where the new layer's own
+    entries are (_place). Returns the blocks and, per entry of a, its index in b."""
+    ids: dict[tuple, int] = {}
+    sa = "".join(chr(0x100 + ids.setdefault(_token(e), len(ids))) for e in a)
+    sb = "".join(chr(0x100 + ids.setdefault(_token(e), len(ids))) for e in b)
+    spans: list[list[int]] = []
+    i = j = 0
+    while i < len(sa):
+        if j < len(sb) and sa[i] == sb[j]:
+            i += 1
+            j += 1
+            continue
+        found = _insertion(sa, sb, i, j)
+        if found is None:
+            raise NotRepeating(f"entry {i} of the shallower journal is not in the deeper one")
+        spans.append([j, found])
+        j += found
+    if j < len(sb):
+        spans.append([j, len(sb) - j])
+    blocks = _place(sb, spans, refs, b)
+    inside = set()
+    for blk in blocks:
+        inside.update(range(blk.start, blk.start + blk.length))
+    common = [k for k in range(len(sb)) if k not in inside]
+    if len(common) != len(sa) or any(sa[n] != sb[k] for n, k in enumerate(common)):
+        raise NotRepeating("the deeper journal is not the shallower one with insertions")
+    return blocks, common
+
+
+def _place(sb: str, spans: list[list[int]], refs: dict[int, int], b: list[TraceEvent]) -> list[_Block]:
+    """Where in its run of look-alike layers each insertion is the new layer: an insertion may slide
+    along a run of identical entries (the same tokens either way), and the new layer's place is the
+    one whose entries refer least across its edge (a layer's storages are its own: allocated,
+    retagged and freed by that layer's entries). At the run's start the layers run top-down."""
+    ranges = []
+    for n, (start, length) in enumerate(spans):
+        lo = spans[n - 1][0] + spans[n - 1][1] if n else 0
+        hi = spans[n + 1][0] if n + 1 < len(spans) else len(sb)
+        left = start
+        while left > lo and sb[left - 1] == sb[left + length - 1]:
+            left -= 1
+        right = start
+        while right + length < hi and sb[right] == sb[right + length]:
+            right += 1
+        ranges.append((left, right))
+    refs_at: dict[int, list[tuple[int, int]]] = {}
+    for f, x in refs.items():
+        refs_at.setdefault(f, []).append((f, x))
+        refs_at.setdefault(x, []).append((f, x))
+    owner = {}
+    for n, (start, length) in enumerate(spans):
+        owner.update(dict.fromkeys(range(start, start + length), n))
+    for _ in range(2):  # each placement given the others', twice over
+        for n, (left, right) in enumerate(ranges):
+            if left == right:
+                continue
+            length = spans[n][1]
+            for k in range(spans[n][0], spans[n][0] + length):
+                del owner[k]
+
+            def across(start: int) -> int:
+                inside = range(start, start + length)
+                touched = {r for k in range(left, right + length) for r in refs_at.get(k, ())}
+                return sum((f in inside) != (x in inside) and not (
+                    (f in inside and owner.get(x) is not None) or (x in inside and owner.get(f) is not None))
+                    for f, x in touched)
+            best = min(range(left, right + 1), key=lambda s: (across(s), -s))
+            spans[n][0] = best
+            owner.update(dict.fromkeys(range(best, best + length), n))
+    blocks = []
+    for (start, length), (left, right) in zip(spans, ranges):
+        reverse = start == left < right if left < right else any(e.phase == "backward" for e in b[start:start + length])
+        blocks.append(_Block(start, length, reverse))
+    return blocks
+
+
+def learn(a: list[TraceEvent], b: list[TraceEvent], depth: int, layer_prefix: str) -> Template:
+    """The template from the journals of `depth` and `depth`+1 layers; `layer_prefix` names the
+    layers' modules (e.g. "model.layers." for "model.layers.3.mlp")."""
+    ref_a, ref_b = _referents(a), _referents(b)
+    blocks, to_b = _align(a, b, ref_b)
+    block_of = [-1] * len(b)
+    for n, blk in enumerate(blocks):
+        block_of[blk.start:blk.start + blk.length] = [n] * blk.length
+    free_a = {x: f for f, x in ref_a.items() if a[f].action == "free"}
+    free_b = {x: f for f, x in ref_b.items() if b[f].action == "free"}
+    # Chains: an old storage whose free moved into the new layer; the old free takes the new
+    # layer's counterpart instead (the storage that free refers to in b).
+    handed: dict[int, int] = {}  # old alloc (in b) -> the new layer's counterpart (in b)
+    takes_last: dict[int, int] = {}  # old free (in b) -> the new layer's storage it frees
+    for xa, x in enumerate(to_b):
+        if a[xa].action != "alloc":
+            continue
+        g = free_b.get(to_b[xa])
+        if g is None or block_of[g] < 0:
+            fa = free_a.get(xa)
+            if g != (to_b[fa] if fa is not None else None):
+                raise NotRepeating(f"entry {g} frees an old storage another old entry freed before")
+            continue
+        fa = free_a.get(xa)
+        if fa is None or block_of[ref_b.get(to_b[fa], to_b[fa])] < 0:
+            raise NotRepeating(f"entry {g} of the new layer frees an old storage nothing hands on")
+        handed[to_b[xa]] = ref_b[to_b[fa]]
+        takes_last[to_b[fa]] = ref_b[to_b[fa]]
+    rules: dict[int, tuple] = {}
+    for f, x in ref_b.items():
+        inner, outer = block_of[f] >= 0, block_of[x] >= 0
+        if inner and outer:
+            rules[f] = ("same", x)
+        elif inner:
+            if x not in handed or b[f].action != "free":
+                raise NotRepeating(f"entry {f} of the new layer refers to an old storage it was not handed")
+            rules[f] = ("chain", x, handed[x])
+        elif outer:
+            if takes_last.get(f) != x:
+                raise NotRepeating(f"old entry {f} refers to the new layer's entry {x} outside a chain")
+            rules[f] = ("last", x)
+    index = depth
+    return Template(depth, b, blocks, block_of, rules,
+                    re.compile(rf"^{re.escape(layer_prefix)}{index}(?=\.|$)"), layer_prefix)
+
+
+def synthesize(t: Template, n_layers: int) -> list[TraceEvent]:
+    """The journal of `n_layers` (> t.depth) layers. Keys are renumbered (each alloc its own);
+    seq is the entry's index."""
+    k = n_layers - t.depth
+    if k < 1:
+        raise ValueError(f"synthesize {n_layers} layers from a template of {t.depth}+1")
+    b, blocks = t.entries, t.blocks
+
+    def copy_of(blk: int, layer: int) -> int:  # the copy (in emission order) of `layer` at `blk`
+        return k - 1 - layer if blocks[blk].reverse else layer
+
+    key_of: dict[tuple[int, int], int] = {}  # (entry in b, copy or -1) -> its new key
+    out: list[TraceEvent] = []
+
+    def target(f: int, copy: int) -> int:
+        rule = t.rules.get(f)
+        if rule is None:  # an old entry referring to an old storage
+            return key_of[(_alloc_of[f], -1)]
+        if rule[0] == "same":
+            x = rule[1]
+            layer = copy if not blocks[t.block_of[f]].reverse else k - 1 - copy
+            return key_of[(x, copy_of(t.block_of[x], layer))]
+        if rule[0] == "last":
+            x = rule[1]
+            blk = t.block_of[x]
+            # the chain's last new layer: the top one going up, the lowest going down
+            return key_of[(x, copy_of(blk, 0 if blocks[blk].reverse else k - 1))]
+        _, old, new = rule
+        blk = t.block_of[new]
+        layer = copy if not blocks[t.block_of[f]].reverse else k - 1 - copy
+        if not blocks[blk].reverse:  # going up: layer l takes layer l-1's, the first the old one
+            return key_of[(old, -1)] if layer == 0 else key_of[(new, copy_of(blk, layer - 1))]
+        return key_of[(old, -1)] if layer == k - 1 else key_of[(new, copy_of(blk, layer + 1))]
+
+    _alloc_of = _referents(b)
+
+    def emit(i: int, copy: int) -> None:
+        e = b[i]
+        if e.action == "alloc":
+            key = len(out)
+            key_of[(i, copy)] = key
+        elif i in _alloc_of:
+            try:
+                key = target(i, copy)
+            except KeyError:
+                raise NotRepeating(f"entry {i} refers to a storage not yet allocated at depth {n_layers}") from None
+        else:
+            key = e.key  # a free of something never allocated in the journal, or an end mark
+        module = e.module
+        if copy >= 0 and module:
+            blk = t.block_of[i]
+            layer = k - 1 - copy if blocks[blk].reverse else copy
+            module = t.layer_names.sub(f"{t.layer_prefix}{t.depth + layer}", module)
+        out.append(TraceEvent(len(out), e.action, key, e.size, e.kind, e.phase, e.step, module))
+
+    starts = {blk.start: n for n, blk in enumerate(blocks)}
+    i = 0
+    while i < len(b):
+        n = starts.get(i)
+        if n is None:
+            emit(i, -1)
+            i += 1
+            continue
+        blk = blocks[n]
+        for copy in range(k):
+            for j in range(blk.start, blk.start + blk.length):
+                emit(j, copy)
+        i = blk.start + blk.length
+    return out
+
+
+def canonical(entries: list[TraceEvent]) -> list[tuple]:
+    """The entries with keys replaced by their alloc's position: equal for equal journals."""
+    ref = _referents(entries)
+    return [(e.action, ref.get(i, i if e.action == "alloc" else -1), e.size, e.kind, e.phase, e.step, e.module)
+            for i, e in enumerate(entries)]
