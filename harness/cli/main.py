@@ -19,6 +19,7 @@ from harness.cli.common import aggregate, prepare
 from harness.config.compose import CONF_DIR, as_dict, user_card_and_free_text, with_grid_files
 from harness.config.validate import validate
 from harness.errors import EXIT_OK, EXIT_USAGE, ConfigError
+from harness.launch import local
 from harness.launch.gpus import check_cards, resolve_backend
 from harness.launch.point import to_point
 from harness.record import results
@@ -79,7 +80,7 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
-def _gpu_launch(cards: list, multirun: bool) -> list[str]:
+def _gpu_launch(cards: list) -> None:
     """For cuda points on this machine: every card asked for must fit the devices; the devices go
     to the points (GPU_DEVICES_ENV), one point per card at a time, as many at once as cards."""
     from harness.launch import gpus
@@ -88,10 +89,6 @@ def _gpu_launch(cards: list, multirun: bool) -> list[str]:
     devices = gpus.visible_devices()
     check_cards(cards, gpus.describe(devices))
     os.environ[GPU_DEVICES_ENV] = ",".join(devices)
-    # submitit_local hides GPUs from jobs unless they ask for them; points beyond the cards wait
-    # for one (gpus.take), so a batch of twice the cards keeps every card busy across a batch.
-    extra = [f"hydra.launcher.gpus_per_node={len(devices)}"]
-    return [*extra, f"hydra.sweeper.max_batch_size={2 * len(devices)}"] if multirun else extra
 
 
 def _launch(verb: str, flags: list[str], overrides: list[str], asked: list[str] | None = None) -> int:
@@ -102,15 +99,13 @@ def _launch(verb: str, flags: list[str], overrides: list[str], asked: list[str] 
         # Only a sweep goes through the launcher: `run` is one point on this machine.
         cluster = verb == "sweep" and "Slurm" in str(base.hydra.launcher.get("_target_", ""))
         backend = resolve_backend(base.backend, cluster)
-        if cluster:  # one batch: an array per card for the whole sweep, not one per Hydra batch
-            launch_extra = ["hydra.sweeper.max_batch_size=null"]
-        else:
-            launch_extra = _gpu_launch(cards, verb == "sweep") if backend == "cuda" else []
+        if backend == "cuda" and not cluster:
+            _gpu_launch(cards)
     except ConfigError as e:
         return _fail(str(e))
     results_dir = Path(base.results_dir).expanduser().resolve()
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-    extra = [f"results_dir={results_dir}", *launch_extra]
+    extra = [f"results_dir={results_dir}"]
     if not any(o.split("=", 1)[0] == "backend" for o in overrides):
         extra.append(f"backend={backend}")  # resolved once, so run_ids don't depend on the host
     dir_key = "hydra.sweep.dir" if verb == "sweep" else "hydra.run.dir"
@@ -127,6 +122,8 @@ def _launch(verb: str, flags: list[str], overrides: list[str], asked: list[str] 
     # Every point asked for, before any runs: `report` names those an interrupted sweep never ran.
     results.write_manifest(out, prepared.manifest(os.getcwd(), cluster))
     print(f"harness: {verb}: {len(points)} point(s) on backend={backend} -> {out}", file=sys.stderr)
+    if verb == "sweep" and not flags and local.chosen(base):
+        return _sweep_here(prepared, out, extra, results_dir, asked or overrides)
     sys.argv = [sys.argv[0], *flags, *hydra_args]  # hydra.main reads its overrides from argv
     callbacks.arm(out, len(points))  # Hydra's callback shows progress and writes the report
     try:
@@ -141,13 +138,33 @@ def _launch(verb: str, flags: list[str], overrides: list[str], asked: list[str] 
     return callbacks.finish()
 
 
+def _sweep_here(prepared, out: Path, extra: list[str], results_dir: Path, asked: list[str]) -> int:
+    """hydra/launcher=harness_local: the points from threads of this process (launch.local)."""
+    from harness.cli.progress import SweepProgress
+
+    expected = len(prepared.points)
+    try:
+        with interrupt.stoppable(), SweepProgress(out, expected):
+            local.sweep(prepared, out, extra, results_dir, os.getcwd())
+    except interrupt.Interrupted as e:
+        return _interrupted("sweep", asked, out, expected, e)
+    return aggregate(out, expected=expected)
+
+
 def _interrupted(verb: str, asked: list[str], out: Path, expected: int, e) -> int:
-    """Ctrl-C or SIGTERM: every point's process stopped, the rows kept, one line to go on from."""
+    """Ctrl-C or SIGTERM: every point's process stopped, the rows kept, one line to go on from.
+    This process ends at once: the points' threads would wait for points forked from the zygote,
+    which stop when this process's end closes their sockets."""
+    from harness.launch.runner import STOPPING
+
     with interrupt.stoppable():  # a second Ctrl-C while stopping changes nothing
+        STOPPING.set()  # the points' threads write no row for a point stopped with the sweep
         callbacks.abandon()
         interrupt.stop_everything_started()
         interrupt.say(interrupt.resume_line(verb, asked, out, expected, e))
-    return e.exit_code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(e.exit_code)
 
 
 def _searching(verb: str, rest: list[str], asked: list[str]) -> int:

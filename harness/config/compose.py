@@ -6,6 +6,7 @@ impossible value fails in a second with the key named, not an hour into a sweep.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import re
@@ -44,13 +45,6 @@ def parallelism() -> int:
     return max(1, min(cores, by_memory))
 
 
-def batch_size() -> int:
-    """Points Hydra launches at once. With the zygote running at most `parallelism()` of them, a
-    batch twice that size keeps the cores busy across each batch's slowest point."""
-    zygote = os.environ.get("HARNESS_ZYGOTE", "1") != "0"
-    return 2 * parallelism() if zygote else parallelism()
-
-
 def slurm_minutes(timeout_s) -> int:
     """A job's Slurm time limit: the point's timeout, plus time to start and write its row."""
     return math.ceil(float(timeout_s) / 60) + 5
@@ -67,7 +61,7 @@ def slurm_gpus(backend, gres):
 
 
 _RESOLVERS: dict[str, Callable[..., Any]] = {
-    "harness_parallelism": parallelism, "harness_batch": batch_size, "harness_slurm_minutes": slurm_minutes,
+    "harness_parallelism": parallelism, "harness_slurm_minutes": slurm_minutes,
     "harness_slurm_gres": slurm_gres, "harness_slurm_gpus": slurm_gpus,
 }
 
@@ -95,7 +89,56 @@ _COMPOSE_LOCK = threading.Lock()  # Hydra's GlobalHydra is process-wide: one com
 
 def compose(overrides: list[str], with_hydra: bool = False):
     """The config `python -m harness run <overrides>` would see (ConfigError on bad input); safe
-    to call from several threads."""
+    to call from several threads.
+
+    Hydra composes the defaults list (the config groups: model=, gpu=, sweeps=, ...) once per
+    distinct choice of them, then applies the value overrides (batch_size=4, +workload.args.x=1)
+    with its own function, so a grid's points cost a copy each instead of a composition
+    (~0.15 s each)."""
+    if with_hydra:
+        return _hydra_compose(list(overrides), True)
+    try:
+        parsed = _parse(overrides)
+    except ConfigError:
+        return _hydra_compose(list(overrides), False)  # Hydra's own message for it
+    groups = [text for text, o in zip(overrides, parsed) if _is_group(o.key_or_group)]
+    values = [o for o in parsed if not _is_group(o.key_or_group)]
+    key = tuple(groups)
+    with _COMPOSE_LOCK:
+        base = _COMPOSED.get(key)
+    if base is None:
+        base = _hydra_compose(groups, False)
+        with _COMPOSE_LOCK:
+            _COMPOSED[key] = base
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    cfg = copy.deepcopy(base)
+    try:
+        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+    except Exception:  # a value Hydra refuses: its own composition says why, as it would have
+        return _hydra_compose(list(overrides), False)
+    return cfg
+
+
+_COMPOSED: dict[tuple[str, ...], Any] = {}  # the config groups' choices -> Hydra's composition
+
+
+def _parse(overrides: list[str]) -> list:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return OverridesParser.create().parse_overrides(list(overrides))
+    except Exception as e:
+        raise friendly_error(e) from e
+
+
+def _is_group(key: str) -> bool:
+    """A config group (chosen in the defaults list), or Hydra's own config: what only Hydra's
+    composition can apply."""
+    return "/" in key or key == "hydra" or key.startswith("hydra.") or (CONF_DIR / key).is_dir()
+
+
+def _hydra_compose(overrides: list[str], with_hydra: bool):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra

@@ -13,6 +13,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,12 +23,24 @@ from harness.record.results import find_done
 from harness.record.row import POINT_FILE, RESULT_FILE, base_record, run_id, write_row
 
 
-def run_point(point: Point, run_dir: Path, results_dir: Path | None = None) -> dict:
-    """The row for `point`, written to run_dir/result.json."""
+# Set when the sweep is interrupted: a point whose process was stopped leaves no row (it did not
+# fail; the resume runs it).
+STOPPING = threading.Event()
+
+
+class Stopped(RuntimeError):
+    """The point's process was stopped with the sweep."""
+
+
+def run_point(point: Point, run_dir: Path, results_dir: Path | None = None,
+              done_rows: dict[str, Path] | None = None) -> dict:
+    """The row for `point`, written to run_dir/result.json (Stopped: the sweep is being stopped).
+    With `results_dir`, a row already done in an earlier run of the sweep is reused (`done_rows`:
+    those rows, looked up once for a whole sweep)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     rid = run_id(point)
     if results_dir is not None:
-        done = find_done(results_dir, point.sweep, rid, run_dir)
+        done = done_rows.get(rid) if done_rows is not None else find_done(results_dir, point.sweep, rid, run_dir)
         if done is not None:
             rec = json.loads(done.read_text())
             rec["reused_from"] = str(done)
@@ -44,6 +57,8 @@ def run_point(point: Point, run_dir: Path, results_dir: Path | None = None) -> d
         rc = _run_forked(run_dir, point.timeout_s) if _zygote_enabled() else _NO_ZYGOTE
         if rc is _NO_ZYGOTE:
             rc = _run_subprocess(run_dir, log, point.timeout_s)
+    if STOPPING.is_set():
+        raise Stopped(str(run_dir))
     if rc is _TIMED_OUT:
         rec = base_record(point)
         rec.update(status="timeout", wall_s=time.perf_counter() - t0,

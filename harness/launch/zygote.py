@@ -1,10 +1,13 @@
 """A pre-imported parent that forks one child per point.
 
-Starting Python and importing torch + transformers costs about 4 s per point; a sweep's points fork
-from one process that did it once instead. Each point still runs in a process of its own (allocator
-settings, crashes and the host's OOM killer stay per point). The zygote never runs a tensor op
-before forking, exits after `IDLE_S` without requests, and is keyed by the code it loaded, so an
-edit to harness starts a fresh one.
+Starting Python and importing torch + transformers costs about 4-6 s per point; a sweep's points
+fork from one process that did it once instead. Each point still runs in a process of its own
+(allocator settings, crashes and the host's OOM killer stay per point). Before serving, the zygote
+traces one tiny point on fake tensors (torch's lazy imports and FakeTensor's dispatch cache, about
+1 s a point would pay) - no kernel runs, so no thread pool starts that a fork would break - and
+freezes what it holds out of the cyclic GC's sight (each child's collections then walk only what
+its point made). It exits after `IDLE_S` without requests, and is keyed by the code it loaded, so
+an edit to harness starts a fresh one.
 
 Protocol on a Unix socket: the client sends the run dir; the forked child answers "pid N", runs
 the point (stdout and stderr to worker.log) and answers "rc N" when done.
@@ -13,6 +16,7 @@ the point (stdout and stderr to worker.log) and answers "rc N" when done.
 from __future__ import annotations
 
 import fcntl
+import gc
 import hashlib
 import os
 import signal
@@ -108,6 +112,9 @@ def serve(path: Path) -> None:
     from harness.config.compose import parallelism
     from harness.probe import worker  # noqa: F401
 
+    _warm_up()
+    gc.collect()
+    gc.freeze()
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     server = _Server(str(tmp), _Handler)
     server.slots = parallelism()
@@ -133,6 +140,22 @@ def serve(path: Path) -> None:
         import shutil
 
         shutil.rmtree(server.slots_dir, ignore_errors=True)
+
+
+def _warm_up() -> None:
+    """A tiny preset point traced on fake tensors (see the module's docstring)."""
+    from omegaconf import OmegaConf
+
+    from harness.config.compose import CONF_DIR
+    from harness.config.point import Point
+    from harness.probe.sim.trace import run_point
+
+    model = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / "tiny.yaml"))
+    try:
+        run_point(Point.from_dict({"model": model, "batch_size": 1, "seq_len": 16,
+                                   "workload": {"name": "train", "steps": 2}}))
+    except Exception:  # a warm-up only: a point that fails this way will say why in its own row
+        pass
 
 
 def _connect(path: Path) -> socket.socket | None:

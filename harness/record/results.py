@@ -97,14 +97,26 @@ def load_frontier(plan_dir: Path) -> pd.DataFrame | None:
 
 def find_done(results_dir: Path, sweep: str, rid: str, exclude: Path) -> Path | None:
     """A finished row with the same run_id from an earlier run of this sweep, if any."""
+    return done_rows(results_dir, sweep, exclude, only=rid).get(rid)
+
+
+def done_rows(results_dir: Path, sweep: str, exclude: Path, only: str | None = None) -> dict[str, Path]:
+    """run_id -> the newest reusable row of it in earlier runs of this sweep (not under `exclude`):
+    one pass over the rows for a whole sweep's points. `only`: that run_id's alone."""
+    found: dict[str, Path] = {}
     for path in sorted((results_dir / sweep).glob(f"*/runs/*/{RESULT_FILE}"), reverse=True):
-        if path.parent == exclude:
+        if path.parent == exclude or path.parent.parent.parent == exclude:
             continue
         try:
             rec = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
+        rid = rec.get("run_id")
+        if rid in found or (only is not None and rid != only):
+            continue
         # the same knobs, but the user's code it loaded has changed since: stale, run it again
-        if rec.get("run_id") == rid and rec.get("status") in _REUSABLE and not provenance.changed(rec.get(USER_CODE)):
-            return path
-    return None
+        if rec.get("status") in _REUSABLE and not provenance.changed(rec.get(USER_CODE)):
+            found[rid] = path
+            if only is not None:
+                break
+    return found

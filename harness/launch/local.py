@@ -1,0 +1,61 @@
+"""hydra/launcher=harness_local (the default): a sweep's points run from threads of this process.
+
+The points are the ones `prepare` composed (Hydra's composition, Hydra's BasicSweeper's grid), each
+run as every point runs (launch.runner: a process forked from the zygote, a fresh interpreter, or
+a card of its own) in runs/<n> of the sweep dir, or found done in an earlier run of the sweep
+without starting anything. Hydra's multirun would compose every job twice more and start a
+process per point (submitit_local, ~2 s each); here the cost of a point is its own run.
+"""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.config.compose import parallelism
+from harness.launch.point import to_point
+from harness.launch.runner import GPU_DEVICES_ENV, run_point
+from harness.record.results import done_rows
+
+TARGET = "hydra_plugins.harness_launcher.HarnessLocalLauncher"
+
+
+@dataclass
+class HarnessLocalConf:
+    _target_: str = TARGET  # selects this path in the CLI; Hydra itself never launches it
+    workers: int | None = None  # points at once; None: one per core (and per 2 GiB free), or per GPU
+
+
+def chosen(base) -> bool:
+    """Whether the sweep's launcher is this one (hydra/launcher=harness_local)."""
+    return str(base.hydra.launcher.get("_target_", "")) == TARGET
+
+
+def workers(configured: int | None) -> int:
+    if configured:
+        return int(configured)
+    import os
+
+    devices = [d for d in os.environ.get(GPU_DEVICES_ENV, "").split(",") if d]
+    return max(len(devices), parallelism())
+
+
+def sweep(prepared, out: Path, extra: list[str], results_dir: Path, cwd: str) -> list[dict]:
+    """Every point of `prepared` (common.Prepared) run or reused; their rows, in order. `extra`:
+    the overrides the CLI adds to every point (results_dir, backend), as a Hydra job's would."""
+    if cwd not in sys.path:  # a user's workload module lives where they ran us
+        sys.path.insert(0, cwd)
+    points = [to_point(prepared.configs[tuple(p)], [*p, *extra], cwd, results_dir=results_dir)
+              for p in prepared.points]
+    done = done_rows(results_dir, points[0].sweep, exclude=out) if points else {}
+    n = workers(prepared.base.hydra.launcher.get("workers"))
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="harness-point") as pool:
+        futures = [pool.submit(run_point, point, out / "runs" / str(i), results_dir, done)
+                   for i, point in enumerate(points)]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:  # Ctrl-C, SIGTERM: no point starts after this
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
