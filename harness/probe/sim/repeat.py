@@ -15,6 +15,7 @@ part takes the last one's.
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass
 
@@ -89,7 +90,8 @@ def _insertion(sa: str, sb: str, i: int, j: int) -> int | None:
     return best
 
 
-def _align(a: list[TraceEvent], b: list[TraceEvent], refs: dict[int, int]) -> tuple[list[_Block], list[int]]:
+def _align(a: list[TraceEvent], b: list[TraceEvent], refs: dict[int, int],
+           layer_prefix: str) -> tuple[list[_Block], list[int]]:
     """b's insertions into a (b = a with blocks inserted), each placed where the new layer's own
     entries are (_place). Returns the blocks and, per entry of a, its index in b."""
     ids: dict[tuple, int] = {}
@@ -109,7 +111,7 @@ def _align(a: list[TraceEvent], b: list[TraceEvent], refs: dict[int, int]) -> tu
         j += found
     if j < len(sb):
         spans.append([j, len(sb) - j])
-    blocks = _place(sb, spans, refs, b)
+    blocks = _place(sb, spans, refs, b, re.compile(rf"^{re.escape(layer_prefix)}\d+(\.|$)"), _referents(a))
     inside = set()
     for blk in blocks:
         inside.update(range(blk.start, blk.start + blk.length))
@@ -119,11 +121,32 @@ def _align(a: list[TraceEvent], b: list[TraceEvent], refs: dict[int, int]) -> tu
     return blocks, common
 
 
-def _place(sb: str, spans: list[list[int]], refs: dict[int, int], b: list[TraceEvent]) -> list[_Block]:
+def _misfit(start: int, length: int, touched: set[tuple[int, int]], owned, before_others,
+            ref_a: dict[int, int]) -> int:
+    """How badly an insertion of `length` placed at `start` explains the references around it: an
+    old entry referring to another old one that it did not refer to in the shallower journal
+    (weighs most), and a reference across the new layer's edge (a hand-off: a few per layer)."""
+    def in_a(k: int) -> int:  # the shallower journal's index of the old entry k
+        return k - before_others(k) - min(length, max(0, k - start))
+    bad = 0
+    for f, x in touched:
+        fin, xin = start <= f < start + length, start <= x < start + length
+        if fin != xin:
+            bad += 0 if owned(x if fin else f) else 1
+        elif not fin and not owned(f) and not owned(x) and ref_a.get(in_a(f)) != in_a(x):
+            bad += 100
+    return bad
+
+
+def _place(sb: str, spans: list[list[int]], refs: dict[int, int], b: list[TraceEvent],
+           layer_name: re.Pattern, ref_a: dict[int, int]) -> list[_Block]:
     """Where in its run of look-alike layers each insertion is the new layer: an insertion may slide
     along a run of identical entries (the same tokens either way), and the new layer's place is the
-    one whose entries refer least across its edge (a layer's storages are its own: allocated,
-    retagged and freed by that layer's entries). At the run's start the layers run top-down."""
+    one that leaves the old entries referring as they did and refers least across its edge (a
+    layer's storages are its own: allocated, retagged and freed by that layer's entries). The layers run top-down where the old layers'
+    named entries (in the same phase and step) come right after the new layer's, not before; else
+    where the new layer is nearer its run's start; a run of one layer's length goes by its phase
+    (backward runs top-down)."""
     ranges = []
     for n, (start, length) in enumerate(spans):
         lo = spans[n - 1][0] + spans[n - 1][1] if n else 0
@@ -139,29 +162,40 @@ def _place(sb: str, spans: list[list[int]], refs: dict[int, int], b: list[TraceE
     for f, x in refs.items():
         refs_at.setdefault(f, []).append((f, x))
         refs_at.setdefault(x, []).append((f, x))
-    owner = {}
-    for n, (start, length) in enumerate(spans):
-        owner.update(dict.fromkeys(range(start, start + length), n))
     for _ in range(2):  # each placement given the others', twice over
         for n, (left, right) in enumerate(ranges):
             if left == right:
                 continue
             length = spans[n][1]
-            for k in range(spans[n][0], spans[n][0] + length):
-                del owner[k]
+            others = sorted((s0, l0) for m, (s0, l0) in enumerate(spans) if m != n)
+            starts = [s0 for s0, _l0 in others]
+            ends = [0]
+            for s0, l0 in others:
+                ends.append(ends[-1] + l0)
 
-            def across(start: int) -> int:
-                inside = range(start, start + length)
-                touched = {r for k in range(left, right + length) for r in refs_at.get(k, ())}
-                return sum((f in inside) != (x in inside) and not (
-                    (f in inside and owner.get(x) is not None) or (x in inside and owner.get(f) is not None))
-                    for f, x in touched)
-            best = min(range(left, right + 1), key=lambda s: (across(s), -s))
-            spans[n][0] = best
-            owner.update(dict.fromkeys(range(best, best + length), n))
+            def owned(k: int) -> bool:
+                i = bisect.bisect_right(starts, k) - 1
+                return i >= 0 and k < others[i][0] + others[i][1]
+
+            def before_others(k: int) -> int:  # entries of the other insertions before k (k not in one)
+                return ends[bisect.bisect_right(starts, k)]
+            touched = {r for k in range(left, right + length) for r in refs_at.get(k, ())}
+            spans[n][0] = min(range(left, right + 1), key=lambda s: (
+                _misfit(s, length, touched, owned, before_others, ref_a), -s))
     blocks = []
-    for (start, length), (left, right) in zip(spans, ranges):
-        reverse = start == left < right if left < right else any(e.phase == "backward" for e in b[start:start + length])
+    for n, ((start, length), (left, right)) in enumerate(zip(spans, ranges)):
+        # the old layers' entries next to it: within a layer's length, in its phase and step
+        phase, step = b[start].phase, b[start].step
+
+        def named(entries) -> bool:
+            return any(e.phase == phase and e.step == step and layer_name.match(e.module) for e in entries)
+        before, after = named(b[max(0, start - length):start]), named(b[start + length:start + 2 * length])
+        if before != after:
+            reverse = after
+        elif left < right:
+            reverse = start - left < right - start
+        else:
+            reverse = any(e.phase == "backward" for e in b[start:start + length])
         blocks.append(_Block(start, length, reverse))
     return blocks
 
@@ -170,7 +204,7 @@ def learn(a: list[TraceEvent], b: list[TraceEvent], depth: int, layer_prefix: st
     """The template from the journals of `depth` and `depth`+1 layers; `layer_prefix` names the
     layers' modules (e.g. "model.layers." for "model.layers.3.mlp")."""
     ref_a, ref_b = _referents(a), _referents(b)
-    blocks, to_b = _align(a, b, ref_b)
+    blocks, to_b = _align(a, b, ref_b, layer_prefix)
     block_of = [-1] * len(b)
     for n, blk in enumerate(blocks):
         block_of[blk.start:blk.start + blk.length] = [n] * blk.length

@@ -115,6 +115,7 @@ def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tup
                 if not cycle:
                     gc.collect()  # cycles of the libraries' own making are freed before the reading
                 tracker.end_step()
+            tracker.recording = False
             gc.unfreeze()  # the holder search asks the collector who refers to what: all of it
             if custom or opt is not None:  # a decode's cache grows by design: no holder to look for
                 tracker.findings["retained_holder"] = find_holders(tracker, n_steps)

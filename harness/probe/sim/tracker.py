@@ -98,6 +98,10 @@ class StorageTracker(TorchDispatchMode):
         # same sequence: the journal (probe.sim.ledger) is both, merged.
         self.marks: list[TraceEvent] = []
         self._seq = 0  # the next entry's seq (monotone: a dropped alloc leaves a gap)
+        # Off once the steps are done: what the probe does after them (the holder search's
+        # collection, the job's teardown) is counted but not journaled (no step's figure depends
+        # on it, and the cyclic GC frees in no fixed order).
+        self.recording = True
         self.findings: dict[str, Any] = {}  # what the probe found after the steps (e.g. retained_holder)
         self._live: dict[int, list] = {}  # key -> [requested, allocated, kind]
         self.kind_bytes = {k: 0 for k in KINDS}
@@ -128,6 +132,8 @@ class StorageTracker(TorchDispatchMode):
         self._mark("end", 0, 0, "")
 
     def _mark(self, action: str, key: int, size: int, kind: str) -> None:
+        if not self.recording:
+            return
         self.marks.append(TraceEvent(self._seq, action, key, size, kind, self._phase(), self.step, ""))
         self._seq += 1
 
@@ -153,6 +159,8 @@ class StorageTracker(TorchDispatchMode):
         self.requested += nbytes
         self.kind_bytes[kind] += alloc
         module = self.module_stack[-1] if self.module_stack else ""
+        if not self.recording:
+            return
         self.events.append(TraceEvent(self._seq, "alloc", key, nbytes, kind, self._phase(), self.step, module))
         self._seq += 1
         if self.after_alloc is not None:
@@ -169,7 +177,7 @@ class StorageTracker(TorchDispatchMode):
 
     def _record_free(self, key: int) -> None:
         entry = self._forget(key)
-        if entry is not None:
+        if entry is not None and self.recording:
             self.events.append(TraceEvent(self._seq, "free", key, entry[0], entry[2], self._phase(), self.step, ""))
             self._seq += 1
 

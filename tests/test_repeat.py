@@ -1,0 +1,123 @@
+"""A preset point synthesized from 1 and 2 layers (probe.sim.shortcut) is the full trace, entry for
+entry: every preset architecture, both workloads, checkpointing, precisions, every optimizer
+implementation, the leak workloads. Each case traces 1, 2 and 3 layers (the template and its
+check) and the full 4 (three synthesized copies), so a wrong order of copies shows."""
+
+import dataclasses
+
+import pytest
+
+from harness.config.point import Point, Workload
+from harness.probe.sim import repeat, shortcut
+from harness.probe.sim.repeat import NotRepeating
+from harness.probe.sim.trace import run_point
+from harness.probe.sim.tracker import TraceEvent
+from tests.conftest import model_cfg, train_point
+
+DEPTH = 4
+
+
+def _point(model="7b", workload="train", **kw) -> Point:
+    p = train_point(model=model, batch_size=kw.pop("batch_size", 1), seq_len=kw.pop("seq_len", 128),
+                    num_hidden_layers=DEPTH, **kw)
+    if workload == "infer":
+        p = p.replace(workload=p.workload.__class__(name="infer", steps=1, new_tokens=3))
+    return p
+
+
+def _assert_same_as_full(point: Point, synthesized: bool = True) -> None:
+    traced = shortcut.trace(point)
+    assert traced.measurements["trace_method"].startswith("synthesized" if synthesized else "full"), \
+        traced.measurements["trace_method"]
+    m, tracker = run_point(point)
+    full = [e for e in tracker.journal() if e.action in ("alloc", "free")]
+    assert repeat.canonical(traced.events) == repeat.canonical(full)
+    del traced.measurements["trace_method"]
+    assert traced.measurements == m
+
+
+ARCHS = ["7b", "13b", "70b", "llama3-8b", "mistral-7b", "qwen2.5-7b", "demo-1b"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ARCHS)
+def test_every_preset_architecture_synthesizes_its_full_training_trace(model):
+    _assert_same_as_full(_point(model))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["7b", "qwen2.5-7b"])
+def test_inference_prefill_and_decode_synthesize_their_full_trace(model):
+    _assert_same_as_full(_point(model, workload="infer", seq_len=64))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision,checkpointing", [("bf16", True), ("amp_bf16", True), ("amp_bf16", False),
+                                                     ("fp32", False), ("amp_fp16", False)])
+def test_checkpointing_and_precisions_synthesize_their_full_trace(precision, checkpointing):
+    _assert_same_as_full(_point(precision=precision, checkpointing=checkpointing))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer,impl", [("adamw", "foreach"), ("adamw", "fused"), ("adamw", "forloop"),
+                                            ("sgd", "auto"), ("sgd", "foreach"), ("adafactor", "auto")])
+def test_every_optimizer_implementation_synthesizes_its_full_trace(optimizer, impl):
+    _assert_same_as_full(_point(optimizer=optimizer, impl=impl))
+
+
+@pytest.mark.slow
+def test_a_trace_that_does_not_repeat_falls_back_to_the_full_trace():
+    """Adafactor's foreach step orders its 1-D parameters' temporaries so that one layer's entries
+    do not sit together: the check at 3 layers refuses the template, and the point is traced in
+    full (the same trace, slower)."""
+    _assert_same_as_full(_point(optimizer="adafactor", impl="foreach"), synthesized=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("leak", ["graph", "cycle"])
+def test_leak_workloads_synthesize_their_trace_and_holder(leak):
+    p = _point()
+    p = p.replace(workload=p.workload.__class__(name="train", steps=3, new_tokens=16, leak=leak))
+    _assert_same_as_full(p)
+    assert shortcut.trace(p).measurements["retained_holder"]
+
+
+def test_layers_that_differ_are_traced_in_full_and_say_why():
+    """Qwen2 with a sliding window from layer 2 on: its layers are not one block repeated."""
+    cfg = model_cfg("qwen2.5-7b", num_hidden_layers=DEPTH, use_sliding_window=True, max_window_layers=2,
+                    sliding_window=64)
+    p = _point("qwen2.5-7b")
+    p = p.replace(model=dataclasses.replace(p.model, hf=cfg["hf"]))
+    assert "layer_types" in shortcut.refusal(p)
+
+
+def test_a_shallow_model_and_a_users_job_are_traced_in_full():
+    assert shortcut.refusal(train_point(model="tiny")) == "2 layers"
+    custom = train_point().replace(workload=Workload(name="custom", target="m:f"))
+    assert shortcut.refusal(custom) == "a job of the user's own"
+
+
+def _ev(action, key, size, phase="forward", module=""):
+    return TraceEvent(0, action, key, size, "activation", phase, 0, module)
+
+
+def test_journals_that_are_not_one_with_insertions_are_refused():
+    """The deeper journal lost an entry of the shallower one: no template, so no synthesis."""
+    a = [_ev("alloc", 1, 512), _ev("alloc", 2, 1024), _ev("free", 1, 512)]
+    b = [_ev("alloc", 1, 512), _ev("alloc", 3, 4096), _ev("free", 1, 512)]
+    with pytest.raises(NotRepeating):
+        repeat.learn(a, b, 1, "model.layers.")
+
+
+def test_a_chain_hands_the_residual_stream_from_layer_to_layer():
+    """Embedding output -> layer 0 -> (layer 1) -> norm: each layer frees the one before's output,
+    the norm frees the last layer's; synthesized 4 layers keep that chain."""
+    def journal(n):
+        out, key = [_ev("alloc", 100, 512, module="model.embed")], 100
+        for i in range(n):
+            out += [_ev("alloc", 200 + i, 512, module=f"model.layers.{i}"), _ev("free", key, 512)]
+            key = 200 + i
+        return out + [_ev("alloc", 999, 1024, module="model.norm"), _ev("free", key, 512)]
+    t = repeat.learn(journal(1), journal(2), 1, "model.layers.")
+    assert repeat.canonical(repeat.synthesize(t, 3)) == repeat.canonical(journal(3))
+    assert repeat.canonical(repeat.synthesize(t, 6)) == repeat.canonical(journal(6))
