@@ -22,7 +22,6 @@ from harness.launch import gpus, zygote
 from harness.record.results import find_done
 from harness.record.row import POINT_FILE, RESULT_FILE, base_record, run_id, write_row
 
-
 # Set when the sweep is interrupted: a point whose process was stopped leaves no row (it did not
 # fail; the resume runs it).
 STOPPING = threading.Event()

@@ -16,9 +16,8 @@ from harness.config import cards as catalog
 from harness.config.point import Point, WorkloadName
 from harness.probe.cuda import run as cuda
 from harness.probe.jobs import UserCodeError
-from harness.probe.sim import reserved
+from harness.probe.sim import reserved, shortcut
 from harness.probe.sim.fake_code import where
-from harness.probe.sim import shortcut
 from harness.probe.sim.virtual_cuda import READS_CARD
 from harness.record import provenance, trace_store
 from harness.record.provenance import USER_CODE

@@ -112,7 +112,7 @@ def _align(a: list[TraceEvent], b: list[TraceEvent], refs: dict[int, int],
     if j < len(sb):
         spans.append([j, len(sb) - j])
     blocks = _place(sb, spans, refs, b, re.compile(rf"^{re.escape(layer_prefix)}\d+(\.|$)"), _referents(a))
-    inside = set()
+    inside: set[int] = set()
     for blk in blocks:
         inside.update(range(blk.start, blk.start + blk.length))
     common = [k for k in range(len(sb)) if k not in inside]
@@ -121,19 +121,19 @@ def _align(a: list[TraceEvent], b: list[TraceEvent], refs: dict[int, int],
     return blocks, common
 
 
-def _misfit(start: int, length: int, touched: set[tuple[int, int]], owned, before_others,
+def _misfit(start: int, length: int, touched: set[tuple[int, int]], others: _Others,
             ref_a: dict[int, int]) -> int:
     """How badly an insertion of `length` placed at `start` explains the references around it: an
     old entry referring to another old one that it did not refer to in the shallower journal
     (weighs most), and a reference across the new layer's edge (a hand-off: a few per layer)."""
     def in_a(k: int) -> int:  # the shallower journal's index of the old entry k
-        return k - before_others(k) - min(length, max(0, k - start))
+        return k - others.count_before(k) - min(length, max(0, k - start))
     bad = 0
     for f, x in touched:
         fin, xin = start <= f < start + length, start <= x < start + length
         if fin != xin:
-            bad += 0 if owned(x if fin else f) else 1
-        elif not fin and not owned(f) and not owned(x) and ref_a.get(in_a(f)) != in_a(x):
+            bad += 0 if others.owns(x if fin else f) else 1
+        elif not fin and not others.owns(f) and not others.owns(x) and ref_a.get(in_a(f)) != in_a(x):
             bad += 100
     return bad
 
@@ -143,10 +143,10 @@ def _place(sb: str, spans: list[list[int]], refs: dict[int, int], b: list[TraceE
     """Where in its run of look-alike layers each insertion is the new layer: an insertion may slide
     along a run of identical entries (the same tokens either way), and the new layer's place is the
     one that leaves the old entries referring as they did and refers least across its edge (a
-    layer's storages are its own: allocated, retagged and freed by that layer's entries). The layers run top-down where the old layers'
-    named entries (in the same phase and step) come right after the new layer's, not before; else
-    where the new layer is nearer its run's start; a run of one layer's length goes by its phase
-    (backward runs top-down)."""
+    layer's storages are its own: allocated, retagged and freed by that layer's entries). The
+    layers run top-down where the old layers' named entries (same phase and step) come right after
+    the new layer's, not before; else where the new layer is nearer its run's start; a run of one
+    layer's length goes by its phase (backward runs top-down)."""
     ranges = []
     for n, (start, length) in enumerate(spans):
         lo = spans[n - 1][0] + spans[n - 1][1] if n else 0
@@ -167,29 +167,14 @@ def _place(sb: str, spans: list[list[int]], refs: dict[int, int], b: list[TraceE
             if left == right:
                 continue
             length = spans[n][1]
-            others = sorted((s0, l0) for m, (s0, l0) in enumerate(spans) if m != n)
-            starts = [s0 for s0, _l0 in others]
-            ends = [0]
-            for s0, l0 in others:
-                ends.append(ends[-1] + l0)
-
-            def owned(k: int) -> bool:
-                i = bisect.bisect_right(starts, k) - 1
-                return i >= 0 and k < others[i][0] + others[i][1]
-
-            def before_others(k: int) -> int:  # entries of the other insertions before k (k not in one)
-                return ends[bisect.bisect_right(starts, k)]
+            others = _Others([span for m, span in enumerate(spans) if m != n])
             touched = {r for k in range(left, right + length) for r in refs_at.get(k, ())}
-            spans[n][0] = min(range(left, right + 1), key=lambda s: (
-                _misfit(s, length, touched, owned, before_others, ref_a), -s))
+            misfits = {s: _misfit(s, length, touched, others, ref_a) for s in range(left, right + 1)}
+            spans[n][0] = min(misfits, key=lambda s: (misfits[s], -s))
     blocks = []
-    for n, ((start, length), (left, right)) in enumerate(zip(spans, ranges)):
-        # the old layers' entries next to it: within a layer's length, in its phase and step
-        phase, step = b[start].phase, b[start].step
-
-        def named(entries) -> bool:
-            return any(e.phase == phase and e.step == step and layer_name.match(e.module) for e in entries)
-        before, after = named(b[max(0, start - length):start]), named(b[start + length:start + 2 * length])
+    for (start, length), (left, right) in zip(spans, ranges):
+        before = _names_a_layer(b[max(0, start - length):start], b[start], layer_name)
+        after = _names_a_layer(b[start + length:start + 2 * length], b[start], layer_name)
         if before != after:
             reverse = after
         elif left < right:
@@ -198,6 +183,29 @@ def _place(sb: str, spans: list[list[int]], refs: dict[int, int], b: list[TraceE
             reverse = any(e.phase == "backward" for e in b[start:start + length])
         blocks.append(_Block(start, length, reverse))
     return blocks
+
+
+class _Others:
+    """The other insertions' spans: which entries they hold, how many lie before an entry."""
+
+    def __init__(self, spans: list[list[int]]):
+        self.spans = sorted((s0, l0) for s0, l0 in spans)
+        self.starts = [s0 for s0, _l0 in self.spans]
+        self.before = [0]
+        for _s0, l0 in self.spans:
+            self.before.append(self.before[-1] + l0)
+
+    def owns(self, k: int) -> bool:
+        i = bisect.bisect_right(self.starts, k) - 1
+        return i >= 0 and k < self.spans[i][0] + self.spans[i][1]
+
+    def count_before(self, k: int) -> int:  # (k in none of them)
+        return self.before[bisect.bisect_right(self.starts, k)]
+
+
+def _names_a_layer(entries: list[TraceEvent], like: TraceEvent, layer_name: re.Pattern) -> bool:
+    """Whether any of `entries` in `like`'s phase and step is charged to a layer's module."""
+    return any(e.phase == like.phase and e.step == like.step and layer_name.match(e.module) for e in entries)
 
 
 def learn(a: list[TraceEvent], b: list[TraceEvent], depth: int, layer_prefix: str) -> Template:
@@ -214,7 +222,7 @@ def learn(a: list[TraceEvent], b: list[TraceEvent], depth: int, layer_prefix: st
     # layer's counterpart instead (the storage that free refers to in b).
     handed: dict[int, int] = {}  # old alloc (in b) -> the new layer's counterpart (in b)
     takes_last: dict[int, int] = {}  # old free (in b) -> the new layer's storage it frees
-    for xa, x in enumerate(to_b):
+    for xa in range(len(a)):
         if a[xa].action != "alloc":
             continue
         g = free_b.get(to_b[xa])
