@@ -51,11 +51,13 @@ def sweep(prepared, out: Path, extra: list[str], results_dir: Path, cwd: str) ->
               for p in prepared.points]
     done = done_rows(results_dir, points[0].sweep, exclude=out) if points else {}
     n = workers(prepared.base.hydra.launcher.get("workers"))
-    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="harness-point") as pool:
-        futures = [pool.submit(run_point, point, out / "runs" / str(i), results_dir, done)
-                   for i, point in enumerate(points)]
-        try:
-            return [f.result() for f in futures]
-        except BaseException:  # Ctrl-C, SIGTERM: no point starts after this
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
+    pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="harness-point")
+    futures = [pool.submit(run_point, point, out / "runs" / str(i), results_dir, done)
+               for i, point in enumerate(points)]
+    try:
+        rows = [f.result() for f in futures]
+    except BaseException:  # Ctrl-C, SIGTERM: no point starts after this, and none is waited for
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return rows

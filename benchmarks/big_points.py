@@ -1,0 +1,55 @@
+"""A 70B (GQA) training point and a 405B serving point on the virtual GPU, each in a fresh process
+as the zygote's child would run it: `python benchmarks/big_points.py`.
+
+Prints per point the wall time of the worker's run (trace + replay for every card; imports and
+the warm-up a zygote does once are not counted) and the process's peak RSS. Targets: 70B <= 15 s,
+405B <= 30 s, RSS <= 4 GiB.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import json, resource, sys, tempfile, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from harness.launch.zygote import _warm_up
+from harness.probe import worker
+from tests.conftest import model_cfg, train_point
+from harness.config.point import Workload
+_warm_up()
+spec = json.loads(sys.argv[2])
+point = train_point(model=spec["model"], batch_size=spec["batch_size"], seq_len=spec["seq_len"])
+if spec["workload"] == "infer":
+    point = point.replace(workload=Workload(name="infer", new_tokens=16))
+t0 = time.perf_counter()
+rec = worker.run_sim(point, Path(tempfile.mkdtemp()))
+wall = time.perf_counter() - t0
+print(json.dumps({"wall_s": wall, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "status": rec["status"], "method": rec["trace_method"], "reserved": rec["peak_reserved_bytes"]}))
+"""
+
+POINTS = [
+    {"name": "70b train b1 s4096 bf16 adamw", "model": "70b", "workload": "train", "batch_size": 1, "seq_len": 4096,
+     "target_s": 15},
+    {"name": "llama3-405b infer b1 s8192 bf16", "model": "llama3-405b", "workload": "infer", "batch_size": 1,
+     "seq_len": 8192, "target_s": 30},
+]
+
+
+def main() -> None:
+    for spec in POINTS:
+        out = subprocess.run([sys.executable, "-c", CHILD, str(REPO), json.dumps(spec)], capture_output=True,
+                             text=True, check=True).stdout.strip().splitlines()[-1]
+        r = json.loads(out)
+        print(f"{spec['name']:34s} {r['wall_s']:6.2f} s (target <= {spec['target_s']} s)  peak RSS "
+              f"{r['rss'] / 2**30:.2f} GiB (target <= 4)  {r['status']}, reserved {r['reserved'] / 2**30:.1f} GiB; "
+              f"{r['method']}")
+
+
+if __name__ == "__main__":
+    main()
