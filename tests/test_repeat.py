@@ -25,7 +25,7 @@ def _point(model="7b", workload="train", **kw) -> Point:
     return p
 
 
-def _assert_same_as_full(point: Point, synthesized: bool = True) -> None:
+def _assert_same_as_full(point: Point, synthesized: bool = True) -> dict:
     traced = shortcut.trace(point)
     assert traced.measurements["trace_method"].startswith("synthesized" if synthesized else "full"), \
         traced.measurements["trace_method"]
@@ -34,6 +34,7 @@ def _assert_same_as_full(point: Point, synthesized: bool = True) -> None:
     assert repeat.canonical(traced.events) == repeat.canonical(full)
     del traced.measurements["trace_method"]
     assert traced.measurements == m
+    return m
 
 
 ARCHS = ["7b", "13b", "70b", "llama3-8b", "mistral-7b", "qwen2.5-7b", "demo-1b"]
@@ -78,8 +79,7 @@ def test_a_trace_that_does_not_repeat_falls_back_to_the_full_trace():
 def test_leak_workloads_synthesize_their_trace_and_holder(leak):
     p = _point()
     p = p.replace(workload=p.workload.__class__(name="train", steps=3, new_tokens=16, leak=leak))
-    _assert_same_as_full(p)
-    assert shortcut.trace(p).measurements["retained_holder"]
+    assert _assert_same_as_full(p)["retained_holder"]
 
 
 def test_layers_that_differ_are_traced_in_full_and_say_why():

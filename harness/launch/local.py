@@ -17,6 +17,7 @@ from pathlib import Path
 from harness.config.compose import parallelism
 from harness.launch.point import to_point
 from harness.launch.runner import GPU_DEVICES_ENV, run_point
+from harness.record import trace_store
 from harness.record.results import done_rows
 
 TARGET = "hydra_plugins.harness_launcher.HarnessLocalLauncher"
@@ -51,11 +52,21 @@ def sweep(prepared, out: Path, extra: list[str], results_dir: Path, cwd: str) ->
               for p in prepared.points]
     done = done_rows(results_dir, points[0].sweep, exclude=out) if points else {}
     n = workers(prepared.base.hydra.launcher.get("workers"))
+    # Points that differ only in allocator settings or card share a trace: one after the other, in
+    # one thread, so the first traces and the others replay its trace (not all tracing at once).
+    groups: dict[str, list[int]] = {}
+    for i, point in enumerate(points):
+        groups.setdefault(trace_store.trace_id(point), []).append(i)
+
+    def run_group(indexes: list[int]) -> list[dict]:
+        return [run_point(points[i], out / "runs" / str(i), results_dir, done) for i in indexes]
     pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="harness-point")
-    futures = [pool.submit(run_point, point, out / "runs" / str(i), results_dir, done)
-               for i, point in enumerate(points)]
+    futures = {pool.submit(run_group, indexes): indexes for indexes in groups.values()}
+    rows: list[dict] = [{}] * len(points)
     try:
-        rows = [f.result() for f in futures]
+        for future, indexes in futures.items():
+            for i, row in zip(indexes, future.result()):
+                rows[i] = row
     except BaseException:  # Ctrl-C, SIGTERM: no point starts after this, and none is waited for
         pool.shutdown(wait=False, cancel_futures=True)
         raise

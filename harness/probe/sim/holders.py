@@ -30,6 +30,7 @@ def old_tensors(tracker, step: int) -> list[str]:
     with warnings.catch_warnings():  # some library objects warn when their type is probed
         warnings.simplefilter("ignore")
         tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    old = []
     for obj in tensors:
         if obj.grad_fn is None:
             continue
@@ -38,14 +39,20 @@ def old_tensors(tracker, step: int) -> list[str]:
         except (RuntimeError, NotImplementedError):
             continue
         live = tracker._live.get(key)
-        if live is None or born.get(key, step) >= step or live[2] != "activation":
+        if live is not None and born.get(key, step) < step and live[2] == "activation":
+            old.append(obj)
+    # One walk of the heap for all of them (gc.get_referrers walks every object per call).
+    ids = {id(t): t for t in old}
+    holders: dict[int, list] = {}
+    for r in gc.get_referrers(*old) if old else ():
+        if r is tensors or r is old or r is ids or isinstance(r, types.FrameType):
             continue
-        holders = [r for r in gc.get_referrers(obj)
-                   if r is not tensors and not isinstance(r, types.FrameType)]
-        if not holders:
-            continue  # reachable only through autograd's saved tensors: not a root
-        where = type(holders[0]).__name__
-        found[f"a {where} holding {_describe(obj)}"] += 1
+        for x in gc.get_referents(r):
+            if id(x) in ids:
+                holders.setdefault(id(x), []).append(r)
+    for obj in old:
+        if holders.get(id(obj)):  # else reachable only through autograd's saved tensors: not a root
+            found[f"a {type(holders[id(obj)][0]).__name__} holding {_describe(obj)}"] += 1
     return [text + (f" (x{n})" if n > 1 else "") for text, n in found.most_common(3)]
 
 

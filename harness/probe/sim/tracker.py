@@ -70,6 +70,23 @@ def _in_autograd_formula() -> bool:
     return caller is not None and caller.f_code.co_filename.endswith(_ENGINE_FILE)
 
 
+def _tensors(values) -> list[torch.Tensor]:
+    """The tensors among an aten op's arguments or outputs: tensors and lists of them, one level
+    deep as aten's schemas have them (pytree for anything else: it costs ~10 us an op)."""
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            if all(isinstance(x, torch.Tensor) or not isinstance(x, (list, tuple, dict)) for x in v):
+                out.extend(x for x in v if isinstance(x, torch.Tensor))
+            else:
+                out.extend(x for x in tree_leaves(v) if isinstance(x, torch.Tensor))
+        elif isinstance(v, dict):
+            out.extend(x for x in tree_leaves(v) if isinstance(x, torch.Tensor))
+    return out
+
+
 def round_request(nbytes: int) -> int:
     """Bytes the CUDA allocator hands out for a request (kMinBlockSize rounding)."""
     return max(MIN_BLOCK_BYTES, -(-nbytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES)
@@ -216,7 +233,7 @@ class StorageTracker(TorchDispatchMode):
             return self.placement == "host"
         if not self._host and not self.real_is_host:
             return False
-        inputs = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        inputs = [*_tensors(args), *_tensors(kwargs.values() if kwargs else ())]
         return bool(inputs) and all(self._on_host(a) for a in inputs)
 
     def retag(self, t: torch.Tensor | None, kind: str) -> None:
@@ -284,8 +301,8 @@ class StorageTracker(TorchDispatchMode):
         if self.emulate_cublas_workspace and not host and func.overloadpacket.__name__ in _GEMM_OPS:
             self._workspace(func)
         kind = self._default_kind()
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+        for t in _tensors((out,)):
+            if t.device.type != "meta":
                 self.track(t, kind, host or (self.real_is_host and not isinstance(t, FakeTensor)))
         return out
 
