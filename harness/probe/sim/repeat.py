@@ -229,7 +229,8 @@ def learn(a: list[TraceEvent], b: list[TraceEvent], depth: int, layer_prefix: st
         if g is None or block_of[g] < 0:
             fa = free_a.get(xa)
             if g != (to_b[fa] if fa is not None else None):
-                raise NotRepeating(f"entry {g} frees an old storage another old entry freed before")
+                raise NotRepeating(f"old entry {to_b[xa]}'s storage is freed elsewhere with one layer more "
+                                   f"({g if g is not None else 'never'}, not {to_b[fa] if fa is not None else 'never'})")
             continue
         fa = free_a.get(xa)
         if fa is None or block_of[ref_b.get(to_b[fa], to_b[fa])] < 0:
