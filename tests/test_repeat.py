@@ -37,7 +37,9 @@ def _assert_same_as_full(point: Point, synthesized: bool = True) -> dict:
     return m
 
 
-ARCHS = ["7b", "13b", "70b", "llama3-8b", "mistral-7b", "qwen2.5-7b", "demo-1b"]
+# Llama with full and grouped-query attention, Mistral, Qwen2 (13b, llama3-8b and demo-1b are Llamas
+# of other sizes: the same blocks).
+ARCHS = ["7b", "70b", "mistral-7b", "qwen2.5-7b"]
 
 
 @pytest.mark.slow
@@ -54,14 +56,15 @@ def test_inference_prefill_and_decode_synthesize_their_full_trace(model):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision,checkpointing", [("bf16", True), ("amp_bf16", True), ("amp_bf16", False),
-                                                     ("fp32", False), ("amp_fp16", False)])
+                                                     ("amp_fp16", False)])
 def test_checkpointing_and_precisions_synthesize_their_full_trace(precision, checkpointing):
     _assert_same_as_full(_point(precision=precision, checkpointing=checkpointing))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer,impl", [("adamw", "foreach"), ("adamw", "fused"), ("adamw", "forloop"),
-                                            ("sgd", "auto"), ("sgd", "foreach"), ("adafactor", "auto")])
+# AdamW's foreach (what CUDA picks: impl=auto) is every other test's; SGD's auto is its foreach.
+@pytest.mark.parametrize("optimizer,impl", [("adamw", "fused"), ("adamw", "forloop"), ("sgd", "auto"),
+                                            ("adafactor", "auto")])
 def test_every_optimizer_implementation_synthesizes_its_full_trace(optimizer, impl):
     _assert_same_as_full(_point(optimizer=optimizer, impl=impl))
 
