@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -105,7 +106,10 @@ class Planner:
         workers = max(1, workers)
         # Groups run side by side; cores left over go to probing several values of a group at once.
         self.width = max(1, workers // min(len(groups), workers))
-        with ThreadPoolExecutor(max_workers=workers) as pool:
+        # Points forked from the zygote wait for one of its run slots (one per core): every group
+        # may search at once, and the cores stay busy to the last group's end.
+        threads = max(workers, len(groups)) if os.environ.get("HARNESS_ZYGOTE", "1") != "0" else workers
+        with ThreadPoolExecutor(max_workers=threads) as pool:
             return [r for rows in pool.map(self.plan_group, groups) for r in rows]
 
     @staticmethod
