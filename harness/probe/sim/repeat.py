@@ -250,9 +250,8 @@ def learn(a: list[TraceEvent], b: list[TraceEvent], depth: int, layer_prefix: st
             if takes_last.get(f) != x:
                 raise NotRepeating(f"old entry {f} refers to the new layer's entry {x} outside a chain")
             rules[f] = ("last", x)
-    index = depth
     return Template(depth, b, blocks, block_of, rules,
-                    re.compile(rf"^{re.escape(layer_prefix)}{index}(?=\.|$)"), layer_prefix)
+                    re.compile(rf"^{re.escape(layer_prefix)}{depth}(?=\.|$)"), layer_prefix)
 
 
 def synthesize(t: Template, n_layers: int) -> list[TraceEvent]:
@@ -266,17 +265,18 @@ def synthesize(t: Template, n_layers: int) -> list[TraceEvent]:
     def copy_of(blk: int, layer: int) -> int:  # the copy (in emission order) of `layer` at `blk`
         return k - 1 - layer if blocks[blk].reverse else layer
 
+    layer_of = copy_of  # the same map both ways: copy c of a reversed block is layer k-1-c
+    alloc_of = _referents(b)
     key_of: dict[tuple[int, int], int] = {}  # (entry in b, copy or -1) -> its new key
     out: list[TraceEvent] = []
 
     def target(f: int, copy: int) -> int:
         rule = t.rules.get(f)
         if rule is None:  # an old entry referring to an old storage
-            return key_of[(_alloc_of[f], -1)]
+            return key_of[(alloc_of[f], -1)]
         if rule[0] == "same":
             x = rule[1]
-            layer = copy if not blocks[t.block_of[f]].reverse else k - 1 - copy
-            return key_of[(x, copy_of(t.block_of[x], layer))]
+            return key_of[(x, copy_of(t.block_of[x], layer_of(t.block_of[f], copy)))]
         if rule[0] == "last":
             x = rule[1]
             blk = t.block_of[x]
@@ -284,19 +284,17 @@ def synthesize(t: Template, n_layers: int) -> list[TraceEvent]:
             return key_of[(x, copy_of(blk, 0 if blocks[blk].reverse else k - 1))]
         _, old, new = rule
         blk = t.block_of[new]
-        layer = copy if not blocks[t.block_of[f]].reverse else k - 1 - copy
+        layer = layer_of(t.block_of[f], copy)
         if not blocks[blk].reverse:  # going up: layer l takes layer l-1's, the first the old one
             return key_of[(old, -1)] if layer == 0 else key_of[(new, copy_of(blk, layer - 1))]
         return key_of[(old, -1)] if layer == k - 1 else key_of[(new, copy_of(blk, layer + 1))]
-
-    _alloc_of = _referents(b)
 
     def emit(i: int, copy: int) -> None:
         e = b[i]
         if e.action == "alloc":
             key = len(out)
             key_of[(i, copy)] = key
-        elif i in _alloc_of:
+        elif i in alloc_of:
             try:
                 key = target(i, copy)
             except KeyError:
@@ -305,8 +303,7 @@ def synthesize(t: Template, n_layers: int) -> list[TraceEvent]:
             key = e.key  # a free of something never allocated in the journal, or an end mark
         module = e.module
         if copy >= 0 and module:
-            blk = t.block_of[i]
-            layer = k - 1 - copy if blocks[blk].reverse else copy
+            layer = layer_of(t.block_of[i], copy)
             module = t.layer_names.sub(f"{t.layer_prefix}{t.depth + layer}", module)
         out.append(TraceEvent(len(out), e.action, key, e.size, e.kind, e.phase, e.step, module))
 
