@@ -9,6 +9,7 @@ process per point (submitit_local, ~2 s each); here the cost of a point is its o
 
 from __future__ import annotations
 
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ TARGET = "hydra_plugins.harness_launcher.HarnessLocalLauncher"
 
 @dataclass
 class HarnessLocalConf:
-    _target_: str = TARGET  # selects this path in the CLI; Hydra itself never launches it
+    _target_: str = TARGET  # selects this path in the CLI (Hydra's own multirun runs it as its basic launcher)
     workers: int | None = None  # points at once; None: one per core (and per 2 GiB free), or per GPU
 
 
@@ -37,8 +38,6 @@ def chosen(base) -> bool:
 def workers(configured: int | None) -> int:
     if configured:
         return int(configured)
-    import os
-
     devices = [d for d in os.environ.get(GPU_DEVICES_ENV, "").split(",") if d]
     return max(len(devices), parallelism())
 

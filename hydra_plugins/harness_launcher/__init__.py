@@ -1,12 +1,22 @@
 """Hydra finds launchers only under hydra_plugins, and imports every module here while it starts:
 harness's launchers' config schemas (hydra/launcher=harness_local, harness_slurm) are registered
-here, and the Slurm launcher's class. harness_local is run by the CLI itself (harness/launch/local.py):
-Hydra composes its points but never instantiates it."""
+here, and the launchers' classes. The CLI runs a harness_local sweep itself (harness/launch/local.py);
+its class here serves a multirun Hydra drives on its own."""
 
+from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra.core.config_store import ConfigStore
 
 from harness.launch.local import HarnessLocalConf
 from harness.launch.slurm import HarnessSlurmConf, SlurmArrays
+
+
+class HarnessLocalLauncher(BasicLauncher):
+    """hydra/launcher=harness_local where Hydra itself runs a multirun (the CLI runs such sweeps
+    itself: harness/launch/local.py): its jobs one after another, in this process."""
+
+    def __init__(self, workers: int | None = None) -> None:
+        super().__init__()
+        self.workers = workers
 
 
 class HarnessSlurmLauncher(SlurmArrays):
