@@ -95,8 +95,15 @@ def compose(overrides: list[str], with_hydra: bool = False):
     distinct choice of them, then applies the value overrides (batch_size=4, +workload.args.x=1)
     with its own function, so a grid's points cost a copy each instead of a composition
     (~0.15 s each)."""
-    if with_hydra:
-        return _hydra_compose(list(overrides), True)
+    if with_hydra:  # the sweep's own config (launcher, grid): composed once per command line
+        key = ("hydra", *overrides)
+        with _COMPOSE_LOCK:
+            cached = _COMPOSED.get(key)
+        if cached is None:
+            cached = _hydra_compose(list(overrides), True)
+            with _COMPOSE_LOCK:
+                _COMPOSED[key] = cached
+        return copy.deepcopy(cached)
     try:
         parsed = _parse(overrides)
     except ConfigError:
