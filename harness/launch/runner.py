@@ -78,9 +78,9 @@ def _zygote_enabled() -> bool:
     return os.environ.get("HARNESS_ZYGOTE", "1") != "0"
 
 
-# The launcher's devices (a local sweep): submitit_local renumbers CUDA_VISIBLE_DEVICES from 0 for
-# every job, so the launcher passes the real list down. Absent on a cluster, where the job's own
-# allocation (CUDA_VISIBLE_DEVICES) is the list.
+# The launching CLI's devices (a local sweep or run), as CUDA_VISIBLE_DEVICES names them there; the
+# points' threads take one each. Absent on a cluster, where the job's own allocation
+# (CUDA_VISIBLE_DEVICES) is the list.
 GPU_DEVICES_ENV = "HARNESS_GPU_DEVICES"
 
 
