@@ -37,9 +37,8 @@ def _assert_same_as_full(point: Point, synthesized: bool = True) -> dict:
     return m
 
 
-# Llama with full and grouped-query attention, Mistral, Qwen2 (13b, llama3-8b and demo-1b are Llamas
-# of other sizes: the same blocks).
-ARCHS = ["7b", "70b", "mistral-7b", "qwen2.5-7b"]
+# Every preset model deeper than the template's three layers (tiny has two).
+ARCHS = ["7b", "13b", "70b", "llama3-8b", "llama3-405b", "mistral-7b", "qwen2.5-7b", "demo-1b"]
 
 
 @pytest.mark.slow
