@@ -188,7 +188,13 @@ def _row_of(p: _Point, job) -> dict:
         rec = json.loads(row_file.read_text())
         if rec.get("status") in ("error", "timeout"):
             state = _final_state(job)
-            if not state.startswith("COMPLETED"):
+            if state.upper().startswith(("TIMEOUT", "DEADLINE")):
+                # Slurm's SIGTERM at the limit reached the point's process before submitit's warning
+                # stopped the job: the row saw a killed worker, the limit is why
+                rec["status"] = "timeout"
+                rec["error"] = f"{rec.get('error')} (Slurm job {job.job_id} reached its time limit: {state})"
+                write_row(p.run_dir, rec)
+            elif not state.startswith("COMPLETED"):
                 rec["error"] = f"{rec.get('error')} (Slurm job {job.job_id}: {state})"
                 write_row(p.run_dir, rec)
         return rec
