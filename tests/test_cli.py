@@ -230,3 +230,9 @@ def test_an_interrupted_sweep_stops_every_point_and_says_how_to_resume(tmp_path,
               if "harness.launch.zygote" in cmd and "harness.launch.zygote" in procs.get(ppid, (0, ""))[1]]
     assert not forked, "a point forked from the zygote kept running"
     assert not list(tmp_path.rglob("result.json"))  # and nothing wrote a row after the stop
+
+
+def test_a_local_sweep_refuses_fewer_than_one_worker_before_writing_anything(tmp_path):
+    r = run_cli("sweep", "model=tiny", "hydra.launcher.workers=0", f"results_dir={tmp_path}")
+    assert r.returncode == 2 and "hydra.launcher.workers" in r.stderr
+    assert not list(tmp_path.rglob("points.json"))

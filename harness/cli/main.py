@@ -101,6 +101,8 @@ def _launch(verb: str, flags: list[str], overrides: list[str], asked: list[str] 
         backend = resolve_backend(base.backend, cluster)
         if backend == "cuda" and not cluster:
             _gpu_launch(cards)
+        if verb == "sweep" and local.chosen(base):
+            local.workers(base.hydra.launcher.get("workers"))  # checked before anything is written
     except ConfigError as e:
         return _fail(str(e))
     results_dir = Path(base.results_dir).expanduser().resolve()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.config.compose import parallelism
+from harness.errors import ConfigError
 from harness.launch.point import to_point
 from harness.launch.runner import GPU_DEVICES_ENV, run_point
 from harness.record import trace_store
@@ -36,7 +37,10 @@ def chosen(base) -> bool:
 
 
 def workers(configured: int | None) -> int:
-    if configured:
+    """Points at once: hydra.launcher.workers, else one per core (and per 2 GiB free) or per GPU."""
+    if configured is not None:
+        if int(configured) < 1:
+            raise ConfigError("hydra.launcher.workers", f"must be >= 1 (or null: one per core), got {configured}")
         return int(configured)
     devices = [d for d in os.environ.get(GPU_DEVICES_ENV, "").split(",") if d]
     return max(len(devices), parallelism())
