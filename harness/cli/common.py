@@ -32,12 +32,17 @@ class Prepared:
     cards: list[Card]  # the cards the points ask for
     configs: dict[tuple[str, ...], DictConfig]  # each distinct point, composed
 
-    def manifest(self, cwd: str, cluster: bool) -> list[dict]:
-        """Every point with its run_id as its job will compute it (launch.point.to_point)."""
+    def resolved(self, cwd: str, cluster: bool, extra: list[str], results_dir: Path) -> list:
+        """Every point as its job runs it (launch.point.to_point; `extra`: the overrides the CLI adds
+        to each, as Hydra adds them to its jobs), in order: their run_ids are the jobs' own."""
         from harness.launch.point import to_point
 
-        return [results.manifest_entry(to_point(self.configs[tuple(p)], p, cwd, cluster=cluster), p)
+        return [to_point(self.configs[tuple(p)], [*p, *extra], cwd, cluster=cluster, results_dir=results_dir)
                 for p in self.points]
+
+    def manifest(self, resolved: list) -> list[dict]:
+        """The sweep's manifest from its resolved points."""
+        return [results.manifest_entry(point, p) for point, p in zip(resolved, self.points)]
 
 
 def prepare(verb: str, overrides: list[str]) -> Prepared:

@@ -122,10 +122,11 @@ def _launch(verb: str, flags: list[str], overrides: list[str], asked: list[str] 
     hydra_args = ([*overrides, f"{dir_key}={out}", *extra] if verb == "run"
                   else ["--multirun", *overrides, f"{dir_key}={out}", *extra])
     # Every point asked for, before any runs: `report` names those an interrupted sweep never ran.
-    results.write_manifest(out, prepared.manifest(os.getcwd(), cluster))
+    resolved = prepared.resolved(os.getcwd(), cluster, extra, results_dir)
+    results.write_manifest(out, prepared.manifest(resolved))
     print(f"harness: {verb}: {len(points)} point(s) on backend={backend} -> {out}", file=sys.stderr)
     if verb == "sweep" and not flags and local.chosen(base):
-        return _sweep_here(prepared, out, extra, results_dir, asked or overrides)
+        return _sweep_here(resolved, base, out, results_dir, asked or overrides)
     sys.argv = [sys.argv[0], *flags, *hydra_args]  # hydra.main reads its overrides from argv
     callbacks.arm(out, len(points))  # Hydra's callback shows progress and writes the report
     try:
@@ -140,14 +141,14 @@ def _launch(verb: str, flags: list[str], overrides: list[str], asked: list[str] 
     return callbacks.finish()
 
 
-def _sweep_here(prepared, out: Path, extra: list[str], results_dir: Path, asked: list[str]) -> int:
+def _sweep_here(points: list, base, out: Path, results_dir: Path, asked: list[str]) -> int:
     """hydra/launcher=harness_local: the points from threads of this process (launch.local)."""
     from harness.cli.progress import SweepProgress
 
-    expected = len(prepared.points)
+    expected = len(points)
     try:
         with interrupt.stoppable(), SweepProgress(out, expected):
-            local.sweep(prepared, out, extra, results_dir, os.getcwd())
+            local.sweep(points, local.workers(base.hydra.launcher.get("workers")), out, results_dir, os.getcwd())
     except interrupt.Interrupted as e:
         return _interrupted("sweep", asked, out, expected, e)
     return aggregate(out, expected=expected)

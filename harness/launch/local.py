@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.config.compose import parallelism
+from harness.config.point import Point
 from harness.errors import ConfigError
-from harness.launch.point import to_point
 from harness.launch.runner import GPU_DEVICES_ENV, run_point
 from harness.record import trace_store
 from harness.record.results import done_rows
@@ -46,15 +46,11 @@ def workers(configured: int | None) -> int:
     return max(len(devices), parallelism())
 
 
-def sweep(prepared, out: Path, extra: list[str], results_dir: Path, cwd: str) -> list[dict]:
-    """Every point of `prepared` (common.Prepared) run or reused; their rows, in order. `extra`:
-    the overrides the CLI adds to every point (results_dir, backend), as a Hydra job's would."""
+def sweep(points: list[Point], n: int, out: Path, results_dir: Path, cwd: str) -> list[dict]:
+    """Every point (resolved as its job runs it) run or reused, `n` at once; their rows, in order."""
     if cwd not in sys.path:  # a user's workload module lives where they ran us
         sys.path.insert(0, cwd)
-    points = [to_point(prepared.configs[tuple(p)], [*p, *extra], cwd, results_dir=results_dir)
-              for p in prepared.points]
     done = done_rows(results_dir, points[0].sweep, exclude=out) if points else {}
-    n = workers(prepared.base.hydra.launcher.get("workers"))
     # Points that differ only in allocator settings or card share a trace: one after the other, in
     # one thread, so the first traces and the others replay its trace (not all tracing at once).
     groups: dict[str, list[int]] = {}

@@ -57,8 +57,8 @@ class _Handler(socketserver.StreamRequestHandler):
         self.wfile.write(f"pid {os.getpid()}\n".encode())
         self.wfile.flush()
         _die_with_client(self.connection)
-        # Points beyond the cores wait here, so Hydra's batches can be larger than the core count
-        # (no barrier at each batch's slowest point) without oversubscribing the CPU.
+        # Points beyond the cores wait here: a sweep may start more at once than there are cores
+        # without oversubscribing the CPU.
         slot = _take_slot(self.server.slots_dir, self.server.slots)  # noqa: F841 (held until exit)
         log = os.open(run_dir / "worker.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)

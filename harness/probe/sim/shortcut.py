@@ -53,10 +53,11 @@ def refusal(point: Point) -> str | None:
     """Why the point is traced in full (None: it may be synthesized)."""
     if point.workload.name == WorkloadName.custom:
         return "a job of the user's own"
-    n = depth(point)
+    config = hf_config(point.model)
+    n = int(config.num_hidden_layers)
     if n <= SHALLOW + 2:
         return f"{n} layers"
-    kinds = getattr(hf_config(point.model), "layer_types", None)
+    kinds = getattr(config, "layer_types", None)
     if kinds and len(set(kinds)) > 1:
         return f"its layers differ (layer_types: {', '.join(sorted(set(kinds)))})"
     return None
