@@ -88,6 +88,25 @@ def test_a_bad_target_is_a_one_line_config_error(args, message, tmp_path):
     assert r.stderr.strip().splitlines()[-1] == f"harness: error: {message}" or message in r.stderr
 
 
+def test_submitit_stopping_the_job_during_the_targets_import_is_not_an_import_error(tmp_path, monkeypatch):
+    # Submitit's time-limit handler raises wherever the job is; in the user's import it must end the
+    # job (a timeout), not become "cannot import" (an error row).
+    from submitit.core.utils import UncompletedJobError
+
+    from harness.config.target import load_target
+    from harness.errors import ConfigError
+
+    (tmp_path / "stopped_mid_import.py").write_text(
+        "from submitit.core.utils import UncompletedJobError\n"
+        "raise UncompletedJobError('Job not requeued because: timed-out too many times')\n")
+    (tmp_path / "broken_import.py").write_text("raise RuntimeError('the module itself is broken')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UncompletedJobError):
+        load_target("stopped_mid_import:build", str(tmp_path))
+    with pytest.raises(ConfigError, match="cannot import broken_import: RuntimeError"):
+        load_target("broken_import:build", str(tmp_path))
+
+
 @pytest.mark.slow
 def test_a_sweep_of_a_user_job_has_its_keys_as_columns_and_the_usual_outputs(tmp_path):
     r = run_cli("sweep", "sweeps=smoke", "workload=custom", "workload.target=examples.resnet:build",

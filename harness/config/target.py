@@ -23,11 +23,23 @@ def load_target(target: str, cwd: str | None = None):
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # an ImportError, or whatever the module raises while importing
+        if _a_stop(e):
+            raise
         raise ConfigError("workload.target", f"cannot import {module_name}: {type(e).__name__}: {e}") from e
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError("workload.target", f"{module_name} has no function '{attr}'")
     return fn
+
+
+def _a_stop(e: Exception) -> bool:
+    """Whether `e` is submitit stopping the job (its time-limit signal handler raises wherever the
+    job is, an import included): that is the job's end, not the module's fault."""
+    try:
+        from submitit.core.utils import UncompletedJobError
+    except ImportError:  # no submitit: nothing can be stopping us through it
+        return False
+    return isinstance(e, UncompletedJobError)
 
 
 def source_sha(target: str, cwd: str | None = None) -> str | None:
