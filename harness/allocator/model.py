@@ -108,7 +108,7 @@ class Pool:
             del self.unmapped[i]
 
 
-@dataclass
+@dataclass(slots=True)
 class Stat:
     current: int = 0
     peak: int = 0
@@ -142,8 +142,20 @@ class PoolStat:
         return self.all.peak
 
     def add(self, n: int, small: bool) -> None:
-        self.all.add(n)
-        (self.small if small else self.large).add(n)
+        # Stat.add on both, inline: a replay makes ~25 of these calls per event
+        a, p = self.all, (self.small if small else self.large)
+        a.current += n
+        p.current += n
+        if n > 0:
+            a.allocated += n
+            p.allocated += n
+            if a.current > a.peak:
+                a.peak = a.current
+            if p.current > p.peak:
+                p.peak = p.current
+        else:
+            a.freed -= n
+            p.freed -= n
 
     def reset_peak(self) -> None:
         for s in (self.all, self.large, self.small):

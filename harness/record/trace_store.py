@@ -51,7 +51,10 @@ def replay_rows(df: pd.DataFrame) -> list[ReplayRow]:
     """The trace as the allocator model's requests, each tagged with where it happened."""
     # Python lists, not Series: iterating a Series boxes every value (seconds for a 100k-event trace)
     cols = {c: df[c].tolist() for c in ("phase", "step", "module", "kind", "action", "key")}
-    tags = map(EventTag._make, zip(cols["phase"], cols["step"], cols["module"], cols["kind"]))
+    # One tag per distinct place (a few hundred in a trace of tens of thousands of events)
+    places: dict[tuple, EventTag] = {}
+    tags = (places.get(p) or places.setdefault(p, EventTag._make(p))
+            for p in zip(cols["phase"], cols["step"], cols["module"], cols["kind"]))
     return list(map(ReplayRow._make, zip(cols["action"], cols["key"], df["size"].astype("int64").tolist(), tags)))
 
 

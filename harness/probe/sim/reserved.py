@@ -76,7 +76,11 @@ def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog:
         trace.append({"action": action, "addr": addr, "size": size, "stream": stream,
                       "time_us": len(trace), "frames": frames})
 
-    on_card, alloc = replay_events(rows, settings, Device.for_card(card), on_event if snapshot_path else None)
+    if snapshot_path is None and fits_by_numbers(card, unlimited.peak_reserved_bytes, unlimited.peak_allocated_bytes):
+        # Reserved never reaches the card's room: a replay on the card makes the same decisions
+        on_card = unlimited
+    else:
+        on_card, alloc = replay_events(rows, settings, Device.for_card(card), on_event if snapshot_path else None)
     out: dict = {
         # The whole run (what decides an OOM) and its steady state from step 2 on, one window
         # each for all three. Block sizes, as max_memory_allocated counts them (unsplit remainders

@@ -95,6 +95,10 @@ def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tup
             scalar_reads.watch(opt)
             optimizer_phases(opt, tracker)
         step = job_step(job, region)
+        # A process that set its heap aside (the zygote's children) keeps it so after this trace,
+        # this trace's leftovers with it: the next trace's collections then walk only what that
+        # trace makes (unfrozen, each costs a walk of all of torch and transformers, ~0.2 s).
+        set_aside = gc.get_freeze_count() > 0
         if cycle:
             gc.disable()  # the cycle lives until the GC gets round to it; here, not during the steps
         else:
@@ -121,6 +125,8 @@ def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tup
                 tracker.findings["retained_holder"] = find_holders(tracker, n_steps)
         finally:
             gc.unfreeze()
+            if set_aside:
+                gc.freeze()
             gc.enable()
         tracker.findings["scalars"] = {
             "trains": opt is not None, "n_params": sum(p.numel() for p in params),
