@@ -152,6 +152,31 @@ def test_a_forked_point_killed_mid_run_is_an_error_row(tmp_path):
     assert rec["status"] == "error" and "SIGKILL" in rec["error"]
 
 
+def test_the_zygote_is_started_early_only_where_points_will_fork_from_it(tmp_path, monkeypatch):
+    from harness.launch import gpus, zygote
+
+    spawned = []
+    monkeypatch.setattr(zygote, "socket_path", lambda: tmp_path / "z.sock")
+    monkeypatch.setattr(zygote, "_spawn", lambda path: spawned.append(path))
+    monkeypatch.setattr(gpus, "_driver_present", lambda: False)
+    monkeypatch.delenv("HARNESS_ZYGOTE", raising=False)
+    for argv in (["backend=cuda"], ["hydra/launcher=harness_slurm"]):
+        zygote.start_early(argv)
+    monkeypatch.setenv("HARNESS_ZYGOTE", "0")
+    zygote.start_early(["model=7b"])
+    assert spawned == []
+    monkeypatch.delenv("HARNESS_ZYGOTE")
+    monkeypatch.setattr(gpus, "_driver_present", lambda: True)
+    zygote.start_early(["model=7b"])  # a GPU here: the points may well be cuda ones
+    assert spawned == []
+    zygote.start_early(["model=7b", "backend=sim"])
+    assert spawned == [tmp_path / "z.sock"]
+    # One that is alive (importing, warming up or serving) is not started again.
+    monkeypatch.setattr(zygote, "_alive", lambda path: True)
+    zygote.start_early(["backend=sim"])
+    assert len(spawned) == 1
+
+
 def test_an_edit_to_a_module_the_job_imports_runs_the_job_again(tmp_path):
     """The identity of a job is its code, the modules it imports included: an edited helper
     is traced again, not served from the row and trace of the old model."""

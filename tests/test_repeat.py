@@ -84,6 +84,21 @@ def test_leak_workloads_synthesize_their_trace_and_holder(leak):
     assert _assert_same_as_full(p)["retained_holder"]
 
 
+def test_a_structure_checked_on_one_point_serves_another_batch_and_length(tmp_path):
+    """Batch 2 and 4 (and their lengths) learn templates that differ only in sizes: the second
+    point skips the check at 3 layers and is still its full trace; batch 1 (size-1 dimensions
+    trace differently) is a structure of its own, checked anew."""
+    cache = str(tmp_path / ".traces")
+    first = shortcut.trace(_point(batch_size=2, seq_len=64).replace(trace_cache=cache))
+    assert first.measurements["trace_method"].endswith("(checked at 3)")
+    p = _point(batch_size=4, seq_len=32).replace(trace_cache=cache)
+    m = _assert_same_as_full(p)
+    assert p.trace_cache and m["peak_allocated_bytes"] > 0
+    assert "checked at 3 on 7b b2 s64 bf16" in shortcut.trace(p).measurements["trace_method"]
+    own = shortcut.trace(_point(batch_size=1, seq_len=64).replace(trace_cache=cache))
+    assert own.measurements["trace_method"].endswith("(checked at 3)")
+
+
 def test_layers_that_differ_are_traced_in_full_and_say_why():
     """Qwen2 with a sliding window from layer 2 on: its layers are not one block repeated."""
     cfg = model_cfg("qwen2.5-7b", num_hidden_layers=DEPTH, use_sliding_window=True, max_window_layers=2,

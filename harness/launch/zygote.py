@@ -15,6 +15,7 @@ the point (stdout and stderr to worker.log) and answers "rc N" when done.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
 import hashlib
@@ -174,26 +175,74 @@ def connect() -> socket.socket | None:
     conn = _connect(path)
     if conn is not None:
         return conn
-    lock = open(str(path) + ".lock", "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        conn = _connect(path)
-        if conn is not None:
-            return conn
-        if path.exists():
-            path.unlink()  # a zygote that died without cleaning up
-        subprocess.Popen([sys.executable, "-m", "harness.launch.zygote", str(path)], start_new_session=True,
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with _lock(path):
+        spawned = 0
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             conn = _connect(path)
             if conn is not None:
                 return conn
+            if not _alive(path):
+                if spawned == 2:  # it dies while starting: no zygote to be had
+                    return None
+                _spawn(path)
+                spawned += 1
             time.sleep(0.05)
         return None
-    finally:
-        fcntl.flock(lock, fcntl.LOCK_UN)
-        lock.close()
+
+
+def start_early(argv: list[str]) -> None:
+    """Start a zygote in the background for a run, sweep or plan that will fork its points from
+    one: it imports and warms up (5-7 s) while this process composes the points. Not where the
+    points will not fork (HARNESS_ZYGOTE=0, backend=cuda, the Slurm launcher, a GPU driver on this
+    host without backend=sim): a wrong guess costs an idle process that exits after IDLE_S."""
+    from harness.launch.gpus import _driver_present
+
+    if os.environ.get("HARNESS_ZYGOTE", "1") == "0" or any("slurm" in a for a in argv):
+        return
+    backend = next((a.split("=", 1)[1] for a in reversed(argv) if a.startswith("backend=")), "auto")
+    if backend == "cuda" or (backend != "sim" and _driver_present()):
+        return
+    path = socket_path()
+    with _lock(path):
+        if not _alive(path):
+            _spawn(path)
+
+
+@contextlib.contextmanager
+def _lock(path: Path):
+    """One process at a time decides whether a zygote must be started."""
+    with open(str(path) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _spawn(path: Path) -> None:
+    if path.exists():
+        path.unlink()  # a zygote that died without cleaning up
+    proc = subprocess.Popen([sys.executable, "-m", "harness.launch.zygote", str(path)], start_new_session=True,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _pid_file(path).write_text(str(proc.pid))
+
+
+def _pid_file(path: Path) -> Path:
+    return Path(str(path) + ".pid")
+
+
+def _alive(path: Path) -> bool:
+    """Whether the zygote last spawned for `path` is alive (importing, warming up, or serving)."""
+    try:
+        pid = int(_pid_file(path).read_text())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return False
+    try:  # a pid reused by another program is no zygote
+        return b"harness.launch.zygote" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True  # no /proc: trust the pid
 
 
 if __name__ == "__main__":

@@ -97,3 +97,34 @@ def save_cached(cache_dir: Path | None, tid: str, trace_path: Path, measurements
         tmp.rename(final)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # another point published it first
+
+
+# Templates (probe.sim.repeat) whose synthesis was checked against a traced depth, by structure:
+# one file per structure, naming the point it was checked on.
+CHECKED_DIR = "checked"
+
+
+def _checked_file(cache_dir: Path, structure: str) -> Path:
+    # the code that learned and synthesized it is part of what was checked
+    key = hashlib.sha1(f"{structure}:{sorted(provenance.versions().items())}".encode()).hexdigest()[:16]
+    return Path(cache_dir) / CHECKED_DIR / f"{key}.json"
+
+
+def checked_on(cache_dir: Path | None, structure: str) -> str | None:
+    """The point a template of `structure` was checked on (None: none yet, or no cache)."""
+    if cache_dir is None:
+        return None
+    try:
+        return str(json.loads(_checked_file(cache_dir, structure).read_text())["point"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_checked(cache_dir: Path | None, structure: str, point: str) -> None:
+    if cache_dir is None:
+        return
+    path = _checked_file(cache_dir, structure)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({"point": point}))
+    os.replace(tmp, path)  # atomic: a point reading it in parallel sees all of it or nothing

@@ -16,6 +16,7 @@ part takes the last one's.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -328,3 +329,16 @@ def canonical(entries: list[TraceEvent]) -> list[tuple]:
     ref = _referents(entries)
     return [(e.action, ref.get(i, i if e.action == "alloc" else -1), e.size, e.kind, e.phase, e.step, e.module)
             for i, e in enumerate(entries)]
+
+
+def structure(t: Template) -> str:
+    """A hash of everything `synthesize` takes from `t` but the sizes: the entries' actions, kinds,
+    phases, steps, modules and references, the layer's places and the rules. Templates with the same
+    structure synthesize alike: one checked at a depth is checked for the others (sizes are copied,
+    nothing else depends on them)."""
+    ref = _referents(t.entries)
+    entries = [(e.action, ref.get(i, i if e.action == "alloc" else -1), e.kind, e.phase, e.step, e.module)
+               for i, e in enumerate(t.entries)]
+    blob = repr((t.depth, t.layer_prefix, [(b.start, b.length, b.reverse) for b in t.blocks],
+                 sorted(t.rules.items()), entries))
+    return hashlib.sha1(blob.encode()).hexdigest()[:16]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from harness.config.models import hf_config
 from harness.config.point import Point, WorkloadName
@@ -21,6 +22,7 @@ from harness.probe.sim.measure import measurements
 from harness.probe.sim.repeat import NotRepeating
 from harness.probe.sim.trace import run_point
 from harness.probe.sim.tracker import TraceEvent
+from harness.record import trace_store
 
 SHALLOW = 1  # a: the template's depths are a and a+1, checked at a+2
 
@@ -73,22 +75,39 @@ def at_depth(point: Point, n: int) -> Point:
 
 def synthesized(point: Point) -> Traced:
     a, n = SHALLOW, depth(point)
-    runs = {d: run_point(at_depth(point, d)) for d in (a, a + 1, a + 2)}
+    runs = {d: run_point(at_depth(point, d)) for d in (a, a + 1)}
     journals = {d: tracker.journal() for d, (_m, tracker) in runs.items()}
     template = repeat.learn(journals[a], journals[a + 1], a, _layer_prefix(journals[a + 1], a))
-    check = repeat.canonical(repeat.synthesize(template, a + 2))
-    traced = repeat.canonical(journals[a + 2])
-    if check != traced:
-        at = next((i for i, (x, y) in enumerate(zip(check, traced)) if x != y), min(len(check), len(traced)))
-        raise NotRepeating(f"synthesized {a + 2} layers differ from traced at entry {at} of {len(traced)}")
-    findings = {d: tracker.findings for d, (_m, tracker) in runs.items()}
-    scalars = _extrapolate([findings[d]["scalars"] for d in (a, a + 1, a + 2)], n - a)
-    holder = _extrapolate([findings[d].get("retained_holder") for d in (a, a + 1, a + 2)], n - a)
+    # A template of a structure already checked (another batch or sequence length of the same job,
+    # in this sweep's trace cache) synthesizes as that one did: only its sizes differ.
+    structure = repeat.structure(template)
+    cache = Path(point.trace_cache) if point.trace_cache else None
+    checked_on = trace_store.checked_on(cache, structure)
+    if checked_on is None:
+        runs[a + 2] = run_point(at_depth(point, a + 2))
+        check = repeat.canonical(repeat.synthesize(template, a + 2))
+        traced = repeat.canonical(runs[a + 2][1].journal())
+        if check != traced:
+            at = next((i for i, (x, y) in enumerate(zip(check, traced)) if x != y), min(len(check), len(traced)))
+            raise NotRepeating(f"synthesized {a + 2} layers differ from traced at entry {at} of {len(traced)}")
+        trace_store.save_checked(cache, structure, describe(point))
+        how = f"checked at {a + 2}"
+    else:
+        how = f"its structure checked at {a + 2} on {checked_on}"
+    findings = [tracker.findings for _m, tracker in runs.values()]  # depths a, a+1 (and a+2)
+    scalars = _extrapolate([f["scalars"] for f in findings], n - a)
+    holder = _extrapolate([f.get("retained_holder") for f in findings], n - a)
     journal = repeat.synthesize(template, n)
     m = measurements(journal, holder=holder, **scalars)
-    m["trace_method"] = f"synthesized: layers {a}, {a + 1} -> {n} (checked at {a + 2})"
+    m["trace_method"] = f"synthesized: layers {a}, {a + 1} -> {n} ({how})"
     events = [e for e in journal if e.action in ("alloc", "free")]
     return Traced(m, events, {"scalars": scalars, "retained_holder": holder})
+
+
+def describe(point: Point) -> str:
+    """The point as its trace_method names it: what shapes its trace."""
+    return (f"{point.model.name} b{point.batch_size} s{point.seq_len} {point.precision.value}"
+            f"{' ckpt' if point.checkpointing else ''}")
 
 
 def _layer_prefix(journal: list[TraceEvent], new: int) -> str:
@@ -101,17 +120,18 @@ def _layer_prefix(journal: list[TraceEvent], new: int) -> str:
 
 
 def _extrapolate(values: list, steps: int):
-    """A figure at depth a+`steps` from depths a, a+1, a+2: numbers linear in depth (checked on the
-    three), anything else the same at all three."""
-    first, second, third = values
-    if isinstance(first, dict) and isinstance(second, dict) and isinstance(third, dict):
-        if not first.keys() == second.keys() == third.keys():
+    """A figure at depth a+`steps` from depths a, a+1 (and a+2, where traced): numbers linear in
+    depth (checked where three are known), anything else the same at every depth."""
+    first, *rest = values
+    if isinstance(first, dict) and all(isinstance(v, dict) for v in rest):
+        if any(v.keys() != first.keys() for v in rest):
             raise NotRepeating("the figures differ in what they hold across depths")
-        return {k: _extrapolate([first[k], second[k], third[k]], steps) for k in first}
-    if isinstance(first, int) and not isinstance(first, bool) and isinstance(second, int) and isinstance(third, int):
-        if third - second != second - first:
-            raise NotRepeating(f"a figure is not linear in depth ({first}, {second}, {third})")
-        return first + steps * (second - first)
-    if not first == second == third:
-        raise NotRepeating(f"a figure changes with depth ({first!r}, {second!r}, {third!r})")
+        return {k: _extrapolate([v[k] for v in values], steps) for k in first}
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        per_layer = values[1] - values[0]
+        if any(values[i + 1] - values[i] != per_layer for i in range(len(values) - 1)):
+            raise NotRepeating(f"a figure is not linear in depth ({', '.join(map(str, values))})")
+        return first + steps * per_layer
+    if any(v != first for v in rest):
+        raise NotRepeating(f"a figure changes with depth ({', '.join(map(repr, values))})")
     return first
