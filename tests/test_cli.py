@@ -157,7 +157,7 @@ def test_the_zygote_is_started_early_only_where_points_will_fork_from_it(tmp_pat
 
     spawned = []
     monkeypatch.setattr(zygote, "socket_path", lambda: tmp_path / "z.sock")
-    monkeypatch.setattr(zygote, "_spawn", lambda path: spawned.append(path))
+    monkeypatch.setattr(zygote, "_spawn", lambda path, model=None: spawned.append((path, model)))
     monkeypatch.setattr(gpus, "_driver_present", lambda: False)
     monkeypatch.delenv("HARNESS_ZYGOTE", raising=False)
     for argv in (["backend=cuda"], ["hydra/launcher=harness_slurm"]):
@@ -169,12 +169,22 @@ def test_the_zygote_is_started_early_only_where_points_will_fork_from_it(tmp_pat
     monkeypatch.setattr(gpus, "_driver_present", lambda: True)
     zygote.start_early(["model=7b"])  # a GPU here: the points may well be cuda ones
     assert spawned == []
-    zygote.start_early(["model=7b", "backend=sim"])
-    assert spawned == [tmp_path / "z.sock"]
+    zygote.start_early(["model=13b", "backend=sim"])  # warmed up on the model asked for
+    assert spawned == [(tmp_path / "z.sock", "13b")]
+    zygote.start_early(["backend=sim"])  # config.yaml's
+    assert spawned[-1] == (tmp_path / "z.sock", "7b")
+    assert zygote._model_asked(["sweeps=finetune-7b"]) == "7b"  # the grid file's
     # One that is alive (importing, warming up or serving) is not started again.
     monkeypatch.setattr(zygote, "_alive", lambda path: True)
     zygote.start_early(["backend=sim"])
-    assert len(spawned) == 1
+    assert len(spawned) == 2
+
+
+def test_the_zygotes_warm_up_traces_the_tiny_point_and_a_layer_of_the_model_asked_for():
+    from harness.launch import zygote
+
+    assert zygote._warm_up("7b") == 2
+    assert zygote._warm_up("no-such-model") == 1
 
 
 def test_an_edit_to_a_module_the_job_imports_runs_the_job_again(tmp_path):

@@ -103,8 +103,9 @@ class _Server(socketserver.ForkingMixIn, socketserver.UnixStreamServer):
     slots_dir: Path  # the flock'd files behind them
 
 
-def serve(path: Path) -> None:
-    """Import what a point needs, then fork per request until idle."""
+def serve(path: Path, model: str | None = None) -> None:
+    """Import what a point needs (and warm up on `model`, a preset), then fork per request until
+    idle."""
     import torch  # noqa: F401  (the point of the zygote: imported once)
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM  # noqa: F401
@@ -113,7 +114,7 @@ def serve(path: Path) -> None:
     from harness.config.compose import parallelism
     from harness.probe import worker  # noqa: F401
 
-    _warm_up()
+    _warm_up(model)
     gc.collect()
     gc.freeze()
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -143,20 +144,36 @@ def serve(path: Path) -> None:
         shutil.rmtree(server.slots_dir, ignore_errors=True)
 
 
-def _warm_up() -> None:
-    """A tiny preset point traced on fake tensors (see the module's docstring)."""
+def _warm_up(model: str | None = None) -> int:
+    """A tiny preset point traced on fake tensors (see the module's docstring); then one layer of
+    `model` (the preset a sweep or plan asked for) at a small batch: its parameters' shapes are
+    the same at every batch and length, so the optimizer's and the weights' ops are in FakeTensor's
+    dispatch cache for each of its points (~0.4 s of a 7B point's 2 s of tracing). Returns how
+    many points it traced."""
     from omegaconf import OmegaConf
 
+    from harness.config import cards
     from harness.config.compose import CONF_DIR
     from harness.config.point import Point
+    from harness.probe.sim.shortcut import at_depth
     from harness.probe.sim.trace import run_point
 
-    model = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / "tiny.yaml"))
-    try:
-        run_point(Point.from_dict({"model": model, "batch_size": 1, "seq_len": 16,
-                                   "workload": {"name": "train", "steps": 2}}))
-    except Exception:  # a warm-up only: a point that fails this way will say why in its own row
-        pass
+    def point(spec: dict, batch_size: int, seq_len: int) -> Point:  # the card: any, nothing is replayed
+        return Point.from_dict({"model": spec, "batch_size": batch_size, "seq_len": seq_len,
+                                "workload": {"name": "train", "steps": 2}, "gpu": cards.cards()[0]})
+
+    points = [point(OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / "tiny.yaml")), 1, 16)]
+    preset = CONF_DIR / "model" / f"{model}.yaml"
+    if model and "/" not in model and preset.is_file():
+        points.append(at_depth(point(OmegaConf.to_container(OmegaConf.load(preset)), 2, 64), 1))
+    traced = 0
+    for p in points:
+        try:
+            run_point(p)
+            traced += 1
+        except Exception:  # a warm-up only: a point that fails this way will say why in its own row
+            pass
+    return traced
 
 
 def _connect(path: Path) -> socket.socket | None:
@@ -206,7 +223,31 @@ def start_early(argv: list[str]) -> None:
     path = socket_path()
     with _lock(path):
         if not _alive(path):
-            _spawn(path)
+            _spawn(path, _model_asked(argv))
+
+
+def _model_asked(argv: list[str]) -> str | None:
+    """The preset a run, sweep or plan asks for: its model= override, else its grid file's, else
+    config.yaml's default (a guess for the warm-up: a wrong one only warms less)."""
+    given = [a.split("=", 1)[1] for a in argv if a.startswith("model=")]
+    if given:
+        return given[-1].split(",")[0]
+    from omegaconf import OmegaConf
+
+    from harness.config.compose import CONF_DIR
+
+    grids = [a.split("=", 1)[1] for a in argv if a.startswith("sweeps=")]
+    files = [CONF_DIR / "sweeps" / f"{grids[-1]}.yaml"] if grids else []
+    for f in [*files, CONF_DIR / "config.yaml"]:
+        try:
+            defaults = OmegaConf.to_container(OmegaConf.load(f)).get("defaults", [])
+        except (OSError, ValueError, AttributeError):
+            continue
+        for d in defaults:
+            for key, value in (d.items() if isinstance(d, dict) else ()):
+                if key.split()[-1].lstrip("/") == "model":
+                    return str(value)
+    return None
 
 
 @contextlib.contextmanager
@@ -220,10 +261,11 @@ def _lock(path: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _spawn(path: Path) -> None:
+def _spawn(path: Path, model: str | None = None) -> None:
     if path.exists():
         path.unlink()  # a zygote that died without cleaning up
-    proc = subprocess.Popen([sys.executable, "-m", "harness.launch.zygote", str(path)], start_new_session=True,
+    proc = subprocess.Popen([sys.executable, "-m", "harness.launch.zygote", str(path), *([model] if model else [])],
+                            start_new_session=True,
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _pid_file(path).write_text(str(proc.pid))
 
@@ -246,4 +288,4 @@ def _alive(path: Path) -> bool:
 
 
 if __name__ == "__main__":
-    serve(Path(sys.argv[1]))
+    serve(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None)
