@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 from harness.analysis.kinds import with_kinds
 from harness.analysis.verdict import verdicts
 from harness.config.compose import compose, expand_grid, split_overrides
-from harness.config.point import Card, WorkloadName
+from harness.config.point import Card, Point, WorkloadName
 from harness.config.validate import validate
 from harness.errors import EXIT_OK, EXIT_ROW_ERROR, ConfigError
 from harness.plan import fit
@@ -31,14 +31,15 @@ class Prepared:
     base: DictConfig  # the config with hydra
     cards: list[Card]  # the cards the points ask for
     configs: dict[tuple[str, ...], DictConfig]  # each distinct point, composed
+    built: dict[tuple[str, ...], Point]  # and its point, as validated
 
     def resolved(self, cwd: str, cluster: bool, extra: list[str], results_dir: Path) -> list:
         """Every point as its job runs it (launch.point.to_point; `extra`: the overrides the CLI adds
         to each, as Hydra adds them to its jobs), in order: their run_ids are the jobs' own."""
         from harness.launch.point import to_point
 
-        return [to_point(self.configs[tuple(p)], [*p, *extra], cwd, cluster=cluster, results_dir=results_dir)
-                for p in self.points]
+        return [to_point(self.configs[tuple(p)], [*p, *extra], cwd, cluster=cluster, results_dir=results_dir,
+                         built=self.built[tuple(p)]) for p in self.points]
 
     def manifest(self, resolved: list) -> list[dict]:
         """The sweep's manifest from its resolved points."""
@@ -49,6 +50,7 @@ def prepare(verb: str, overrides: list[str]) -> Prepared:
     """Every point composed and validated, before anything runs."""
     points = expand_grid(overrides) if verb == "sweep" else [overrides]
     configs: dict[tuple[str, ...], DictConfig] = {}
+    built: dict[tuple[str, ...], Point] = {}
     cards = {}
     for p in points:
         key = tuple(p)
@@ -56,7 +58,7 @@ def prepare(verb: str, overrides: list[str]) -> Prepared:
             continue
         try:
             configs[key] = cfg = compose(p)
-            point = validate(cfg)
+            built[key] = point = validate(cfg)
             _check_applies(point, p)
         except ConfigError as e:
             if len(points) > 1:
@@ -64,7 +66,7 @@ def prepare(verb: str, overrides: list[str]) -> Prepared:
             raise
         cards[point.gpu.name, point.gpu.memory_bytes] = point.gpu
     plain, _ = split_overrides(overrides)
-    return Prepared(points, compose(plain, with_hydra=True), list(cards.values()), configs)
+    return Prepared(points, compose(plain, with_hydra=True), list(cards.values()), configs, built)
 
 
 # Knobs a custom job does not take: it builds its own optimizer (optimizer.impl still applies).

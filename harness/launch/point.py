@@ -13,10 +13,11 @@ from harness.launch.gpus import resolve_backend
 
 
 def to_point(cfg, overrides: list[str], cwd: str | None = None, cluster: bool = False,
-             results_dir: Path | None = None, job_id: str | None = None) -> Point:
+             results_dir: Path | None = None, job_id: str | None = None, built: Point | None = None) -> Point:
     """The resolved point a worker runs (ConfigError for a bad value); with `results_dir`, its
-    trace cache there (one trace serves every allocator setting and card)."""
-    point = Point.from_config(cfg)
+    trace cache there (one trace serves every allocator setting and card). `built`: cfg's point,
+    where the caller already has it (validate's)."""
+    point = built if built is not None else Point.from_config(cfg)
     point = point.replace(gpu=catalog.as_measured(point.gpu))  # calibrate's figures where it has them
     cwd = cwd or os.getcwd()
     workload = point.workload
