@@ -58,6 +58,33 @@ def test_report_verb_rewrites_the_report_of_a_sweep_dir(sweep_dir):
     assert len(fit) == 8 * len(cards.cards()) and set(fit.columns) >= {"run_id", "card", "fits", "headroom_bytes", "headroom_pct"}
 
 
+@pytest.mark.slow  # the sweep behind the report: one smoke sweep per module
+def test_a_figure_is_drawn_again_only_when_what_it_shows_changed(sweep_dir, monkeypatch):
+    """A re-run that reuses every row (a new sweep dir beside the first) lends the first report's
+    PNGs; a row that changed draws the figures that show it."""
+    import json
+
+    from harness.cli.common import aggregate
+    from harness.report import document, figures
+
+    again = sweep_dir.parent / "again"
+    shutil.copytree(sweep_dir / "runs", again / "runs")
+    drawn = []
+    for name in ("peak_vs_batch", "step_timeline", "breakdown"):
+        real = getattr(figures, name)
+        monkeypatch.setattr(figures, name, lambda *a, _n=name, _real=real: drawn.append(_n) or _real(*a))
+    aggregate(again)
+    assert drawn == []
+    for png in ("peak_vs_batch.png", "timeline.png", "breakdown.png"):
+        assert (again / document.FIG_DIR / png).read_bytes() == (sweep_dir / document.FIG_DIR / png).read_bytes()
+    result = next((again / "runs").glob("*/result.json"))
+    row = json.loads(result.read_text())
+    row["peak_reserved_bytes"] += 2 * 1024**3
+    result.write_text(json.dumps(row))
+    aggregate(again)
+    assert sorted(drawn) == ["breakdown", "peak_vs_batch", "step_timeline"]
+
+
 def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 

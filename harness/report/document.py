@@ -4,8 +4,11 @@ tables as CSV and Parquet."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import html
 import io
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from harness.config import cards as catalog
 from harness.report import console, figures, tables
 
 FIG_DIR = "report_files"
+FIG_KEYS = "keys.json"  # in FIG_DIR: each figure's key (_figure_key), so a later report can reuse it
 
 
 @dataclass
@@ -34,15 +38,46 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def build(df: pd.DataFrame, fit_long: pd.DataFrame, judged: pd.DataFrame, fr: pd.DataFrame | None,
-          title: str) -> tuple[list[Section], dict[str, bytes]]:
-    """The report's sections and its pictures (name -> PNG bytes)."""
-    pngs: dict[str, bytes] = {}
+# Columns that say where a row's files are: a re-run that reuses every row changes them, and no
+# figure draws them.
+_WHERE_COLUMNS = ("reused_from", "trace_reused")
 
-    def figure(name, fig):
-        if fig is None:
-            return None
-        pngs[name] = _png(fig)
+
+def _figure_key(name: str, *inputs) -> str:
+    """What a figure shows: its name, the code and matplotlib that draw it, and its inputs."""
+    import matplotlib
+
+    from harness.record.provenance import versions
+
+    h = hashlib.sha1(f"{name}:{versions()['harness']}:{matplotlib.__version__}".encode())
+    for x in inputs:
+        if isinstance(x, pd.DataFrame):
+            x = x.drop(columns=[c for c in x.columns if c.endswith("_path") or c in _WHERE_COLUMNS])
+            h.update(x.to_csv(index=False).encode())
+        else:
+            h.update(repr(x).encode())
+    return h.hexdigest()[:16]
+
+
+Lend = Callable[[str, str], "bytes | None"]  # (figure name, key) -> a PNG drawn before, if any
+
+
+def build(df: pd.DataFrame, fit_long: pd.DataFrame, judged: pd.DataFrame, fr: pd.DataFrame | None,
+          title: str, lend: Lend | None = None) -> tuple[list[Section], dict[str, bytes], dict[str, str]]:
+    """The report's sections, its pictures (name -> PNG bytes) and their keys; a picture `lend`
+    has for its key is not drawn again (drawing is most of a report's time: ~0.5 s each)."""
+    pngs: dict[str, bytes] = {}
+    keys: dict[str, str] = {}
+
+    def figure(name, draw, *inputs):
+        key = _figure_key(name, *inputs)
+        png = lend(name, key) if lend is not None else None
+        if png is None:
+            fig = draw(*inputs)
+            if fig is None:
+                return None
+            png = _png(fig)
+        pngs[name], keys[name] = png, key
         return name
 
     counts = df["status"].value_counts().to_dict()
@@ -59,7 +94,7 @@ def build(df: pd.DataFrame, fit_long: pd.DataFrame, judged: pd.DataFrame, fr: pd
             "against sweeping every value. Peak reserved is without a limit; a negative headroom with cache "
             "flushes means that on the card the allocator frees its cache and retries (num_alloc_retries, a "
             "device synchronization each) and the run still fits." + "".join(f" Search stopped: {e}." for e in errors),
-            tables.frontier_table(fr), figure("frontiers.png", figures.frontiers(fr))))
+            tables.frontier_table(fr), figure("frontiers.png", figures.frontiers, fr)))
         header, rows = tables.serving_table(fr)
         if rows:
             sections.append(Section(
@@ -69,12 +104,12 @@ def build(df: pd.DataFrame, fit_long: pd.DataFrame, judged: pd.DataFrame, fr: pd
                 "peak and non-PyTorch memory, the rest in KV blocks); the harness's column is the largest value "
                 "whose run on the virtual GPU fits under the same fraction.", (header, rows)))
     sections.append(Section("Peak memory vs batch", "Each card's line is its memory less what lives outside "
-                            "PyTorch.", figure=figure("peak_vs_batch.png", figures.peak_vs_batch(df, catalog.cards()))))
+                            "PyTorch.", figure=figure("peak_vs_batch.png", figures.peak_vs_batch, df, catalog.cards())))
     sections.append(Section("Allocated after each step", "The timeline's shape: a plateau is state, a staircase "
-                            "is memory the loop keeps.", figure=figure("timeline.png", figures.step_timeline(df))))
+                            "is memory the loop keeps.", figure=figure("timeline.png", figures.step_timeline, df)))
     sections.append(Section("The breakdown at the peak", "Parameters, gradients, optimizer state, activations, "
                             "temporaries, and what the allocator reserves beyond them (fragmentation).",
-                            figure=figure("breakdown.png", figures.breakdown(df))))
+                            figure=figure("breakdown.png", figures.breakdown, df)))
     if not judged.empty:
         sections.append(Section("Code problem or card problem?", "Each point that does not fit its card: "
                                 "a code problem when a remedy in the sweep fits it, a card problem when none does.",
@@ -82,7 +117,7 @@ def build(df: pd.DataFrame, fit_long: pd.DataFrame, judged: pd.DataFrame, fr: pd
     table, same = tables.fold_constant(tables.fits_table(df, fit_long), columns=tables.FITS_IDENTITY_COLUMNS)
     sections.append(Section("Fit table", f"Every run on every card of the catalog{'; ' + same if same else ''}.",
                             table))
-    return sections, pngs
+    return sections, pngs, keys
 
 
 def _md_cell(s: str) -> str:
@@ -141,14 +176,35 @@ def to_html(sections: list[Section], pngs: dict[str, bytes]) -> str:
 def write(target: Path, df: pd.DataFrame, fit_long: pd.DataFrame, judged: pd.DataFrame,
           fr: pd.DataFrame | None, title: str) -> Path:
     """report.md, report_files/*.png, report.html and fit.{csv,parquet} in `target`; returns the HTML."""
-    sections, pngs = build(df, fit_long, judged, fr, title)
+    sections, pngs, keys = build(df, fit_long, judged, fr, title, _drawn_beside(target))
     figs = target / FIG_DIR
     figs.mkdir(exist_ok=True)
     for name, data in pngs.items():
         (figs / name).write_bytes(data)
+    (figs / FIG_KEYS).write_text(json.dumps(keys, indent=1))
     (target / "report.md").write_text(markdown(sections))
     out = target / "report.html"
     out.write_text(to_html(sections, pngs))
     fit_long.to_csv(target / "fit.csv", index=False)
     fit_long.to_parquet(target / "fit.parquet", index=False)
     return out
+
+
+def _drawn_beside(target: Path, newest: int = 20) -> Lend:
+    """Figures of `target`'s own last report and of the reports beside it (a sweep's earlier runs,
+    newest first), by key."""
+    try:
+        siblings = sorted((d for d in target.parent.iterdir() if (d / FIG_DIR / FIG_KEYS).is_file()),
+                          key=lambda d: (d != target, -d.stat().st_mtime))[:newest]
+    except OSError:
+        siblings = []
+
+    def lend(name: str, key: str) -> bytes | None:
+        for d in siblings:
+            try:
+                if json.loads((d / FIG_DIR / FIG_KEYS).read_text()).get(name) == key:
+                    return (d / FIG_DIR / name).read_bytes()
+            except (OSError, ValueError, AttributeError):
+                continue
+        return None
+    return lend
