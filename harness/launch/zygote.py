@@ -150,8 +150,6 @@ def _warm_up(model: str | None = None) -> int:
     the same at every batch and length, so the optimizer's and the weights' ops are in FakeTensor's
     dispatch cache for each of its points (~0.4 s of a 7B point's 2 s of tracing). Returns how
     many points it traced."""
-    from omegaconf import OmegaConf
-
     from harness.config import cards
     from harness.config.compose import CONF_DIR
     from harness.config.point import Point
@@ -162,10 +160,10 @@ def _warm_up(model: str | None = None) -> int:
         return Point.from_dict({"model": spec, "batch_size": batch_size, "seq_len": seq_len,
                                 "workload": {"name": "train", "steps": 2}, "gpu": cards.cards()[0]})
 
-    points = [point(OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / "tiny.yaml")), 1, 16)]
+    points = [point(_yaml(CONF_DIR / "model" / "tiny.yaml"), 1, 16)]
     preset = CONF_DIR / "model" / f"{model}.yaml"
     if model and "/" not in model and preset.is_file():
-        points.append(at_depth(point(OmegaConf.to_container(OmegaConf.load(preset)), 2, 64), 1))
+        points.append(at_depth(point(_yaml(preset), 2, 64), 1))
     traced = 0
     for p in points:
         try:
@@ -232,22 +230,27 @@ def _model_asked(argv: list[str]) -> str | None:
     given = [a.split("=", 1)[1] for a in argv if a.startswith("model=")]
     if given:
         return given[-1].split(",")[0]
-    from omegaconf import OmegaConf
-
     from harness.config.compose import CONF_DIR
 
     grids = [a.split("=", 1)[1] for a in argv if a.startswith("sweeps=")]
     files = [CONF_DIR / "sweeps" / f"{grids[-1]}.yaml"] if grids else []
     for f in [*files, CONF_DIR / "config.yaml"]:
         try:
-            defaults = OmegaConf.to_container(OmegaConf.load(f)).get("defaults", [])
-        except (OSError, ValueError, AttributeError):
+            defaults = _yaml(f).get("defaults", [])
+        except (OSError, ValueError):
             continue
         for d in defaults:
             for key, value in (d.items() if isinstance(d, dict) else ()):
                 if key.split()[-1].lstrip("/") == "model":
                     return str(value)
     return None
+
+
+def _yaml(path: Path) -> dict:
+    from omegaconf import OmegaConf
+
+    data = OmegaConf.to_container(OmegaConf.load(path))
+    return data if isinstance(data, dict) else {}
 
 
 @contextlib.contextmanager
