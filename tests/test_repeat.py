@@ -32,9 +32,9 @@ def _assert_same_as_full(point: Point, synthesized: bool = True) -> dict:
     m, tracker = run_point(point)
     full = [e for e in tracker.journal() if e.action in ("alloc", "free")]
     assert repeat.canonical(traced.events) == repeat.canonical(full)
-    del traced.measurements["trace_method"]
+    method = traced.measurements.pop("trace_method")
     assert traced.measurements == m
-    return m
+    return {**m, "trace_method": method}
 
 
 # Every preset model deeper than the template's three layers (tiny has two).
@@ -97,6 +97,32 @@ def test_a_structure_checked_on_one_point_serves_another_batch_and_length(tmp_pa
     assert "checked at 3 on 7b b2 s64 bf16" in shortcut.trace(p).measurements["trace_method"]
     own = shortcut.trace(_point(batch_size=1, seq_len=64).replace(trace_cache=cache))
     assert own.measurements["trace_method"].endswith("(checked at 3)")
+
+
+@pytest.mark.slow
+def test_training_steps_after_the_second_are_copies_of_it_traced_or_synthesized():
+    """Five steps from two, on the journal itself: the gradients each step's zero_grad frees are the
+    step before's, the optimizer state stays."""
+    from harness.probe.sim import steps
+
+    p = _point()
+    five = p.replace(workload=p.workload.__class__(name="train", steps=5, new_tokens=16))
+    two = p.replace(workload=p.workload.__class__(name="train", steps=2, new_tokens=16))
+    traced = run_point(shortcut.at_depth(five, 2))[1].journal()
+    extended = steps.extend(run_point(shortcut.at_depth(two, 2))[1].journal(), 5)
+    assert repeat.canonical(extended) == repeat.canonical(traced)
+    assert "steps 2 -> 5" in _assert_same_as_full(five)["trace_method"]
+
+
+def test_a_step_that_frees_older_memory_does_not_repeat():
+    """Step 1 frees a storage of the setup: a copy of step 1 would free it twice."""
+    from harness.probe.sim import steps
+
+    def ev(action, key, step):
+        return TraceEvent(0, action, key, 512, "activation", "forward", step, "")
+    journal = [ev("alloc", 1, -1), ev("alloc", 2, 0), ev("end", 0, 0), ev("free", 1, 1), ev("end", 0, 1)]
+    with pytest.raises(NotRepeating):
+        steps.extend(journal, 3)
 
 
 def test_layers_that_differ_are_traced_in_full_and_say_why():

@@ -6,6 +6,11 @@ template (probe.sim.repeat), the template synthesizes depth a+2, and only when t
 traced a+2 entry for entry (action, size, kind, phase, step, module, which alloc each free and
 retag refers to) is the point's depth synthesized. Otherwise, and for jobs of the user's own (whose
 depth the harness does not know), the point is traced in full; the row's trace_method says which.
+
+Training steps repeat too: the shallow depths are traced for two steps and the rest are copies of
+the second (probe.sim.steps), checked with the layers (the a+2 trace has every step). A template
+whose structure (repeat.structure: all but its sizes) was checked on another point of the sweep,
+another batch or length, is not checked again: nothing in its synthesis depends on its sizes.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.config.models import hf_config
-from harness.config.point import Point, WorkloadName
+from harness.config.point import Leak, Point, WorkloadName
 from harness.probe.sim import repeat
+from harness.probe.sim import steps as stepwise
 from harness.probe.sim.measure import measurements
 from harness.probe.sim.repeat import NotRepeating
 from harness.probe.sim.trace import run_point
@@ -74,18 +80,24 @@ def at_depth(point: Point, n: int) -> Point:
 
 
 def synthesized(point: Point) -> Traced:
-    a, n = SHALLOW, depth(point)
-    runs = {d: run_point(at_depth(point, d)) for d in (a, a + 1)}
+    a, n, steps = SHALLOW, depth(point), point.workload.steps
+    few = traced_steps(point)
+    shallow = point.replace(workload=dataclasses.replace(point.workload, steps=few))
+    runs = {d: run_point(at_depth(shallow, d)) for d in (a, a + 1)}
     journals = {d: tracker.journal() for d, (_m, tracker) in runs.items()}
     template = repeat.learn(journals[a], journals[a + 1], a, _layer_prefix(journals[a + 1], a))
+
+    def full(journal: list[TraceEvent]) -> list[TraceEvent]:  # every step of the point
+        return stepwise.extend(journal, steps) if few < steps else journal
+
     # A template of a structure already checked (another batch or sequence length of the same job,
     # in this sweep's trace cache) synthesizes as that one did: only its sizes differ.
-    structure = repeat.structure(template)
+    structure = f"{repeat.structure(template)}:steps {few}->{steps}"
     cache = Path(point.trace_cache) if point.trace_cache else None
     checked_on = trace_store.checked_on(cache, structure)
     if checked_on is None:
         runs[a + 2] = run_point(at_depth(point, a + 2))
-        check = repeat.canonical(repeat.synthesize(template, a + 2))
+        check = repeat.canonical(full(repeat.synthesize(template, a + 2)))
         traced = repeat.canonical(runs[a + 2][1].journal())
         if check != traced:
             at = next((i for i, (x, y) in enumerate(zip(check, traced)) if x != y), min(len(check), len(traced)))
@@ -97,11 +109,20 @@ def synthesized(point: Point) -> Traced:
     findings = [tracker.findings for _m, tracker in runs.values()]  # depths a, a+1 (and a+2)
     scalars = _extrapolate([f["scalars"] for f in findings], n - a)
     holder = _extrapolate([f.get("retained_holder") for f in findings], n - a)
-    journal = repeat.synthesize(template, n)
+    journal = full(repeat.synthesize(template, n))
     m = measurements(journal, holder=holder, **scalars)
-    m["trace_method"] = f"synthesized: layers {a}, {a + 1} -> {n} ({how})"
+    m["trace_method"] = (f"synthesized: layers {a}, {a + 1} -> {n}{f', steps {few} -> {steps}' if few < steps else ''}"
+                         f" ({how})")
     events = [e for e in journal if e.action in ("alloc", "free")]
     return Traced(m, events, {"scalars": scalars, "retained_holder": holder})
+
+
+def traced_steps(point: Point) -> int:
+    """The steps each shallow depth is traced for: a training point's first two (the rest repeat
+    the second: probe.sim.steps), else all. A leak workload's three: what outlives a step is found
+    by looking after the third."""
+    w = point.workload
+    return 2 if w.name == WorkloadName.train and w.leak == Leak.none and w.steps > 2 else w.steps
 
 
 def describe(point: Point) -> str:
