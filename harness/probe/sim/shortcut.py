@@ -102,13 +102,14 @@ def synthesized(point: Point) -> Traced:
         if check != traced:
             at = next((i for i, (x, y) in enumerate(zip(check, traced)) if x != y), min(len(check), len(traced)))
             raise NotRepeating(f"synthesized {a + 2} layers differ from traced at entry {at} of {len(traced)}")
-        trace_store.save_checked(cache, structure, describe(point))
         how = f"checked at {a + 2}"
     else:
         how = f"its structure checked at {a + 2} on {checked_on}"
     findings = [tracker.findings for _m, tracker in runs.values()]  # depths a, a+1 (and a+2)
     scalars = _extrapolate([f["scalars"] for f in findings], n - a)
     holder = _extrapolate([f.get("retained_holder") for f in findings], n - a)
+    if checked_on is None:  # the journal and the figures beside it both held at a+2
+        trace_store.save_checked(cache, structure, describe(point))
     journal = full(repeat.synthesize(template, n))
     m = measurements(journal, holder=holder, **scalars)
     m["trace_method"] = (f"synthesized: layers {a}, {a + 1} -> {n}{f', steps {few} -> {steps}' if few < steps else ''}"
