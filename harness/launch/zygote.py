@@ -136,7 +136,9 @@ def serve(path: Path, model: str | None = None) -> None:
         try:
             if os.path.exists(path) and os.stat(path).st_ino == os.fstat(server.fileno()).st_ino:
                 os.unlink(path)
-        except OSError:
+            if _pid_file(path).read_text().strip() == str(os.getpid()):
+                _pid_file(path).unlink()
+        except (OSError, ValueError):
             pass
         server.server_close()
         import shutil
