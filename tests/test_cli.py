@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import stat
+import sys
 
 import pandas as pd
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from harness.config.point import Card
 from harness.launch import runner
 from harness.record.row import COLUMNS
-from tests.conftest import run_cli, train_point
+from tests.conftest import REPO, run_cli, train_point
 
 pytestmark = pytest.mark.slow
 
@@ -178,6 +179,18 @@ def test_the_zygote_is_started_early_only_where_points_will_fork_from_it(tmp_pat
     monkeypatch.setattr(zygote, "_alive", lambda path: True)
     zygote.start_early(["backend=sim"])
     assert len(spawned) == 2
+
+
+def test_a_zygote_that_idles_out_leaves_neither_its_socket_nor_its_pid_file(tmp_path):
+    import subprocess as sp
+
+    sock = tmp_path / "z.sock"
+    code = ("import sys; from pathlib import Path; import harness.launch.zygote as z; z.IDLE_S = 1; "
+            "z.serve(Path(sys.argv[1]))")
+    proc = sp.Popen([sys.executable, "-c", code, str(sock)], cwd=REPO)
+    (tmp_path / "z.sock.pid").write_text(str(proc.pid))  # as _spawn writes it
+    assert proc.wait(timeout=300) == 0
+    assert not sock.exists() and not (tmp_path / "z.sock.pid").exists()
 
 
 def test_the_zygotes_warm_up_traces_the_tiny_point_and_a_layer_of_the_model_asked_for():

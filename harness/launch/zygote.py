@@ -122,6 +122,7 @@ def serve(path: Path, model: str | None = None) -> None:
     server.slots = parallelism()
     server.slots_dir = Path(tempfile.mkdtemp(prefix="harness-zygote-slots-"))
     os.replace(tmp, path)  # clients see the socket only once it accepts
+    mine = os.stat(path).st_ino  # the socket file's (a socket's fd has sockfs's inode, not this)
     last = time.monotonic()
     try:
         while True:
@@ -134,7 +135,7 @@ def serve(path: Path, model: str | None = None) -> None:
                 server.collect_children()
     finally:
         try:
-            if os.path.exists(path) and os.stat(path).st_ino == os.fstat(server.fileno()).st_ino:
+            if os.path.exists(path) and os.stat(path).st_ino == mine:  # not a later zygote's
                 os.unlink(path)
             if _pid_file(path).read_text().strip() == str(os.getpid()):
                 _pid_file(path).unlink()
