@@ -159,7 +159,7 @@ def test_the_zygote_is_started_early_only_where_points_will_fork_from_it(tmp_pat
     spawned = []
     monkeypatch.setattr(zygote, "socket_path", lambda: tmp_path / "z.sock")
     monkeypatch.setattr(zygote, "_spawn", lambda path, model=None: spawned.append((path, model)))
-    monkeypatch.setattr(gpus, "_driver_present", lambda: False)
+    monkeypatch.setattr(gpus, "driver_present", lambda: False)
     monkeypatch.delenv("HARNESS_ZYGOTE", raising=False)
     for argv in (["backend=cuda"], ["hydra/launcher=harness_slurm"]):
         zygote.start_early(argv)
@@ -167,7 +167,7 @@ def test_the_zygote_is_started_early_only_where_points_will_fork_from_it(tmp_pat
     zygote.start_early(["model=7b"])
     assert spawned == []
     monkeypatch.delenv("HARNESS_ZYGOTE")
-    monkeypatch.setattr(gpus, "_driver_present", lambda: True)
+    monkeypatch.setattr(gpus, "driver_present", lambda: True)
     zygote.start_early(["model=7b"])  # a GPU here: the points may well be cuda ones
     assert spawned == []
     zygote.start_early(["model=13b", "backend=sim"])  # warmed up on the model asked for

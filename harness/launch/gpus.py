@@ -25,7 +25,7 @@ POLL_S = 0.2
 def visible_devices() -> list[str]:
     """The devices this process may use, as CUDA_VISIBLE_DEVICES names them (indexes or UUIDs);
     without it, every device the driver reports. [] when there is no GPU."""
-    if not _driver_present():
+    if not driver_present():
         return []  # no NVIDIA or ROCm driver: no need to import torch (3 s) to know
     import torch
 
@@ -34,7 +34,7 @@ def visible_devices() -> list[str]:
     return listed(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
 
 
-def _driver_present() -> bool:
+def driver_present() -> bool:
     """An NVIDIA driver (its control device) or ROCm's kernel driver (/dev/kfd) on this machine."""
     return any(Path(p).exists() for p in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/version", "/dev/kfd"))
 

@@ -214,12 +214,12 @@ def start_early(argv: list[str]) -> None:
     one: it imports and warms up (5-7 s) while this process composes the points. Not where the
     points will not fork (HARNESS_ZYGOTE=0, backend=cuda, the Slurm launcher, a GPU driver on this
     host without backend=sim): a wrong guess costs an idle process that exits after IDLE_S."""
-    from harness.launch.gpus import _driver_present
+    from harness.launch.gpus import driver_present
 
     if os.environ.get("HARNESS_ZYGOTE", "1") == "0" or any("slurm" in a for a in argv):
         return
     backend = next((a.split("=", 1)[1] for a in reversed(argv) if a.startswith("backend=")), "auto")
-    if backend == "cuda" or (backend != "sim" and _driver_present()):
+    if backend == "cuda" or (backend != "sim" and driver_present()):
         return
     path = socket_path()
     with _lock(path):

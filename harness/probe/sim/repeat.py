@@ -52,7 +52,7 @@ def _token(e: TraceEvent) -> tuple:
     return (e.action, e.size, e.kind, e.phase, e.step, e.module)
 
 
-def _referents(entries: list[TraceEvent]) -> dict[int, int]:
+def referents(entries: list[TraceEvent]) -> dict[int, int]:
     """Referring entry -> the alloc it refers to (the latest alloc of its key)."""
     last: dict[int, int] = {}
     out = {}
@@ -112,7 +112,7 @@ def _align(a: list[TraceEvent], b: list[TraceEvent], refs: dict[int, int],
         j += found
     if j < len(sb):
         spans.append([j, len(sb) - j])
-    blocks = _place(sb, spans, refs, b, re.compile(rf"^{re.escape(layer_prefix)}\d+(\.|$)"), _referents(a))
+    blocks = _place(sb, spans, refs, b, re.compile(rf"^{re.escape(layer_prefix)}\d+(\.|$)"), referents(a))
     inside: set[int] = set()
     for blk in blocks:
         inside.update(range(blk.start, blk.start + blk.length))
@@ -212,7 +212,7 @@ def _names_a_layer(entries: list[TraceEvent], like: TraceEvent, layer_name: re.P
 def learn(a: list[TraceEvent], b: list[TraceEvent], depth: int, layer_prefix: str) -> Template:
     """The template from the journals of `depth` and `depth`+1 layers; `layer_prefix` names the
     layers' modules (e.g. "model.layers." for "model.layers.3.mlp")."""
-    ref_a, ref_b = _referents(a), _referents(b)
+    ref_a, ref_b = referents(a), referents(b)
     blocks, to_b = _align(a, b, ref_b, layer_prefix)
     block_of = [-1] * len(b)
     for n, blk in enumerate(blocks):
@@ -267,7 +267,7 @@ def synthesize(t: Template, n_layers: int) -> list[TraceEvent]:
         return k - 1 - layer if blocks[blk].reverse else layer
 
     layer_of = copy_of  # the same map both ways: copy c of a reversed block is layer k-1-c
-    alloc_of = _referents(b)
+    alloc_of = referents(b)
     key_of: dict[tuple[int, int], int] = {}  # (entry in b, copy or -1) -> its new key
     out: list[TraceEvent] = []
 
@@ -326,7 +326,7 @@ def synthesize(t: Template, n_layers: int) -> list[TraceEvent]:
 
 def canonical(entries: list[TraceEvent]) -> list[tuple]:
     """The entries with keys replaced by their alloc's position: equal for equal journals."""
-    ref = _referents(entries)
+    ref = referents(entries)
     return [(e.action, ref.get(i, i if e.action == "alloc" else -1), e.size, e.kind, e.phase, e.step, e.module)
             for i, e in enumerate(entries)]
 
@@ -336,9 +336,7 @@ def structure(t: Template) -> str:
     phases, steps, modules and references, the layer's places and the rules. Templates with the same
     structure synthesize alike: one checked at a depth is checked for the others (sizes are copied,
     nothing else depends on them)."""
-    ref = _referents(t.entries)
-    entries = [(e.action, ref.get(i, i if e.action == "alloc" else -1), e.kind, e.phase, e.step, e.module)
-               for i, e in enumerate(t.entries)]
+    entries = [c[:2] + c[3:] for c in canonical(t.entries)]  # canonical's entries less their size
     blob = repr((t.depth, t.layer_prefix, [(b.start, b.length, b.reverse) for b in t.blocks],
                  sorted(t.rules.items()), entries))
     return hashlib.sha1(blob.encode()).hexdigest()[:16]

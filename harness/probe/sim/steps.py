@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from harness.probe.sim.repeat import NotRepeating, _referents
+from harness.probe.sim.repeat import NotRepeating, referents
 from harness.probe.sim.tracker import TraceEvent
 
 
@@ -32,7 +32,7 @@ def extend(journal: list[TraceEvent], steps: int) -> list[TraceEvent]:
 
 def _copy_last(journal: list[TraceEvent], s: int) -> list[TraceEvent]:
     """`journal` and a copy of its step `s` as step s+1."""
-    ref = _referents(journal)
+    ref = referents(journal)
     succ = _successors(journal, s - 1, s, ref)
     key_of: dict[int, int] = {}  # alloc entry of step s -> its copy's key
     next_key = max((abs(e.key) for e in journal), default=0) + 1
