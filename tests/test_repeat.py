@@ -85,18 +85,56 @@ def test_leak_workloads_synthesize_their_trace_and_holder(leak):
 
 
 def test_a_structure_checked_on_one_point_serves_another_batch_and_length(tmp_path):
-    """Batch 2 and 4 (and their lengths) learn templates that differ only in sizes: the second
-    point skips the check at 3 layers and is still its full trace; batch 1 (size-1 dimensions
-    trace differently) is a structure of its own, checked anew."""
+    """Batch 2 and 4 (and their lengths) have journals that differ only in sizes: the second point
+    traces 2 layers only (the layer placed as on the first), skips the check at 3 layers and is
+    still its full trace; batch 1 (size-1 dimensions trace differently) is a structure of its own,
+    learned and checked anew."""
     cache = str(tmp_path / ".traces")
     first = shortcut.trace(_point(batch_size=2, seq_len=64).replace(trace_cache=cache))
+    assert first.measurements["trace_method"].startswith("synthesized: layers 1, 2 -> 4")
     assert first.measurements["trace_method"].endswith("(checked at 3)")
     p = _point(batch_size=4, seq_len=32).replace(trace_cache=cache)
     m = _assert_same_as_full(p)
     assert p.trace_cache and m["peak_allocated_bytes"] > 0
-    assert "checked at 3 on 7b b2 s64 bf16" in shortcut.trace(p).measurements["trace_method"]
+    assert m["trace_method"] == ("synthesized: layer 2, placed as on 7b b2 s64 bf16 -> 4, steps 2 -> 3 "
+                                 "(its structure checked at 3 on 7b b2 s64 bf16)")
     own = shortcut.trace(_point(batch_size=1, seq_len=64).replace(trace_cache=cache))
+    assert own.measurements["trace_method"].startswith("synthesized: layers 1, 2 -> 4")
     assert own.measurements["trace_method"].endswith("(checked at 3)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["infer", "leak-graph", "amp-ckpt", "70b-fused"])
+def test_a_layer_placed_as_on_another_batch_is_the_full_trace(case, tmp_path):
+    """The second point of each (traced at 2 layers only, its layer placed as on the first) is
+    its full trace, figures and retained holder included, or was traced at 1 layer too."""
+    kw = {"infer": dict(workload="infer"), "leak-graph": {}, "amp-ckpt": dict(precision="amp_bf16", checkpointing=True),
+          "70b-fused": dict(model="70b", optimizer="adamw", impl="fused")}[case]
+    cache = str(tmp_path / ".traces")
+
+    def point(b, s):
+        p = _point(batch_size=b, seq_len=s, **kw).replace(trace_cache=cache)
+        if case == "leak-graph":
+            p = p.replace(workload=p.workload.__class__(name="train", steps=3, new_tokens=16, leak="graph"))
+        return p
+    shortcut.trace(point(2, 64))
+    m = _assert_same_as_full(point(3, 32))
+    assert "placed as on 7" in m["trace_method"]
+
+
+@pytest.mark.parametrize("model,kw", [("7b", {}), ("7b", {"checkpointing": True}), ("qwen2.5-7b", {}),
+                                      ("7b", {"optimizer": "sgd"})])
+def test_a_template_at_its_own_depth_is_the_shallower_journal(model, kw):
+    """Synthesized at a layers (no copy of the new one; each chain's old part keeps its storage),
+    the template gives back the journal it was learned from: what a point placing the layer as
+    another did relearns from, in place of tracing it."""
+    p = _point(model, **kw)
+    p = p.replace(workload=p.workload.__class__(name="train", steps=2, new_tokens=16))
+    one, two = (run_point(shortcut.at_depth(p, d))[1].journal() for d in (1, 2))
+    template = repeat.learn(one, two, 1, "model.layers.")
+    assert repeat.canonical(repeat.synthesize(template, 1)) == repeat.canonical(one)
+    again = repeat.placed(two, repeat.layout(template))
+    assert repeat.structure(again) == repeat.structure(template)
 
 
 @pytest.mark.slow

@@ -99,32 +99,35 @@ def save_cached(cache_dir: Path | None, tid: str, trace_path: Path, measurements
         shutil.rmtree(tmp, ignore_errors=True)  # another point published it first
 
 
-# Templates (probe.sim.repeat) whose synthesis was checked against a traced depth, by structure:
-# one file per structure, naming the point it was checked on.
-CHECKED_DIR = "checked"
+# What probe.sim.shortcut learned about a preset's repeating layers, shared by the sweep's points:
+# "checked" (by the template's structure) names the point its synthesis was checked on; "layouts"
+# (by the shallow journal's skeleton) holds where the new layer sits, for a point of the same
+# skeleton to skip tracing the shallower depth. One small JSON file per key.
+CHECKED, LAYOUTS = "checked", "layouts"
 
 
-def _checked_file(cache_dir: Path, structure: str) -> Path:
+def _note_file(cache_dir: Path, kind: str, key: str) -> Path:
     # the code that learned and synthesized it is part of what was checked
-    key = hashlib.sha1(f"{structure}:{sorted(provenance.versions().items())}".encode()).hexdigest()[:16]
-    return Path(cache_dir) / CHECKED_DIR / f"{key}.json"
+    digest = hashlib.sha1(f"{key}:{sorted(provenance.versions().items())}".encode()).hexdigest()[:16]
+    return Path(cache_dir) / kind / f"{digest}.json"
 
 
-def checked_on(cache_dir: Path | None, structure: str) -> str | None:
-    """The point a template of `structure` was checked on (None: none yet, or no cache)."""
+def read_note(cache_dir: Path | None, kind: str, key: str) -> dict | None:
+    """The note of `kind` under `key` (None: none yet, or no cache)."""
     if cache_dir is None:
         return None
     try:
-        return str(json.loads(_checked_file(cache_dir, structure).read_text())["point"])
-    except (OSError, ValueError, KeyError, TypeError):
+        found = json.loads(_note_file(cache_dir, kind, key).read_text())
+    except (OSError, ValueError):
         return None
+    return found if isinstance(found, dict) else None
 
 
-def save_checked(cache_dir: Path | None, structure: str, point: str) -> None:
+def write_note(cache_dir: Path | None, kind: str, key: str, note: dict) -> None:
     if cache_dir is None:
         return
-    path = _checked_file(cache_dir, structure)
+    path = _note_file(cache_dir, kind, key)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps({"point": point}))
+    tmp.write_text(json.dumps(note))
     os.replace(tmp, path)  # atomic: a point reading it in parallel sees all of it or nothing

@@ -251,17 +251,18 @@ def learn(a: list[TraceEvent], b: list[TraceEvent], depth: int, layer_prefix: st
             if takes_last.get(f) != x:
                 raise NotRepeating(f"old entry {f} refers to the new layer's entry {x} outside a chain")
             rules[f] = ("last", x)
-    return Template(depth, b, blocks, block_of, rules,
-                    re.compile(rf"^{re.escape(layer_prefix)}{depth}(?=\.|$)"), layer_prefix)
+    return Template(depth, b, blocks, block_of, rules, _layer_names(layer_prefix, depth), layer_prefix)
 
 
 def synthesize(t: Template, n_layers: int) -> list[TraceEvent]:
-    """The journal of `n_layers` (> t.depth) layers. Keys are renumbered (each alloc its own);
-    seq is the entry's index."""
+    """The journal of `n_layers` (>= t.depth) layers. Keys are renumbered (each alloc its own);
+    seq is the entry's index. At t.depth itself, the shallower journal the template was learned
+    from: each chain's old part then takes its own storage back."""
     k = n_layers - t.depth
-    if k < 1:
+    if k < 0:
         raise ValueError(f"synthesize {n_layers} layers from a template of {t.depth}+1")
     b, blocks = t.entries, t.blocks
+    handed_by = {rule[2]: rule[1] for rule in t.rules.values() if rule[0] == "chain"}  # new -> old
 
     def copy_of(blk: int, layer: int) -> int:  # the copy (in emission order) of `layer` at `blk`
         return k - 1 - layer if blocks[blk].reverse else layer
@@ -280,6 +281,8 @@ def synthesize(t: Template, n_layers: int) -> list[TraceEvent]:
             return key_of[(x, copy_of(t.block_of[x], layer_of(t.block_of[f], copy)))]
         if rule[0] == "last":
             x = rule[1]
+            if k == 0:  # no new layer: the chain's storage never left the old part
+                return key_of[(handed_by[x], -1)]
             blk = t.block_of[x]
             # the chain's last new layer: the top one going up, the lowest going down
             return key_of[(x, copy_of(blk, 0 if blocks[blk].reverse else k - 1))]
@@ -331,12 +334,47 @@ def canonical(entries: list[TraceEvent]) -> list[tuple]:
             for i, e in enumerate(entries)]
 
 
+def skeleton(entries: list[TraceEvent]) -> str:
+    """A hash of a journal less its sizes (canonical's entries without them): journals of one job
+    at other batches and lengths share it."""
+    return hashlib.sha1(repr(_less_sizes(entries)).encode()).hexdigest()[:16]
+
+
+def _less_sizes(entries: list[TraceEvent]) -> list[tuple]:
+    return [c[:2] + c[3:] for c in canonical(entries)]
+
+
+def layout(t: Template) -> dict:
+    """What `learn` found, less the entries (JSON): where the new layer sits and the rules."""
+    return {"depth": t.depth, "layer_prefix": t.layer_prefix,
+            "blocks": [[blk.start, blk.length, blk.reverse] for blk in t.blocks],
+            "rules": [[f, *rule] for f, rule in sorted(t.rules.items())]}
+
+
+def placed(entries: list[TraceEvent], found: dict) -> Template:
+    """The template of the deeper journal `entries` with the layer placed as `found` (a layout)
+    says: a journal of the same skeleton as the one it was learned on."""
+    blocks = [_Block(int(s), int(n), bool(r)) for s, n, r in found["blocks"]]
+    block_of = [-1] * len(entries)
+    for n, blk in enumerate(blocks):
+        if blk.start + blk.length > len(entries):
+            raise NotRepeating("the layout does not fit the journal")
+        block_of[blk.start:blk.start + blk.length] = [n] * blk.length
+    depth, prefix = int(found["depth"]), str(found["layer_prefix"])
+    rules = {int(f): tuple(rule) for f, *rule in found["rules"]}
+    return Template(depth, entries, blocks, block_of, rules, _layer_names(prefix, depth), prefix)
+
+
+def _layer_names(layer_prefix: str, depth: int) -> re.Pattern:
+    """The new layer's module names in a template of `depth`+1 layers."""
+    return re.compile(rf"^{re.escape(layer_prefix)}{depth}(?=\.|$)")
+
+
 def structure(t: Template) -> str:
     """A hash of everything `synthesize` takes from `t` but the sizes: the entries' actions, kinds,
     phases, steps, modules and references, the layer's places and the rules. Templates with the same
     structure synthesize alike: one checked at a depth is checked for the others (sizes are copied,
     nothing else depends on them)."""
-    entries = [c[:2] + c[3:] for c in canonical(t.entries)]  # canonical's entries less their size
     blob = repr((t.depth, t.layer_prefix, [(b.start, b.length, b.reverse) for b in t.blocks],
-                 sorted(t.rules.items()), entries))
+                 sorted(t.rules.items()), _less_sizes(t.entries)))
     return hashlib.sha1(blob.encode()).hexdigest()[:16]

@@ -16,6 +16,7 @@ another batch or length, is not checked again: nothing in its synthesis depends 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,9 +84,17 @@ def synthesized(point: Point) -> Traced:
     a, n, steps = SHALLOW, depth(point), point.workload.steps
     few = traced_steps(point)
     shallow = point.replace(workload=dataclasses.replace(point.workload, steps=few))
-    runs = {d: run_point(at_depth(shallow, d)) for d in (a, a + 1)}
-    journals = {d: tracker.journal() for d, (_m, tracker) in runs.items()}
-    template = repeat.learn(journals[a], journals[a + 1], a, _layer_prefix(journals[a + 1], a))
+    cache = Path(point.trace_cache) if point.trace_cache else None
+    runs = {a + 1: run_point(at_depth(shallow, a + 1))}
+    deeper = runs[a + 1][1].journal()
+    prefix = _layer_prefix(deeper, a)
+    reused = _placed_as_before(cache, deeper, prefix, runs[a + 1][1].findings)
+    if reused is not None:
+        template, shallower_findings, placed_on = reused
+    else:
+        runs[a] = run_point(at_depth(shallow, a))
+        template = repeat.learn(runs[a][1].journal(), deeper, a, prefix)
+        shallower_findings, placed_on = runs[a][1].findings, None
 
     def full(journal: list[TraceEvent]) -> list[TraceEvent]:  # every step of the point
         return stepwise.extend(journal, steps) if few < steps else journal
@@ -93,29 +102,60 @@ def synthesized(point: Point) -> Traced:
     # A template of a structure already checked (another batch or sequence length of the same job,
     # in this sweep's trace cache) synthesizes as that one did: only its sizes differ.
     structure = f"{repeat.structure(template)}:steps {few}->{steps}"
-    cache = Path(point.trace_cache) if point.trace_cache else None
-    checked_on = trace_store.checked_on(cache, structure)
-    if checked_on is None:
+    checked = trace_store.read_note(cache, trace_store.CHECKED, structure)
+    findings = [shallower_findings, runs[a + 1][1].findings]
+    if checked is None:
         runs[a + 2] = run_point(at_depth(point, a + 2))
         check = repeat.canonical(full(repeat.synthesize(template, a + 2)))
         traced = repeat.canonical(runs[a + 2][1].journal())
         if check != traced:
             at = next((i for i, (x, y) in enumerate(zip(check, traced)) if x != y), min(len(check), len(traced)))
             raise NotRepeating(f"synthesized {a + 2} layers differ from traced at entry {at} of {len(traced)}")
+        findings.append(runs[a + 2][1].findings)
         how = f"checked at {a + 2}"
     else:
-        how = f"its structure checked at {a + 2} on {checked_on}"
-    findings = [tracker.findings for _m, tracker in runs.values()]  # depths a, a+1 (and a+2)
+        how = f"its structure checked at {a + 2} on {checked['point']}"
     scalars = _extrapolate([f["scalars"] for f in findings], n - a)
     holder = _extrapolate([f.get("retained_holder") for f in findings], n - a)
-    if checked_on is None:  # the journal and the figures beside it both held at a+2
-        trace_store.save_checked(cache, structure, describe(point))
+    # Both held at a+2 (the journal and the figures beside it), or were held on a point of this structure
+    if checked is None:
+        trace_store.write_note(cache, trace_store.CHECKED, structure, {"point": describe(point)})
+    if reused is None:
+        trace_store.write_note(cache, trace_store.LAYOUTS, repeat.skeleton(deeper), {
+            "layout": repeat.layout(template), "point": describe(point),
+            "findings": [_as_json(f) for f in findings[:2]]})
     journal = full(repeat.synthesize(template, n))
     m = measurements(journal, holder=holder, **scalars)
-    m["trace_method"] = (f"synthesized: layers {a}, {a + 1} -> {n}{f', steps {few} -> {steps}' if few < steps else ''}"
+    traced_layers = f"layer {a + 1}, placed as on {placed_on}" if placed_on else f"layers {a}, {a + 1}"
+    m["trace_method"] = (f"synthesized: {traced_layers} -> {n}{f', steps {few} -> {steps}' if few < steps else ''}"
                          f" ({how})")
     events = [e for e in journal if e.action in ("alloc", "free")]
     return Traced(m, events, {"scalars": scalars, "retained_holder": holder})
+
+
+def _placed_as_before(cache: Path | None, deeper: list[TraceEvent], prefix: str,
+                      findings: dict) -> tuple[repeat.Template, dict, str] | None:
+    """The template of `deeper` (a+1 layers) without tracing a layers, where a point of this
+    sweep learned one from a journal of the same skeleton (another batch or length of the job):
+    its layout on these entries, kept only when `learn` places the layer there too given the
+    shallower journal it implies, and the figures traced beside it at a+1 are this point's (the
+    figures at a are then its too). Returns (template, the figures at a, the point it came from)."""
+    note = trace_store.read_note(cache, trace_store.LAYOUTS, repeat.skeleton(deeper))
+    if note is None or note["layout"]["layer_prefix"] != prefix or note["findings"][1] != _as_json(findings):
+        return None
+    try:
+        template = repeat.placed(deeper, note["layout"])
+        again = repeat.learn(repeat.synthesize(template, template.depth), deeper, template.depth, prefix)
+    except NotRepeating:
+        return None
+    if repeat.structure(again) != repeat.structure(template):
+        return None
+    return again, note["findings"][0], str(note["point"])
+
+
+def _as_json(value):
+    """`value` as it reads back from JSON (tuples as lists): notes compare so."""
+    return json.loads(json.dumps(value, default=str))
 
 
 def traced_steps(point: Point) -> int:
