@@ -193,11 +193,12 @@ def test_a_zygote_that_idles_out_leaves_neither_its_socket_nor_its_pid_file(tmp_
     assert not sock.exists() and not (tmp_path / "z.sock.pid").exists()
 
 
-def test_the_zygotes_warm_up_traces_the_tiny_point_and_a_layer_of_the_model_asked_for():
+def test_the_zygotes_warm_up_traces_a_layer_of_the_model_asked_for_else_the_tiny_point():
     from harness.launch import zygote
 
-    assert zygote._warm_up("7b") == 2
-    assert zygote._warm_up("no-such-model") == 1
+    assert zygote._warm_up("7b") == ["7b"]
+    assert zygote._warm_up("no-such-model") == ["tiny"]
+    assert zygote._warm_up(None) == ["tiny"]
 
 
 def test_an_edit_to_a_module_the_job_imports_runs_the_job_again(tmp_path):

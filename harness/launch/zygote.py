@@ -3,9 +3,9 @@
 Starting Python and importing torch + transformers costs about 4-6 s per point; a sweep's points
 fork from one process that did it once instead. Each point still runs in a process of its own
 (allocator settings, crashes and the host's OOM killer stay per point). Before serving, the zygote
-traces one tiny point on fake tensors (torch's lazy imports and FakeTensor's dispatch cache, about
-1 s a point would pay) - no kernel runs, so no thread pool starts that a fork would break - and
-freezes what it holds out of the cyclic GC's sight (each child's collections then walk only what
+traces one layer of the preset asked for on fake tensors (torch's lazy imports and FakeTensor's
+dispatch cache, about 1 s a point would pay) - no kernel runs, so no thread pool starts that a
+fork would break - and freezes what it holds out of the cyclic GC's sight (each child's collections then walk only what
 its point made). It exits after `IDLE_S` without requests, and is keyed by the code it loaded, so
 an edit to harness starts a fresh one.
 
@@ -147,34 +147,30 @@ def serve(path: Path, model: str | None = None) -> None:
         shutil.rmtree(server.slots_dir, ignore_errors=True)
 
 
-def _warm_up(model: str | None = None) -> int:
-    """A tiny preset point traced on fake tensors (see the module's docstring); then one layer of
-    `model` (the preset a sweep or plan asked for) at a small batch: its parameters' shapes are
-    the same at every batch and length, so the optimizer's and the weights' ops are in FakeTensor's
-    dispatch cache for each of its points (~0.4 s of a 7B point's 2 s of tracing). Returns how
-    many points it traced."""
+def _warm_up(model: str | None = None) -> list[str]:
+    """One layer of `model` (the preset a sweep or plan asked for) traced on fake tensors at a small
+    batch, else the tiny preset: torch's lazy imports either way, and with the preset's layer its
+    parameters' ops in FakeTensor's dispatch cache for each of its points (their shapes are the
+    same at every batch and length: ~0.4 s of a 7B point's tracing). Returns the presets traced."""
     from harness.config import cards
     from harness.config.compose import CONF_DIR
     from harness.config.point import Point
     from harness.probe.sim.shortcut import at_depth
     from harness.probe.sim.trace import run_point
 
-    def point(spec: dict, batch_size: int, seq_len: int) -> Point:  # the card: any, nothing is replayed
-        return Point.from_dict({"model": spec, "batch_size": batch_size, "seq_len": seq_len,
-                                "workload": {"name": "train", "steps": 2}, "gpu": cards.cards()[0]})
+    def point(name: str, batch_size: int, seq_len: int) -> Point:  # the card: any, nothing is replayed
+        return Point.from_dict({"model": _yaml(CONF_DIR / "model" / f"{name}.yaml"), "batch_size": batch_size,
+                                "seq_len": seq_len, "workload": {"name": "train", "steps": 2},
+                                "gpu": cards.cards()[0]})
 
-    points = [point(_yaml(CONF_DIR / "model" / "tiny.yaml"), 1, 16)]
-    preset = CONF_DIR / "model" / f"{model}.yaml"
-    if model and "/" not in model and preset.is_file():
-        points.append(at_depth(point(_yaml(preset), 2, 64), 1))
-    traced = 0
-    for p in points:
+    asked = model if model and "/" not in model and (CONF_DIR / "model" / f"{model}.yaml").is_file() else None
+    for name in ([asked] if asked else []) + ["tiny"]:
         try:
-            run_point(p)
-            traced += 1
+            run_point(at_depth(point(name, 2, 64), 1) if name == asked else point(name, 1, 16))
+            return [name]
         except Exception:  # a warm-up only: a point that fails this way will say why in its own row
-            pass
-    return traced
+            continue
+    return []
 
 
 def _connect(path: Path) -> socket.socket | None:
