@@ -7,6 +7,7 @@ import json
 
 import pandas as pd
 
+from harness.allocator.replay import Replays
 from harness.allocator.settings import AllocSettings
 from harness.analysis.verdict import verdicts
 from harness.config import cards
@@ -33,8 +34,10 @@ def test_the_edge_of_a_card_from_a_real_trace():
     unlimited = reserved.replay_events(rows, settings, reserved.Device(total=80 * GiB))[0]
     res, alloc = unlimited.peak_reserved_bytes, unlimited.peak_allocated_bytes
 
+    replays = Replays(rows, settings)
+
     def edge(card):
-        return reserved.edge(lambda c: reserved.fits(rows, settings, c, unlimited), res, card)
+        return reserved.edge(lambda c: reserved.fits(replays, c, unlimited), res, card)
 
     assert edge(_card(res + 256 * MiB)) == "room"
     assert edge(_card(res + 32 * MiB)) == "tight"  # fits as estimated, not with 64 MiB more outside PyTorch

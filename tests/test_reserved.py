@@ -5,7 +5,7 @@ import json
 import pandas as pd
 import pytest
 
-from harness.allocator.replay import replay_events
+from harness.allocator.replay import Replays, replay_events
 from harness.allocator.settings import AllocSettings
 from harness.config.point import Card
 from harness.probe.sim import reserved
@@ -30,10 +30,26 @@ def test_a_card_between_allocated_and_reserved_fits_by_the_retry_ladder():
     rows, settings = _small_then_large(), AllocSettings()
     unlimited, _ = replay_events(rows, settings)
     assert (unlimited.peak_allocated_bytes, unlimited.peak_reserved_bytes) == (128 * MiB, 256 * MiB)
-    assert reserved.fits(rows, settings, _card(200), unlimited)  # cached segments released, retried
-    assert not reserved.fits(rows, settings, _card(100), unlimited)
+    replays = Replays(rows, settings)
+    assert reserved.fits(replays, _card(200), unlimited)  # cached segments released, retried
+    assert not reserved.fits(replays, _card(100), unlimited)
     out = reserved.analyse(rows, settings, _card(200), [_card(100), _card(200)], "2.6")
     assert out["num_alloc_retries"] >= 1 and "status" not in out and out["fits_cards"] == ["c200"]
+
+
+def test_a_capacity_that_decides_every_cudamalloc_alike_reuses_a_replay_and_its_verdict():
+    """Cards every 8 MiB from 96 to 320 MiB: each answer (OOM or not, cache flushes, peaks) is
+    what a replay of its own gives, from fewer replays than cards."""
+    from harness.allocator.model import Device
+
+    rows, settings = _small_then_large(), AllocSettings()
+    replays = Replays(rows, settings)
+    for mib in range(96, 321, 8):
+        device = Device(capacity=mib * MiB, total=320 * MiB)
+        got, own = replays.on(device), replay_events(rows, settings, device)[0]
+        assert (bool(got.ooms), got.num_alloc_retries, got.peak_reserved_bytes, got.peak_allocated_bytes) == \
+            (bool(own.ooms), own.num_alloc_retries, own.peak_reserved_bytes, own.peak_allocated_bytes), mib
+    assert len(replays.done) < len(range(96, 321, 8)) // 2
 
 
 def test_an_oom_row_says_where_and_words_the_message():

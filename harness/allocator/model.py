@@ -257,6 +257,10 @@ class CachingAllocator:
         self.expandable: dict[tuple[bool, int], ExpandableSegment] = {}
         self.stats = Stats()
         self.total_allocated_memory = 0  # bytes obtained from the device (== reserved)
+        # What each cudaMalloc asked the device to hold in all (reserved after it): the largest
+        # granted and the smallest refused. Any capacity between them decides every one alike.
+        self.largest_granted = 0
+        self.smallest_refused: int | None = None
         self._va = 0x7F0000000000
         self._new_segment_addr = new_segment_addr or self._bump
         self.on_event: Callable[..., None] | None = None  # callback(action, addr, size, stream[, tag]) for traces
@@ -437,7 +441,12 @@ class CachingAllocator:
     # ---- memory from the device -------------------------------------------------------------
     def _device_has(self, nbytes: int) -> bool:
         cap = self.device.capacity
-        return cap is None or self.total_allocated_memory + nbytes <= cap
+        need = self.total_allocated_memory + nbytes
+        if cap is None or need <= cap:
+            self.largest_granted = max(self.largest_granted, need)
+            return True
+        self.smallest_refused = need if self.smallest_refused is None else min(self.smallest_refused, need)
+        return False
 
     def _alloc_block(self, pool: Pool, stream: int, size: int, alloc_size: int) -> Block | None:
         allowed = self.device.allowed

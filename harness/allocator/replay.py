@@ -35,6 +35,11 @@ class ReplayResult:
     peak_inactive_split_bytes: int = 0
     num_alloc_retries: int = 0
     ooms: list = field(default_factory=list)
+    # Device capacities under which this replay would be the same (every cudaMalloc granted or
+    # refused alike): from `alike_from_bytes` up to, not including, `alike_below_bytes` (None: no
+    # limit). Only for devices of the same total and memory fraction.
+    alike_from_bytes: int = 0
+    alike_below_bytes: int | None = None
     requests: int = 0
     settings: str = ""
     # under the recorded settings only: the replay checked against the recording
@@ -315,6 +320,33 @@ def replay_events(events, settings: AllocSettings, device: Device | None = None,
     return result, alloc
 
 
+class Replays:
+    """One trace's replays under one setting on devices of several capacities (the cards a run is
+    checked against): a device under which an earlier replay would be the same (same total and
+    fraction, a capacity in its alike range) gets that replay instead of a new one. Its OOM rows
+    then name the earlier device's capacity: for whether a run fits, not for its message."""
+
+    def __init__(self, events, settings: AllocSettings):
+        self.events, self.settings = events, settings
+        self.done: list[tuple[Device, ReplayResult]] = []
+
+    def add(self, device: Device, result: ReplayResult) -> ReplayResult:
+        self.done.append((device, result))
+        return result
+
+    def on(self, device: Device) -> ReplayResult:
+        for d, r in self.done:
+            if d.total == device.total and d.allowed == device.allowed and _alike(r, device.capacity):
+                return r
+        return self.add(device, replay_events(self.events, self.settings, device)[0])
+
+
+def _alike(r: ReplayResult, capacity: int | None) -> bool:
+    if capacity is None:
+        return r.alike_below_bytes is None
+    return r.alike_from_bytes <= capacity and (r.alike_below_bytes is None or capacity < r.alike_below_bytes)
+
+
 def _finish(result: ReplayResult, alloc: CachingAllocator, peaks: _Peaks) -> None:
     st = alloc.stats
     result.peak_reserved_bytes = st.reserved_bytes.peak
@@ -325,6 +357,7 @@ def _finish(result: ReplayResult, alloc: CachingAllocator, peaks: _Peaks) -> Non
     result.fragmentation_at_peak_bytes = peaks.frag
     result.peak_inactive_split_bytes = st.inactive_split_bytes.peak
     result.num_alloc_retries = st.num_alloc_retries
+    result.alike_from_bytes, result.alike_below_bytes = alloc.largest_granted, alloc.smallest_refused
     if peaks.window is not None:
         (result.steady_peak_allocated_bytes, result.steady_peak_requested_bytes,
          result.steady_peak_reserved_bytes) = peaks.window

@@ -7,7 +7,7 @@ import functools
 import pandas as pd
 
 from harness.allocator.model import Device
-from harness.allocator.replay import ReplayRow, replay_events
+from harness.allocator.replay import ReplayRow, Replays
 from harness.allocator.settings import AllocSettings
 from harness.config import cards as catalog
 from harness.config.point import Card
@@ -72,15 +72,15 @@ def _trace_rows(path: str) -> list[ReplayRow]:
 
 
 def _replay(row: dict, card: Card):
-    return _replayed(str(row["trace_path"]), row.get("allocator_conf") or "", card.room(), card.memory_bytes)
+    """The run's replay on a card (Device.for_card: its room and size): a plan asks for it when it
+    searches, when it finds the edge and when it counts cache flushes (~0.3 s each for a 7B
+    trace), and a card of another room often replays alike (Replays)."""
+    return _replays(str(row["trace_path"]), row.get("allocator_conf") or "").on(Device.for_card(card))
 
 
-@functools.lru_cache(maxsize=1024)
-def _replayed(path: str, conf: str, room: int, memory_bytes: int):
-    """A run's replay on a card, by what the replay reads of it (Device.for_card: its room and
-    size): a plan asks for the same one when it searches, when it finds the edge and when it
-    counts cache flushes (~0.3 s each for a 7B trace)."""
-    return replay_events(_trace_rows(path), AllocSettings.from_conf(conf), Device(capacity=room, total=memory_bytes))[0]
+@functools.lru_cache(maxsize=256)
+def _replays(path: str, conf: str) -> Replays:
+    return Replays(_trace_rows(path), AllocSettings.from_conf(conf))
 
 
 def _fits_by_trace(row: dict, card: Card) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 from harness.allocator import oom_message
 from harness.allocator import snapshot as snap
 from harness.allocator.model import Device
-from harness.allocator.replay import ReplayRow, replay_events
+from harness.allocator.replay import ReplayRow, Replays, replay_events
 from harness.allocator.settings import AllocSettings
 from harness.config.point import Card
 
@@ -29,14 +29,11 @@ def replay_on(rows: list[ReplayRow], settings: AllocSettings, card: Card):
     return replay_events(rows, settings, Device.for_card(card))[0]
 
 
-def fits_by_replay(rows: list[ReplayRow], settings: AllocSettings, card: Card) -> bool:
-    return not replay_on(rows, settings, card).ooms
-
-
-def fits(rows: list[ReplayRow], settings: AllocSettings, card: Card, unlimited) -> bool:
-    """Whether the job runs on `card` without an OOM."""
+def fits(replays: Replays, card: Card, unlimited) -> bool:
+    """Whether the job runs on `card` without an OOM (`replays`: the trace's, under the run's
+    settings; `unlimited`: its replay without a limit)."""
     known = fits_by_numbers(card, unlimited.peak_reserved_bytes, unlimited.peak_allocated_bytes)
-    return known if known is not None else fits_by_replay(rows, settings, card)
+    return known if known is not None else not replays.on(Device.for_card(card)).ooms
 
 
 # The edge of a card, from the safest: fits with room to spare; fits, but only because the
@@ -68,7 +65,8 @@ def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog:
             torch_version: str, snapshot_path: Path | None = None) -> dict:
     """Record fields for the run's card and the whole catalog."""
     # Unlimited memory, but the card's size for what depends on it (expandable address ranges).
-    unlimited, _ = replay_events(rows, settings, Device(total=card.memory_bytes))
+    replays = Replays(rows, settings)
+    unlimited = replays.add(Device(total=card.memory_bytes), replay_events(rows, settings, Device(total=card.memory_bytes))[0])
     trace: list[dict] = []
 
     def on_event(action, addr, size, stream, tag):
@@ -81,6 +79,7 @@ def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog:
         on_card = unlimited
     else:
         on_card, alloc = replay_events(rows, settings, Device.for_card(card), on_event if snapshot_path else None)
+        replays.add(Device.for_card(card), on_card)
     out: dict = {
         # The whole run (what decides an OOM) and its steady state from step 2 on, one window
         # each for all three. Block sizes, as max_memory_allocated counts them (unsplit remainders
@@ -96,7 +95,7 @@ def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog:
         "num_alloc_retries": on_card.num_alloc_retries,
         "num_ooms": len(on_card.ooms),
     }
-    out.update(edge_columns({c.key: edge(lambda card: fits(rows, settings, card, unlimited),
+    out.update(edge_columns({c.key: edge(lambda card: fits(replays, card, unlimited),
                                          unlimited.peak_reserved_bytes, c) for c in catalog}))
     if on_card.ooms:
         oom = on_card.ooms[0]

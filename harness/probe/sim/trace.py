@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -98,7 +99,7 @@ def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tup
         # A process that set its heap aside (the zygote's children) keeps it so after this trace,
         # this trace's leftovers with it: the next trace's collections then walk only what that
         # trace makes (unfrozen, each costs a walk of all of torch and transformers, ~0.2 s).
-        set_aside = gc.get_freeze_count() > 0
+        set_aside = _heap_set_aside()
         if cycle:
             gc.disable()  # the cycle lives until the GC gets round to it; here, not during the steps
         else:
@@ -138,3 +139,16 @@ def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tup
             m["model"] = job_name(job)
             m["optimizer"] = type(opt).__name__ if opt is not None else None
     return m, tracker
+
+
+_set_aside_in: dict[int, bool] = {}  # pid -> whether its heap was frozen before its first trace
+
+
+def _heap_set_aside() -> bool:
+    """Whether this process froze its heap before tracing (a zygote's child). Asked once per
+    process: counting the frozen objects walks them all (~40 ms for torch and transformers). A
+    trace leaves the count as it found it, so the first answer holds for the process."""
+    pid = os.getpid()
+    if pid not in _set_aside_in:
+        _set_aside_in[pid] = gc.get_freeze_count() > 0
+    return _set_aside_in[pid]

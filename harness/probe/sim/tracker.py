@@ -44,6 +44,9 @@ _aten = torch.ops.aten
 # "subclass-like" - which every tensor is while a dispatch mode (this one, FakeTensorMode) is
 # active: one input-sized temporary that eager CUDA never allocates (fidelity.md, C.2).
 _ZEROS_OPS = {_aten.zeros.default, _aten.new_zeros.default, _aten.zeros_like.default}
+# `t.device` of a fake tensor, asked of the modes (two in three of a training step's dispatches,
+# mostly autograd's engine): it makes no storage, so nothing here applies to it.
+_DEVICE_QUERY = torch.ops.prim.device.default
 _IN_PLACE_IN_EAGER = {
     _aten.scatter_add.default: _aten.scatter_add_.default,
     _aten.scatter.src: _aten.scatter_.src,
@@ -289,6 +292,8 @@ class StorageTracker(TorchDispatchMode):
 
     # ---- dispatch --------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE_QUERY:
+            return func(*args, **(kwargs or {}))
         in_place = _IN_PLACE_IN_EAGER.get(func)
         if in_place is not None and self._fresh_zeros and isinstance(args[0], torch.Tensor) \
                 and args[0].untyped_storage()._cdata == self._fresh_zeros and _in_autograd_formula():
