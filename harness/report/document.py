@@ -8,13 +8,17 @@ import hashlib
 import html
 import io
 import json
+import multiprocessing
+import threading
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from harness.config import cards as catalog
+from harness.config.compose import parallelism
 from harness.report import console, figures, tables
 
 FIG_DIR = "report_files"
@@ -68,16 +72,15 @@ def build(df: pd.DataFrame, fit_long: pd.DataFrame, judged: pd.DataFrame, fr: pd
     has for its key is not drawn again (drawing is most of a report's time: ~0.5 s each)."""
     pngs: dict[str, bytes] = {}
     keys: dict[str, str] = {}
+    to_draw: dict[str, tuple] = {}
 
     def figure(name, draw, *inputs):
-        key = _figure_key(name, *inputs)
+        keys[name] = key = _figure_key(name, *inputs)
         png = lend(name, key) if lend is not None else None
         if png is None:
-            fig = draw(*inputs)
-            if fig is None:
-                return None
-            png = _png(fig)
-        pngs[name], keys[name] = png, key
+            to_draw[name] = (draw, inputs)
+        else:
+            pngs[name] = png
         return name
 
     counts = df["status"].value_counts().to_dict()
@@ -117,7 +120,37 @@ def build(df: pd.DataFrame, fit_long: pd.DataFrame, judged: pd.DataFrame, fr: pd
     table, same = tables.fold_constant(tables.fits_table(df, fit_long), columns=tables.FITS_IDENTITY_COLUMNS)
     sections.append(Section("Fit table", f"Every run on every card of the catalog{'; ' + same if same else ''}.",
                             table))
+    pngs.update({name: png for name, png in _draw_all(to_draw).items() if png is not None})
+    for section in sections:  # a figure with nothing to show (no such rows) is left out
+        if section.figure is not None and section.figure not in pngs:
+            keys.pop(section.figure, None)
+            section.figure = None
     return sections, pngs, keys
+
+
+_JOBS: dict[str, tuple] = {}  # the figures being drawn: what a forked drawer finds in its copy
+
+
+def _drawn(name: str) -> bytes | None:
+    draw, inputs = _JOBS[name]
+    fig = draw(*inputs)
+    return None if fig is None else _png(fig)
+
+
+def _draw_all(jobs: dict[str, tuple]) -> dict[str, bytes | None]:
+    """Each figure's PNG (None: nothing to draw), two or more at once in forked processes when
+    this process has no other thread (a fork copies no lock another thread holds); a drawer is
+    sent a name only, and draws from its copy of `jobs`."""
+    _JOBS.clear()
+    _JOBS.update(jobs)
+    try:
+        workers = min(len(jobs), parallelism())
+        if workers < 2 or threading.active_count() > 1:
+            return {name: _drawn(name) for name in jobs}
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            return dict(zip(jobs, pool.map(_drawn, jobs)))
+    finally:
+        _JOBS.clear()
 
 
 def _md_cell(s: str) -> str:
