@@ -185,6 +185,12 @@ class Stats:
     num_device_alloc: int = 0
     num_device_free: int = 0
 
+    @classmethod
+    def lean(cls) -> Stats:
+        """Only allocated, requested and reserved bytes kept (the rest take no time): for replays
+        that ask whether a run fits and how often it retries, none of which reads the others."""
+        return cls(**{name: _UNTRACKED for name in _UNTRACKED_WHEN_LEAN})  # type: ignore[arg-type]
+
     def reset_peaks(self) -> None:
         """reset_peak_memory_stats: every peak back to its current value."""
         for name in _POOLED:
@@ -218,6 +224,24 @@ class Stats:
         return out
 
 
+class _Untracked:
+    """A statistic nobody reads (Stats.lean): adding to it does nothing."""
+
+    __slots__ = ()
+    current = peak = allocated = freed = 0
+
+    def add(self, *_) -> None:
+        pass
+
+    def reset_peak(self) -> None:
+        pass
+
+
+_UNTRACKED = _Untracked()
+_UNTRACKED_WHEN_LEAN = ("active_bytes", "inactive_split_bytes", "allocation", "active", "segment", "inactive_split",
+                        "oversize_allocations", "oversize_segments")
+
+
 class OutOfMemory(Exception):
     """What torch.OutOfMemoryError would carry; `message(version)` words it."""
 
@@ -248,14 +272,14 @@ class CachingAllocator:
     """Per-device caching allocator. `new_segment_addr(size)` chooses cudaMalloc's addresses."""
 
     def __init__(self, settings: AllocSettings | None = None, device: Device | None = None,
-                 new_segment_addr=None):
+                 new_segment_addr=None, lean: bool = False):
         self.settings = settings or AllocSettings()
         self.device = device or Device()
         self.small, self.large = Pool(True), Pool(False)
         self.blocks: dict[int, Block] = {}  # every block by address (free, allocated, unmapped)
         self.segments: dict[int, Block] = {}  # regular segments: base address -> first block
         self.expandable: dict[tuple[bool, int], ExpandableSegment] = {}
-        self.stats = Stats()
+        self.stats = Stats.lean() if lean else Stats()
         self.total_allocated_memory = 0  # bytes obtained from the device (== reserved)
         # What each cudaMalloc asked the device to hold in all (reserved after it): the largest
         # granted and the smallest refused. Any capacity between them decides every one alike.

@@ -40,6 +40,9 @@ class ReplayResult:
     # limit). Only for devices of the same total and memory fraction.
     alike_from_bytes: int = 0
     alike_below_bytes: int | None = None
+    # A lean replay keeps only the peaks of allocated, requested and reserved bytes, the OOMs and
+    # the cache flushes (the split statistics and fragmentation stay 0, the steady window None).
+    lean: bool = False
     requests: int = 0
     settings: str = ""
     # under the recorded settings only: the replay checked against the recording
@@ -286,12 +289,13 @@ STEADY_FROM_STEP = 1
 
 
 def replay_events(events, settings: AllocSettings, device: Device | None = None, on_event=None,
-                  stop_at_oom: bool = True) -> tuple[ReplayResult, CachingAllocator]:
+                  stop_at_oom: bool = True, lean: bool = False) -> tuple[ReplayResult, CachingAllocator]:
     """Replay a virtual-GPU trace (ReplayRow: action, key, size, tag): the whole run's peaks and
-    the steady state's (from the first event of step STEADY_FROM_STEP on).
-    `on_event(action, addr, size, stream, tag)` sees each allocator event with the row's tag."""
-    alloc = CachingAllocator(settings, device or Device())
-    result = ReplayResult(settings=settings.conf)
+    the steady state's (from the first event of step STEADY_FROM_STEP on); `lean`: see
+    ReplayResult.lean. `on_event(action, addr, size, stream, tag)` sees each allocator event with
+    the row's tag."""
+    alloc = CachingAllocator(settings, device or Device(), lean=lean)
+    result = ReplayResult(settings=settings.conf, lean=lean)
     peaks = _Peaks(alloc)
     live: dict = {}
     tag = None
@@ -299,7 +303,7 @@ def replay_events(events, settings: AllocSettings, device: Device | None = None,
         alloc.on_event = lambda action, addr, size, stream: on_event(action, addr, size, stream, tag)
     for i, (action, key, size, tag) in enumerate(events):
         result.requests = i + 1
-        if peaks.window is None and tag is not None and tag[1] >= STEADY_FROM_STEP:  # EventTag.step
+        if not lean and peaks.window is None and tag is not None and tag[1] >= STEADY_FROM_STEP:  # EventTag.step
             peaks.open_window()
         if action == "alloc":
             try:
@@ -311,7 +315,8 @@ def replay_events(events, settings: AllocSettings, device: Device | None = None,
                 continue
             b.tag = tag
             live[key] = b
-            peaks.observe()
+            if not lean:
+                peaks.observe()
         else:
             b = live.pop(key, None)
             if b is not None:
@@ -324,7 +329,8 @@ class Replays:
     """One trace's replays under one setting on devices of several capacities (the cards a run is
     checked against): a device under which an earlier replay would be the same (same total and
     fraction, a capacity in its alike range) gets that replay instead of a new one. Its OOM rows
-    then name the earlier device's capacity: for whether a run fits, not for its message."""
+    then name the earlier device's capacity, and its own replays are lean (ReplayResult.lean): for
+    whether a run fits and how often it retries, not for its message or its split statistics."""
 
     def __init__(self, events, settings: AllocSettings):
         self.events, self.settings = events, settings
@@ -338,7 +344,7 @@ class Replays:
         for d, r in self.done:
             if d.total == device.total and d.allowed == device.allowed and _alike(r, device.capacity):
                 return r
-        return self.add(device, replay_events(self.events, self.settings, device)[0])
+        return self.add(device, replay_events(self.events, self.settings, device, lean=True)[0])
 
 
 def _alike(r: ReplayResult, capacity: int | None) -> bool:
