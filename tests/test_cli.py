@@ -3,8 +3,10 @@
 import json
 import os
 import shutil
+import socket
 import stat
 import sys
+import time
 
 import pandas as pd
 import pytest
@@ -191,6 +193,42 @@ def test_a_zygote_that_idles_out_leaves_neither_its_socket_nor_its_pid_file(tmp_
     (tmp_path / "z.sock.pid").write_text(str(proc.pid))  # as _spawn writes it
     assert proc.wait(timeout=300) == 0
     assert not sock.exists() and not (tmp_path / "z.sock.pid").exists()
+
+
+@pytest.mark.slow
+def test_a_zygotes_points_name_the_code_it_loaded_though_its_files_change_after(tmp_path):
+    """An edit to harness while a zygote serves starts a fresh zygote for the sweeps after it; a
+    point the old one still forks runs the old code, and its row says so (its run_id with it)."""
+    import shutil
+    import subprocess as sp
+
+    from harness.record.row import POINT_FILE, RESULT_FILE, run_id
+
+    shutil.copytree(REPO / "harness", tmp_path / "harness")
+    sock = tmp_path / "z.sock"
+    code = "import sys; from pathlib import Path; import harness.launch.zygote as z; z.serve(Path(sys.argv[1]))"
+    proc = sp.Popen([sys.executable, "-c", code, str(sock)], cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with open(tmp_path / "harness" / "units.py", "a") as f:
+            f.write("# an edit after the zygote started\n")
+        point = train_point().replace(sweep="z")
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        (run_dir / POINT_FILE).write_text(json.dumps(point.to_dict(), default=str))
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(str(sock))
+        conn.sendall(f"{run_dir}\n".encode())
+        answers = conn.makefile("rb").read().decode()
+        conn.close()
+    finally:
+        proc.kill()
+    assert "rc 0" in answers
+    row = json.loads((run_dir / RESULT_FILE).read_text())
+    # this checkout's code is the copy's as it was when the zygote started
+    assert row["status"] == "ok" and row["run_id"] == run_id(point)
 
 
 def test_the_zygotes_warm_up_traces_a_layer_of_the_model_asked_for_else_the_tiny_point():

@@ -113,7 +113,11 @@ def serve(path: Path, model: str | None = None) -> None:
 
     from harness.config.compose import parallelism
     from harness.probe import worker  # noqa: F401
+    from harness.record.provenance import versions
 
+    # The code this process loaded, hashed now: a child reads it from here, not from the files,
+    # which may have been edited since (its rows would name code it does not run).
+    versions()
     _warm_up(model)
     gc.collect()
     gc.freeze()

@@ -10,7 +10,10 @@ depth the harness does not know), the point is traced in full; the row's trace_m
 Training steps repeat too: the shallow depths are traced for two steps and the rest are copies of
 the second (probe.sim.steps), checked with the layers (the a+2 trace has every step). A template
 whose structure (repeat.structure: all but its sizes) was checked on another point of the sweep,
-another batch or length, is not checked again: nothing in its synthesis depends on its sizes.
+another batch or length, is not checked again: nothing in its synthesis depends on its sizes. And a
+point whose a+1 journal has the skeleton (all but the sizes) of one a point of the sweep learned
+from places its layer as that one did, without tracing depth a: the layout is kept only where
+`learn`, given the depth-a journal the layout implies, places it there again.
 """
 
 from __future__ import annotations
@@ -114,7 +117,7 @@ def synthesized(point: Point) -> Traced:
         findings.append(runs[a + 2][1].findings)
         how = f"checked at {a + 2}"
     else:
-        how = f"its structure checked at {a + 2} on {checked['point']}"
+        how = f"its structure checked at {a + 2} on {checked.get('point', 'another point')}"
     scalars = _extrapolate([f["scalars"] for f in findings], n - a)
     holder = _extrapolate([f.get("retained_holder") for f in findings], n - a)
     # Both held at a+2 (the journal and the figures beside it), or were held on a point of this structure
@@ -141,16 +144,15 @@ def _placed_as_before(cache: Path | None, deeper: list[TraceEvent], prefix: str,
     shallower journal it implies, and the figures traced beside it at a+1 are this point's (the
     figures at a are then its too). Returns (template, the figures at a, the point it came from)."""
     note = trace_store.read_note(cache, trace_store.LAYOUTS, repeat.skeleton(deeper))
-    if note is None or note["layout"]["layer_prefix"] != prefix or note["findings"][1] != _as_json(findings):
-        return None
     try:
+        if note is None or note["layout"]["layer_prefix"] != prefix or note["findings"][1] != _as_json(findings):
+            return None
         template = repeat.placed(deeper, note["layout"])
         again = repeat.learn(repeat.synthesize(template, template.depth), deeper, template.depth, prefix)
-    except NotRepeating:
+        shallower, learned_on = note["findings"][0], str(note["point"])
+    except (NotRepeating, KeyError, IndexError, TypeError, ValueError):  # not a layout of ours: learn anew
         return None
-    if repeat.structure(again) != repeat.structure(template):
-        return None
-    return again, note["findings"][0], str(note["point"])
+    return (again, shallower, learned_on) if repeat.structure(again) == repeat.structure(template) else None
 
 
 def _as_json(value):
