@@ -30,7 +30,7 @@ from harness.probe.sim import repeat
 from harness.probe.sim import steps as stepwise
 from harness.probe.sim.measure import measurements
 from harness.probe.sim.repeat import NotRepeating
-from harness.probe.sim.trace import run_point
+from harness.probe.sim.trace import collector_paused, run_point
 from harness.probe.sim.tracker import TraceEvent
 from harness.record import trace_store
 
@@ -91,12 +91,14 @@ def synthesized(point: Point) -> Traced:
     runs = {a + 1: run_point(at_depth(shallow, a + 1))}
     deeper = runs[a + 1][1].journal()
     prefix = _layer_prefix(deeper, a)
-    reused = _placed_as_before(cache, deeper, prefix, runs[a + 1][1].findings)
+    with collector_paused():
+        reused = _placed_as_before(cache, deeper, prefix, runs[a + 1][1].findings)
     if reused is not None:
         template, shallower_findings, placed_on = reused
     else:
         runs[a] = run_point(at_depth(shallow, a))
-        template = repeat.learn(runs[a][1].journal(), deeper, a, prefix)
+        with collector_paused():
+            template = repeat.learn(runs[a][1].journal(), deeper, a, prefix)
         shallower_findings, placed_on = runs[a][1].findings, None
 
     def full(journal: list[TraceEvent]) -> list[TraceEvent]:  # every step of the point
@@ -109,8 +111,9 @@ def synthesized(point: Point) -> Traced:
     findings = [shallower_findings, runs[a + 1][1].findings]
     if checked is None:
         runs[a + 2] = run_point(at_depth(point, a + 2))
-        check = repeat.canonical(full(repeat.synthesize(template, a + 2)))
-        traced = repeat.canonical(runs[a + 2][1].journal())
+        with collector_paused():
+            check = repeat.canonical(full(repeat.synthesize(template, a + 2)))
+            traced = repeat.canonical(runs[a + 2][1].journal())
         if check != traced:
             at = next((i for i, (x, y) in enumerate(zip(check, traced)) if x != y), min(len(check), len(traced)))
             raise NotRepeating(f"synthesized {a + 2} layers differ from traced at entry {at} of {len(traced)}")
@@ -127,8 +130,9 @@ def synthesized(point: Point) -> Traced:
         trace_store.write_note(cache, trace_store.LAYOUTS, repeat.skeleton(deeper), {
             "layout": repeat.layout(template), "point": describe(point),
             "findings": [_as_json(f) for f in findings[:2]]})
-    journal = full(repeat.synthesize(template, n))
-    m = measurements(journal, holder=holder, **scalars)
+    with collector_paused():
+        journal = full(repeat.synthesize(template, n))
+        m = measurements(journal, holder=holder, **scalars)
     traced_layers = f"layer {a + 1}, placed as on {placed_on}" if placed_on else f"layers {a}, {a + 1}"
     m["trace_method"] = (f"synthesized: {traced_layers} -> {n}{f', steps {few} -> {steps}' if few < steps else ''}"
                          f" ({how})")
