@@ -10,9 +10,6 @@ from pathlib import Path
 
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import machine  # noqa: E402
-
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
@@ -21,7 +18,6 @@ def main() -> None:
                            capture_output=True, text=True)
         wall = time.perf_counter() - t0
         rows = pd.read_parquet(next(Path(tmp).glob("*/*/results.parquet")))
-    print(f"reference loop   {machine.reference_s():.2f} s (this machine's speed now: benchmarks/machine.py)")
     print(f"exit code        {r.returncode}")
     print(f"probes           {len(rows)} points ({rows['status'].value_counts().to_dict()})")
     print(f"wall             {wall:.1f} s (target <= 90 s)")

@@ -14,9 +14,6 @@ from pathlib import Path
 
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import machine  # noqa: E402
-
 from harness.config.compose import parallelism
 
 
@@ -34,7 +31,6 @@ def main(overrides: list[str]) -> None:
         first, *_ = sorted(Path(tmp).glob("*/*/results.parquet"))
         df = pd.read_parquet(first)
     methods = df["trace_method"].fillna("").str.split(":").str[0].value_counts().to_dict()
-    print(f"reference loop   {machine.reference_s():.2f} s (this machine's speed now: benchmarks/machine.py)")
     print(f"exit codes       {rc}, {rc2}")
     print(f"points           {len(df)} ({df['status'].value_counts().to_dict()}); traces {methods}")
     print(f"parallelism      {parallelism()}")

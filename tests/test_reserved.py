@@ -50,6 +50,11 @@ def test_a_capacity_that_decides_every_cudamalloc_alike_reuses_a_replay_and_its_
         assert (bool(got.ooms), got.num_alloc_retries, got.peak_reserved_bytes, got.peak_allocated_bytes) == \
             (bool(own.ooms), own.num_alloc_retries, own.peak_reserved_bytes, own.peak_allocated_bytes), mib
     assert len(replays.done) < len(range(96, 321, 8)) // 2
+    read = []  # rows read through a function: once for each replay made, never for one reused
+    lazy = Replays(lambda: read.append(1) or rows, settings)
+    for mib in range(96, 321, 8):
+        lazy.on(Device(capacity=mib * MiB, total=320 * MiB))
+    assert len(read) == len(lazy.done) == len(replays.done)
 
 
 def test_an_oom_row_says_where_and_words_the_message():

@@ -333,6 +333,8 @@ class Replays:
     whether a run fits and how often it retries, not for its message or its split statistics."""
 
     def __init__(self, events, settings: AllocSettings):
+        """`events`: the trace's rows, or a function that reads them (asked for each new replay, so
+        that what holds many Replays need not hold every trace)."""
         self.events, self.settings = events, settings
         self.done: list[tuple[Device, ReplayResult]] = []
 
@@ -344,7 +346,8 @@ class Replays:
         for d, r in self.done:
             if d.total == device.total and d.allowed == device.allowed and _alike(r, device.capacity):
                 return r
-        return self.add(device, replay_events(self.events, self.settings, device, lean=True)[0])
+        events = self.events() if callable(self.events) else self.events
+        return self.add(device, replay_events(events, self.settings, device, lean=True)[0])
 
 
 def _alike(r: ReplayResult, capacity: int | None) -> bool:

@@ -5,9 +5,9 @@ fork from one process that did it once instead. Each point still runs in a proce
 (allocator settings, crashes and the host's OOM killer stay per point). Before serving, the zygote
 traces one layer of the preset asked for on fake tensors (torch's lazy imports and FakeTensor's
 dispatch cache, about 1 s a point would pay) - no kernel runs, so no thread pool starts that a
-fork would break - and freezes what it holds out of the cyclic GC's sight (each child's collections then walk only what
-its point made). It exits after `IDLE_S` without requests, and is keyed by the code it loaded, so
-an edit to harness starts a fresh one.
+fork would break - and freezes what it holds out of the cyclic GC's sight (each child's
+collections then walk only what its point made). It exits after `IDLE_S` without requests, and is
+keyed by the code it loaded, so an edit to harness starts a fresh one.
 
 Protocol on a Unix socket: the client sends the run dir; the forked child answers "pid N", runs
 the point (stdout and stderr to worker.log) and answers "rc N" when done.

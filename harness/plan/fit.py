@@ -80,7 +80,8 @@ def _replay(row: dict, card: Card):
 
 @functools.lru_cache(maxsize=256)
 def _replays(path: str, conf: str) -> Replays:
-    return Replays(_trace_rows(path), AllocSettings.from_conf(conf))
+    # its results kept for every run a plan probes; the rows read again (_trace_rows keeps four)
+    return Replays(lambda: _trace_rows(path), AllocSettings.from_conf(conf))
 
 
 def _fits_by_trace(row: dict, card: Card) -> bool:

@@ -18,7 +18,7 @@ from harness.probe.cuda import run as cuda
 from harness.probe.jobs import UserCodeError
 from harness.probe.sim import reserved, shortcut
 from harness.probe.sim.fake_code import where
-from harness.probe.sim.trace import collector_paused
+from harness.probe.sim.trace import collector
 from harness.probe.sim.virtual_cuda import READS_CARD
 from harness.record import provenance, trace_store
 from harness.record.provenance import USER_CODE
@@ -27,7 +27,13 @@ from harness.record.row import POINT_FILE, base_record, write_row
 
 def run_sim(point: Point, run_dir: Path) -> dict:
     """Trace the point (or reuse the trace of a point that differs only in allocator or card),
-    then replay it through the allocator model for reserved bytes and each card's verdict."""
+    then replay it through the allocator model for reserved bytes and each card's verdict. The
+    collector is off but while tracing (trace.collector: the rows and replays made here)."""
+    with collector(on=False):
+        return _run_sim(point, run_dir)
+
+
+def _run_sim(point: Point, run_dir: Path) -> dict:
     import torch
     import transformers
 
@@ -48,8 +54,7 @@ def run_sim(point: Point, run_dir: Path) -> dict:
         m = {k: v for k, v in traced.measurements.items() if k in rec}
         if point.workload.name == WorkloadName.custom:  # what the job loaded to build and step
             m[USER_CODE] = provenance.as_column(provenance.user_modules())
-        with collector_paused():
-            df = trace_store.to_frame(traced.events)
+        df = trace_store.to_frame(traced.events)
         df.to_parquet(trace_path, index=False)
         trace_store.save_cached(cache, own if traced.findings.get(READS_CARD) else tid, trace_path, m)
     rec.update(m)
@@ -59,9 +64,8 @@ def run_sim(point: Point, run_dir: Path) -> dict:
                torch_version=torch.__version__, transformers_version=transformers.__version__)
     settings = AllocSettings.from_conf(point.allocator.conf)
     snapshot = run_dir / "snapshot.pickle" if point.snapshot else None
-    with collector_paused():
-        rec.update(reserved.analyse(trace_store.replay_rows(df), settings, gpu, catalog.cards(),
-                                    torch.__version__, snapshot))
+    rec.update(reserved.analyse(trace_store.replay_rows(df), settings, gpu, catalog.cards(),
+                                torch.__version__, snapshot))
     rec["wall_s"] = time.perf_counter() - t0
     return rec
 

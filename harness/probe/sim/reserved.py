@@ -66,7 +66,8 @@ def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog:
     """Record fields for the run's card and the whole catalog."""
     # Unlimited memory, but the card's size for what depends on it (expandable address ranges).
     replays = Replays(rows, settings)
-    unlimited = replays.add(Device(total=card.memory_bytes), replay_events(rows, settings, Device(total=card.memory_bytes))[0])
+    without_limit, on_the_card = Device(total=card.memory_bytes), Device.for_card(card)
+    unlimited = replays.add(without_limit, replay_events(rows, settings, without_limit)[0])
     trace: list[dict] = []
 
     def on_event(action, addr, size, stream, tag):
@@ -78,8 +79,8 @@ def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog:
         # Reserved never reaches the card's room: a replay on the card makes the same decisions
         on_card = unlimited
     else:
-        on_card, alloc = replay_events(rows, settings, Device.for_card(card), on_event if snapshot_path else None)
-        replays.add(Device.for_card(card), on_card)
+        on_card, alloc = replay_events(rows, settings, on_the_card, on_event if snapshot_path else None)
+        replays.add(on_the_card, on_card)
     out: dict = {
         # The whole run (what decides an OOM) and its steady state from step 2 on, one window
         # each for all three. Block sizes, as max_memory_allocated counts them (unsplit remainders

@@ -30,7 +30,7 @@ from harness.probe.sim import repeat
 from harness.probe.sim import steps as stepwise
 from harness.probe.sim.measure import measurements
 from harness.probe.sim.repeat import NotRepeating
-from harness.probe.sim.trace import collector_paused, run_point
+from harness.probe.sim.trace import collector, run_point
 from harness.probe.sim.tracker import TraceEvent
 from harness.record import trace_store
 
@@ -45,7 +45,13 @@ class Traced:
 
 
 def trace(point: Point) -> Traced:
-    """The point's measurements and trace, synthesized where that is exact, else traced in full."""
+    """The point's measurements and trace, synthesized where that is exact, else traced in full
+    (the collector off between the traces: trace.collector)."""
+    with collector(on=False):
+        return _trace(point)
+
+
+def _trace(point: Point) -> Traced:
     reason = refusal(point)
     if reason is None:
         try:
@@ -91,14 +97,13 @@ def synthesized(point: Point) -> Traced:
     runs = {a + 1: run_point(at_depth(shallow, a + 1))}
     deeper = runs[a + 1][1].journal()
     prefix = _layer_prefix(deeper, a)
-    with collector_paused():
-        reused = _placed_as_before(cache, deeper, prefix, runs[a + 1][1].findings)
+    skeleton = repeat.skeleton(deeper)
+    reused = _placed_as_before(cache, skeleton, deeper, prefix, runs[a + 1][1].findings)
     if reused is not None:
         template, shallower_findings, placed_on = reused
     else:
         runs[a] = run_point(at_depth(shallow, a))
-        with collector_paused():
-            template = repeat.learn(runs[a][1].journal(), deeper, a, prefix)
+        template = repeat.learn(runs[a][1].journal(), deeper, a, prefix)
         shallower_findings, placed_on = runs[a][1].findings, None
 
     def full(journal: list[TraceEvent]) -> list[TraceEvent]:  # every step of the point
@@ -111,9 +116,8 @@ def synthesized(point: Point) -> Traced:
     findings = [shallower_findings, runs[a + 1][1].findings]
     if checked is None:
         runs[a + 2] = run_point(at_depth(point, a + 2))
-        with collector_paused():
-            check = repeat.canonical(full(repeat.synthesize(template, a + 2)))
-            traced = repeat.canonical(runs[a + 2][1].journal())
+        check = repeat.canonical(full(repeat.synthesize(template, a + 2)))
+        traced = repeat.canonical(runs[a + 2][1].journal())
         if check != traced:
             at = next((i for i, (x, y) in enumerate(zip(check, traced)) if x != y), min(len(check), len(traced)))
             raise NotRepeating(f"synthesized {a + 2} layers differ from traced at entry {at} of {len(traced)}")
@@ -127,12 +131,11 @@ def synthesized(point: Point) -> Traced:
     if checked is None:
         trace_store.write_note(cache, trace_store.CHECKED, structure, {"point": describe(point)})
     if reused is None:
-        trace_store.write_note(cache, trace_store.LAYOUTS, repeat.skeleton(deeper), {
+        trace_store.write_note(cache, trace_store.LAYOUTS, skeleton, {
             "layout": repeat.layout(template), "point": describe(point),
             "findings": [_as_json(f) for f in findings[:2]]})
-    with collector_paused():
-        journal = full(repeat.synthesize(template, n))
-        m = measurements(journal, holder=holder, **scalars)
+    journal = full(repeat.synthesize(template, n))
+    m = measurements(journal, holder=holder, **scalars)
     traced_layers = f"layer {a + 1}, placed as on {placed_on}" if placed_on else f"layers {a}, {a + 1}"
     m["trace_method"] = (f"synthesized: {traced_layers} -> {n}{f', steps {few} -> {steps}' if few < steps else ''}"
                          f" ({how})")
@@ -140,14 +143,14 @@ def synthesized(point: Point) -> Traced:
     return Traced(m, events, {"scalars": scalars, "retained_holder": holder})
 
 
-def _placed_as_before(cache: Path | None, deeper: list[TraceEvent], prefix: str,
+def _placed_as_before(cache: Path | None, skeleton: str, deeper: list[TraceEvent], prefix: str,
                       findings: dict) -> tuple[repeat.Template, dict, str] | None:
     """The template of `deeper` (a+1 layers) without tracing a layers, where a point of this
     sweep learned one from a journal of the same skeleton (another batch or length of the job):
     its layout on these entries, kept only when `learn` places the layer there too given the
     shallower journal it implies, and the figures traced beside it at a+1 are this point's (the
     figures at a are then its too). Returns (template, the figures at a, the point it came from)."""
-    note = trace_store.read_note(cache, trace_store.LAYOUTS, repeat.skeleton(deeper))
+    note = trace_store.read_note(cache, trace_store.LAYOUTS, skeleton)
     try:
         if note is None or note["layout"]["layer_prefix"] != prefix or note["findings"][1] != _as_json(findings):
             return None

@@ -49,8 +49,14 @@ def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tup
     """Trace one point; returns (measurements, tracker with the event trace).
 
     `fake=False` runs the same steps on real CPU tensors under the same tracker (used to check
-    the fake trace against real execution for small models).
+    the fake trace against real execution for small models). The cyclic GC is on while it traces,
+    as in a real job, whatever the caller has it at.
     """
+    with collector(on=True):
+        return _run_point(point, emulate_cuda, fake)
+
+
+def _run_point(point: Point, emulate_cuda: bool, fake: bool) -> tuple[dict, StorageTracker]:
     custom = point.workload.name == WorkloadName.custom
     build = build_function(point)
     k = knobs(point)
@@ -155,15 +161,21 @@ def _heap_set_aside() -> bool:
 
 
 @contextlib.contextmanager
-def collector_paused():
-    """The cyclic GC off while a trace becomes a journal, rows and replays: tens of thousands of
-    new tuples and blocks, and where the heap is set aside (a zygote's child) the collector's
-    thresholds are met again at once, a full collection of them each time (~0.3 s a 7B point).
-    The few cycles made meanwhile (merged allocator blocks) go with the next collection."""
-    enabled = gc.isenabled()
-    gc.disable()
+def collector(on: bool):
+    """The cyclic GC on or off inside; as the caller had it after. Off while a trace becomes a
+    journal, rows and replays: tens of thousands of new tuples and blocks, and where the heap is set
+    aside (a zygote's child) the collector's thresholds are met again at once, a full collection of
+    them each time (~0.3 s a 7B point). The few cycles made meanwhile (merged allocator blocks) go
+    with the next collection."""
+    was = gc.isenabled()
+    if on:
+        gc.enable()
+    else:
+        gc.disable()
     try:
         yield
     finally:
-        if enabled:
+        if was:
             gc.enable()
+        else:
+            gc.disable()
