@@ -86,8 +86,8 @@ def test_leak_workloads_synthesize_their_trace_and_holder(leak):
 
 def test_a_structure_checked_on_one_point_serves_another_batch_and_length(tmp_path):
     """Batch 2 and 4 (and their lengths) have journals that differ only in sizes: the second point
-    traces 2 layers only (the layer placed as on the first), skips the check at 3 layers and is
-    still its full trace; batch 1 (size-1 dimensions trace differently) is a structure of its own,
+    traces 1 layer only (the second placed as on the first point), skips the check at 3 layers and
+    is still its full trace; batch 1 (size-1 dimensions trace differently) is a structure of its own,
     learned and checked anew."""
     cache = str(tmp_path / ".traces")
     first = shortcut.trace(_point(batch_size=2, seq_len=64).replace(trace_cache=cache))
@@ -96,7 +96,7 @@ def test_a_structure_checked_on_one_point_serves_another_batch_and_length(tmp_pa
     p = _point(batch_size=4, seq_len=32).replace(trace_cache=cache)
     m = _assert_same_as_full(p)
     assert p.trace_cache and m["peak_allocated_bytes"] > 0
-    assert m["trace_method"] == ("synthesized: layer 2, placed as on 7b b2 s64 bf16 -> 4, steps 2 -> 3 "
+    assert m["trace_method"] == ("synthesized: layer 1, layer 2 placed as on 7b b2 s64 bf16 -> 4, steps 2 -> 3 "
                                  "(its structure checked at 3 on 7b b2 s64 bf16)")
     own = shortcut.trace(_point(batch_size=1, seq_len=64).replace(trace_cache=cache))
     assert own.measurements["trace_method"].startswith("synthesized: layers 1, 2 -> 4")
@@ -106,8 +106,8 @@ def test_a_structure_checked_on_one_point_serves_another_batch_and_length(tmp_pa
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["infer", "leak-graph", "amp-ckpt", "70b-fused"])
 def test_a_layer_placed_as_on_another_batch_is_the_full_trace(case, tmp_path):
-    """The second point of each (traced at 2 layers only, its layer placed as on the first) is
-    its full trace, figures and retained holder included, or was traced at 1 layer too."""
+    """The second point of each (traced at 1 layer only, the second placed as on the first point)
+    is its full trace, figures and retained holder included, or was traced at 2 layers too."""
     kw = {"infer": dict(workload="infer"), "leak-graph": {}, "amp-ckpt": dict(precision="amp_bf16", checkpointing=True),
           "70b-fused": dict(model="70b", optimizer="adamw", impl="fused")}[case]
     cache = str(tmp_path / ".traces")
@@ -124,17 +124,24 @@ def test_a_layer_placed_as_on_another_batch_is_the_full_trace(case, tmp_path):
 
 @pytest.mark.parametrize("model,kw", [("7b", {}), ("7b", {"checkpointing": True}), ("qwen2.5-7b", {}),
                                       ("7b", {"optimizer": "sgd"})])
-def test_a_template_at_its_own_depth_is_the_shallower_journal(model, kw):
-    """Synthesized at a layers (no copy of the new one; each chain's old part keeps its storage),
-    the template gives back the journal it was learned from: what a point placing the layer as
-    another did relearns from, in place of tracing it."""
-    p = _point(model, **kw)
-    p = p.replace(workload=p.workload.__class__(name="train", steps=2, new_tokens=16))
-    one, two = (run_point(shortcut.at_depth(p, d))[1].journal() for d in (1, 2))
-    template = repeat.learn(one, two, 1, "model.layers.")
-    assert repeat.canonical(repeat.synthesize(template, 1)) == repeat.canonical(one)
-    again = repeat.placed(two, repeat.layout(template))
-    assert repeat.structure(again) == repeat.structure(template)
+def test_a_recipe_taken_on_one_batch_makes_another_batchs_deeper_journal(model, kw):
+    """What a point placing its layer as another did builds in place of tracing it: its 2-layer
+    journal from its own 1-layer one's entries (the new layer's sizes its neighbour's), as a
+    recipe taken on another batch and length says - equal to the 2-layer journal traced - and
+    the layer placed there as learned."""
+    def journals(batch_size, seq_len):
+        p = _point(model, batch_size=batch_size, seq_len=seq_len, **kw)
+        p = p.replace(workload=p.workload.__class__(name="train", steps=2, new_tokens=16))
+        return [run_point(shortcut.at_depth(p, d))[1].journal() for d in (1, 2)]
+    one, two = journals(2, 64)
+    made_of = repeat.recipe(repeat.learn(one, two, 1, "model.layers."))
+    assert made_of is not None
+    other_one, other_two = journals(3, 32)
+    assert repeat.skeleton(other_one) == repeat.skeleton(one)
+    deeper = repeat.deepen(other_one, made_of)
+    assert repeat.canonical(deeper) == repeat.canonical(other_two)
+    template = repeat.learn(other_one, other_two, 1, "model.layers.")
+    assert repeat.structure(repeat.placed(deeper, repeat.layout(template))) == repeat.structure(template)
 
 
 @pytest.mark.slow

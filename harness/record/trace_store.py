@@ -101,8 +101,9 @@ def save_cached(cache_dir: Path | None, tid: str, trace_path: Path, measurements
 
 # What probe.sim.shortcut learned about a preset's repeating layers, shared by the sweep's points:
 # "checked" (by the template's structure) names the point its synthesis was checked on; "layouts"
-# (by the shallow journal's skeleton) holds where the new layer sits, for a point of the same
-# skeleton to skip tracing the shallower depth. One small JSON file per key.
+# (by the shallowest journal's skeleton) holds where the new layer sits and how the deeper journal
+# is made of the shallower (repeat.recipe), for a point of the same skeleton to skip tracing the
+# deeper depth. One JSON file per key (a layout: an entry per journal entry, ~100-150 KB for 7B).
 CHECKED, LAYOUTS = "checked", "layouts"
 
 

@@ -255,14 +255,12 @@ def learn(a: list[TraceEvent], b: list[TraceEvent], depth: int, layer_prefix: st
 
 
 def synthesize(t: Template, n_layers: int) -> list[TraceEvent]:
-    """The journal of `n_layers` (>= t.depth) layers. Keys are renumbered (each alloc its own);
-    seq is the entry's index. At t.depth itself, the shallower journal the template was learned
-    from: each chain's old part then takes its own storage back."""
+    """The journal of `n_layers` (> t.depth) layers. Keys are renumbered (each alloc its own);
+    seq is the entry's index."""
     k = n_layers - t.depth
-    if k < 0:
+    if k < 1:
         raise ValueError(f"synthesize {n_layers} layers from a template of {t.depth}+1")
     b, blocks = t.entries, t.blocks
-    handed_by = {rule[2]: rule[1] for rule in t.rules.values() if rule[0] == "chain"}  # new -> old
 
     def copy_of(blk: int, layer: int) -> int:  # the copy (in emission order) of `layer` at `blk`
         return k - 1 - layer if blocks[blk].reverse else layer
@@ -281,8 +279,6 @@ def synthesize(t: Template, n_layers: int) -> list[TraceEvent]:
             return key_of[(x, copy_of(t.block_of[x], layer_of(t.block_of[f], copy)))]
         if rule[0] == "last":
             x = rule[1]
-            if k == 0:  # no new layer: the chain's storage never left the old part
-                return key_of[(handed_by[x], -1)]
             blk = t.block_of[x]
             # the chain's last new layer: the top one going up, the lowest going down
             return key_of[(x, copy_of(blk, 0 if blocks[blk].reverse else k - 1))]
@@ -363,6 +359,72 @@ def placed(entries: list[TraceEvent], found: dict) -> Template:
     depth, prefix = int(found["depth"]), str(found["layer_prefix"])
     rules = {int(f): tuple(rule) for f, *rule in found["rules"]}
     return Template(depth, entries, blocks, block_of, rules, _layer_names(prefix, depth), prefix)
+
+
+_ITS_STORAGE = -1  # a recipe's source for a free or retag: the size of the storage it names
+
+
+def recipe(t: Template) -> list[list] | None:
+    """The deeper journal as made of the shallower one's entries (JSON): per entry its action, key,
+    kind, phase, step and module, and the shallower entry whose size it has - an old entry its own,
+    a new layer's alloc its counterpart in the layer beside it (_counterparts), a new layer's free
+    or retag its storage's (_ITS_STORAGE). None where a new layer's alloc has no counterpart."""
+    old = [k for k in range(len(t.entries)) if t.block_of[k] < 0]
+    in_shallower = {k: n for n, k in enumerate(old)}
+    named = referents(t.entries)
+    src: dict[int, int] = {}
+    for blk in t.blocks:
+        mine = range(blk.start, blk.start + blk.length)
+        if any(t.entries[j].action != "alloc" and j not in named for j in mine):
+            return None  # an end mark, or a free of a storage the journal never allocated
+        allocs = [j for j in mine if t.entries[j].action == "alloc"]
+        found = _counterparts(t, blk, allocs, [k for k in old if t.entries[k].action == "alloc"])
+        if found is None:
+            return None
+        src.update({j: _ITS_STORAGE for j in mine})
+        src.update({j: in_shallower[k] for j, k in zip(allocs, found)})
+    return [[e.action, e.key, src.get(j, in_shallower.get(j)), e.kind, e.phase, e.step, e.module]
+            for j, e in enumerate(t.entries)]
+
+
+def _counterparts(t: Template, blk: _Block, allocs: list[int], old: list[int]) -> list[int] | None:
+    """Each of the new layer's allocs in `blk`, matched to the old layer's beside it (`old`: the old
+    allocs): in order, alike in all but their sizes with the layer index one less, among the allocs
+    just before the block (read backwards) or just after it; the layer beside may allocate what the
+    new one does not (the first layer's cuBLAS workspace). Kept where each size is its match's."""
+    below = f"{t.layer_prefix}{t.depth - 1}"
+
+    def role(k: int) -> tuple:
+        e = t.entries[k]
+        return (e.kind, e.phase, e.step, t.layer_names.sub(below, e.module))
+
+    at = bisect.bisect_left(old, blk.start)
+    window = 2 * len(allocs)
+    for wanted, near in ((allocs[::-1], old[max(0, at - window):at][::-1]), (allocs, old[at:at + window])):
+        found: list[int] = []
+        n = 0
+        for j in wanted:
+            while n < len(near) and role(near[n]) != role(j):
+                n += 1
+            if n == len(near) or t.entries[near[n]].size != t.entries[j].size:
+                break
+            found.append(near[n])
+            n += 1
+        if len(found) == len(wanted):
+            return found if wanted is allocs else found[::-1]
+    return None
+
+
+def deepen(shallower: list[TraceEvent], made_of: list[list]) -> list[TraceEvent]:
+    """The deeper journal a `recipe` makes of `shallower`, a journal of the skeleton it was taken on."""
+    out: list[TraceEvent] = []
+    size_of: dict[int, int] = {}  # key -> its storage's size, while it lives
+    for i, (action, key, src, kind, phase, step, module) in enumerate(made_of):
+        size = size_of[int(key)] if src == _ITS_STORAGE else shallower[int(src)].size
+        if action == "alloc":
+            size_of[int(key)] = size
+        out.append(TraceEvent(i, str(action), int(key), size, str(kind), str(phase), int(step), str(module)))
+    return out
 
 
 def _layer_names(layer_prefix: str, depth: int) -> re.Pattern:

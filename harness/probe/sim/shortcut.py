@@ -11,9 +11,10 @@ Training steps repeat too: the shallow depths are traced for two steps and the r
 the second (probe.sim.steps), checked with the layers (the a+2 trace has every step). A template
 whose structure (repeat.structure: all but its sizes) was checked on another point of the sweep,
 another batch or length, is not checked again: nothing in its synthesis depends on its sizes. And a
-point whose a+1 journal has the skeleton (all but the sizes) of one a point of the sweep learned
-from places its layer as that one did, without tracing depth a: the layout is kept only where
-`learn`, given the depth-a journal the layout implies, places it there again.
+point whose depth-a journal has the skeleton (all but the sizes) of one a point of the sweep learned
+from does not trace depth a+1: it makes it of its own entries as that point's was made of its own
+(repeat.recipe: the new layer's sizes those of the layer beside it), kept only where `learn` places
+the layer there again and the figures traced at a are that point's.
 """
 
 from __future__ import annotations
@@ -94,17 +95,17 @@ def synthesized(point: Point) -> Traced:
     few = traced_steps(point)
     shallow = point.replace(workload=dataclasses.replace(point.workload, steps=few))
     cache = Path(point.trace_cache) if point.trace_cache else None
-    runs = {a + 1: run_point(at_depth(shallow, a + 1))}
-    deeper = runs[a + 1][1].journal()
-    prefix = _layer_prefix(deeper, a)
-    skeleton = repeat.skeleton(deeper)
-    reused = _placed_as_before(cache, skeleton, deeper, prefix, runs[a + 1][1].findings)
+    runs = {a: run_point(at_depth(shallow, a))}
+    shallower = runs[a][1].journal()
+    skeleton = repeat.skeleton(shallower)
+    reused = _placed_as_before(cache, skeleton, shallower, runs[a][1].findings)
     if reused is not None:
-        template, shallower_findings, placed_on = reused
+        template, deeper_findings, placed_on = reused
     else:
-        runs[a] = run_point(at_depth(shallow, a))
-        template = repeat.learn(runs[a][1].journal(), deeper, a, prefix)
-        shallower_findings, placed_on = runs[a][1].findings, None
+        runs[a + 1] = run_point(at_depth(shallow, a + 1))
+        deeper = runs[a + 1][1].journal()
+        template = repeat.learn(shallower, deeper, a, _layer_prefix(deeper, a))
+        deeper_findings, placed_on = runs[a + 1][1].findings, None
 
     def full(journal: list[TraceEvent]) -> list[TraceEvent]:  # every step of the point
         return stepwise.extend(journal, steps) if few < steps else journal
@@ -113,7 +114,7 @@ def synthesized(point: Point) -> Traced:
     # in this sweep's trace cache) synthesizes as that one did: only its sizes differ.
     structure = f"{repeat.structure(template)}:steps {few}->{steps}"
     checked = trace_store.read_note(cache, trace_store.CHECKED, structure)
-    findings = [shallower_findings, runs[a + 1][1].findings]
+    findings = [runs[a][1].findings, deeper_findings]
     if checked is None:
         runs[a + 2] = run_point(at_depth(point, a + 2))
         check = repeat.canonical(full(repeat.synthesize(template, a + 2)))
@@ -130,36 +131,38 @@ def synthesized(point: Point) -> Traced:
     # Both held at a+2 (the journal and the figures beside it), or were held on a point of this structure
     if checked is None:
         trace_store.write_note(cache, trace_store.CHECKED, structure, {"point": describe(point)})
-    if reused is None:
+    recipe = repeat.recipe(template) if reused is None else None
+    if recipe is not None:
         trace_store.write_note(cache, trace_store.LAYOUTS, skeleton, {
-            "layout": repeat.layout(template), "point": describe(point),
+            "layout": repeat.layout(template), "recipe": recipe, "point": describe(point),
             "findings": [_as_json(f) for f in findings[:2]]})
     journal = full(repeat.synthesize(template, n))
     m = measurements(journal, holder=holder, **scalars)
-    traced_layers = f"layer {a + 1}, placed as on {placed_on}" if placed_on else f"layers {a}, {a + 1}"
+    traced_layers = f"layer {a}, layer {a + 1} placed as on {placed_on}" if placed_on else f"layers {a}, {a + 1}"
     m["trace_method"] = (f"synthesized: {traced_layers} -> {n}{f', steps {few} -> {steps}' if few < steps else ''}"
                          f" ({how})")
     events = [e for e in journal if e.action in ("alloc", "free")]
     return Traced(m, events, {"scalars": scalars, "retained_holder": holder})
 
 
-def _placed_as_before(cache: Path | None, skeleton: str, deeper: list[TraceEvent], prefix: str,
+def _placed_as_before(cache: Path | None, skeleton: str, shallower: list[TraceEvent],
                       findings: dict) -> tuple[repeat.Template, dict, str] | None:
-    """The template of `deeper` (a+1 layers) without tracing a layers, where a point of this
-    sweep learned one from a journal of the same skeleton (another batch or length of the job):
-    its layout on these entries, kept only when `learn` places the layer there too given the
-    shallower journal it implies, and the figures traced beside it at a+1 are this point's (the
-    figures at a are then its too). Returns (template, the figures at a, the point it came from)."""
+    """The template without tracing a+1 layers, where a point of this sweep learned one from an
+    a-layer journal of the same skeleton (another batch or length of the job): its a+1 journal
+    made of this one's entries as that one's was of its own (repeat.recipe: the new layer's sizes
+    are its neighbour's), kept only when `learn` places the layer there again and the figures
+    traced at a are that point's (its figures at a+1 are then this one's too). Returns (template,
+    the figures at a+1, the point it came from)."""
     note = trace_store.read_note(cache, trace_store.LAYOUTS, skeleton)
     try:
-        if note is None or note["layout"]["layer_prefix"] != prefix or note["findings"][1] != _as_json(findings):
+        if note is None or note["findings"][0] != _as_json(findings):
             return None
-        template = repeat.placed(deeper, note["layout"])
-        again = repeat.learn(repeat.synthesize(template, template.depth), deeper, template.depth, prefix)
-        shallower, learned_on = note["findings"][0], str(note["point"])
+        template = repeat.placed(repeat.deepen(shallower, note["recipe"]), note["layout"])
+        again = repeat.learn(shallower, template.entries, template.depth, template.layer_prefix)
+        deeper_findings, learned_on = note["findings"][1], str(note["point"])
     except (NotRepeating, KeyError, IndexError, TypeError, ValueError):  # not a layout of ours: learn anew
         return None
-    return (again, shallower, learned_on) if repeat.structure(again) == repeat.structure(template) else None
+    return (again, deeper_findings, learned_on) if repeat.structure(again) == repeat.structure(template) else None
 
 
 def _as_json(value):
