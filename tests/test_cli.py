@@ -312,9 +312,16 @@ def test_an_interrupted_sweep_stops_every_point_and_says_how_to_resume(tmp_path,
     assert not [p for p in started if os.path.exists(f"/proc/{p}")], "a process of the sweep kept running"
     from harness.cli.interrupt import _processes
 
+    def writes_here(pid: int) -> bool:  # its stdout is one of this sweep's worker.logs
+        try:
+            return os.readlink(f"/proc/{pid}/fd/1").startswith(str(tmp_path))
+        except OSError:
+            return False
+
     procs = _processes()  # a point forked from the zygote is the zygote's child, not ours: it ends too
-    forked = [p for p, (ppid, cmd) in procs.items()
-              if "harness.launch.zygote" in cmd and "harness.launch.zygote" in procs.get(ppid, (0, ""))[1]]
+    forked = [p for p, (ppid, cmd) in procs.items()  # (the zygote is shared: other sweeps' points may run)
+              if "harness.launch.zygote" in cmd and "harness.launch.zygote" in procs.get(ppid, (0, ""))[1]
+              and writes_here(p)]
     assert not forked, "a point forked from the zygote kept running"
     assert not list(tmp_path.rglob("result.json"))  # and nothing wrote a row after the stop
 

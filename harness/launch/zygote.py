@@ -58,12 +58,12 @@ class _Handler(socketserver.StreamRequestHandler):
         self.wfile.write(f"pid {os.getpid()}\n".encode())
         self.wfile.flush()
         _die_with_client(self.connection)
-        # Points beyond the cores wait here: a sweep may start more at once than there are cores
-        # without oversubscribing the CPU.
-        slot = _take_slot(self.server.slots_dir, self.server.slots)  # noqa: F841 (held until exit)
         log = os.open(run_dir / "worker.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
+        # Points beyond the cores wait here: a sweep may start more at once than there are cores
+        # without oversubscribing the CPU.
+        slot = _take_slot(self.server.slots_dir, self.server.slots)  # noqa: F841 (held until exit)
         from harness.probe import worker
 
         try:
