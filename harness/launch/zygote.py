@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import gc
 import hashlib
 import os
 import signal
@@ -113,14 +112,14 @@ def serve(path: Path, model: str | None = None) -> None:
 
     from harness.config.compose import parallelism
     from harness.probe import worker  # noqa: F401
+    from harness.probe.sim.trace import set_aside_for_forks
     from harness.record.provenance import versions
 
     # The code this process loaded, hashed now: a child reads it from here, not from the files,
     # which may have been edited since (its rows would name code it does not run).
     versions()
     _warm_up(model)
-    gc.collect()
-    gc.freeze()
+    set_aside_for_forks()
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     server = _Server(str(tmp), _Handler)
     server.slots = parallelism()

@@ -148,16 +148,28 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool) -> tuple[dict, Stor
 
 
 _set_aside_in: dict[int, bool] = {}  # pid -> whether its heap was frozen before its first trace
+_frozen_for_forks = False  # set_aside_for_forks ran: every child forked after has its heap set aside
 
 
 def _heap_set_aside() -> bool:
     """Whether this process froze its heap before tracing (a zygote's child). Asked once per
-    process: counting the frozen objects walks them all (~40 ms for torch and transformers). A
-    trace leaves the count as it found it, so the first answer holds for the process."""
+    process: counting the frozen objects walks them all (~40 ms for torch and transformers), so a
+    zygote's children take it from the zygote. A trace leaves the count as it found it, so the
+    first answer holds for the process."""
     pid = os.getpid()
     if pid not in _set_aside_in:
-        _set_aside_in[pid] = gc.get_freeze_count() > 0
+        _set_aside_in[pid] = _frozen_for_forks or gc.get_freeze_count() > 0
     return _set_aside_in[pid]
+
+
+def set_aside_for_forks() -> None:
+    """Set what this process holds aside from the cyclic GC (collected, then frozen), for the
+    children it forks from now on (a zygote before serving): their collections walk only what
+    they make."""
+    global _frozen_for_forks
+    gc.collect()
+    gc.freeze()
+    _frozen_for_forks = True
 
 
 @contextlib.contextmanager
