@@ -20,10 +20,10 @@ def synthetic(n_events: int, seed: int = 0) -> list[tuple]:
     rng, rows, live, key = random.Random(seed), [], [], 0
     while len(rows) < n_events:
         if live and rng.random() < 0.48:
-            rows.append(("free", live.pop(rng.randrange(len(live))), 0, None))
+            rows.append(("free", live.pop(rng.randrange(len(live))), 0, None, 0))
         else:
             size = rng.choice([rng.randint(1, 8192), rng.randint(MiB, 64 * MiB)])
-            rows.append(("alloc", key, size, None))
+            rows.append(("alloc", key, size, None, 0))
             live.append(key)
             key += 1
     return rows

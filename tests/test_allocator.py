@@ -359,9 +359,9 @@ def test_a_snapshot_written_from_a_replay_replays_exactly(tmp_path, conf):
     rows, live, key = [], [], 0
     for _ in range(4000):
         if live and rng.random() < 0.47:
-            rows.append(("free", live.pop(rng.randrange(len(live))), 0, None))
+            rows.append(("free", live.pop(rng.randrange(len(live))), 0, None, 0))
         else:
-            rows.append(("alloc", key, rng.choice([rng.randint(1, 8192), rng.randint(MiB, 48 * MiB)]), None))
+            rows.append(("alloc", key, rng.choice([rng.randint(1, 8192), rng.randint(MiB, 48 * MiB)]), None, 0))
             live.append(key)
             key += 1
     from harness.allocator.replay import replay_events

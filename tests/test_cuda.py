@@ -109,3 +109,20 @@ def test_a_users_job_runs_for_real_with_its_value_reads(tmp_path):
     assert r.returncode == 0, r.stderr + str(df[["workload_target", "error"]])
     assert list(df["status"]) == ["ok", "ok"]  # .item() is fine on a card
     assert set(df["model"]) >= {"GPT"}
+
+
+def test_a_side_streams_blocks_are_reused_as_on_the_virtual_gpu(tmp_path):
+    """tests/scripts/side_stream.py on the card and on the virtual GPU: the same readings (a block
+    freed on a side stream is reused on that stream only)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from tests.test_script import SIDE_STREAM, side_stream_readings
+
+    real = subprocess.run([sys.executable, str(SIDE_STREAM)], capture_output=True, text=True, cwd=REPO)
+    assert real.returncode == 0, real.stderr
+    virtual = run_cli("script", str(SIDE_STREAM), cwd=tmp_path)
+    assert virtual.returncode == 0, virtual.stderr
+    print("\n[gpu-check] side stream: " + json.dumps(side_stream_readings(real.stdout)))
+    assert side_stream_readings(real.stdout) == side_stream_readings(virtual.stdout)

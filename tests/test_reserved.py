@@ -16,9 +16,9 @@ MiB = 1024**2
 
 def _small_then_large():
     """8 x 16 MiB freed, then 4 x 32 MiB: 128 MiB live at most, 256 MiB reserved by default."""
-    rows = [("alloc", i, 16 * MiB, ("forward", 0, "m", "activation")) for i in range(8)]
-    rows += [("free", i, 16 * MiB, None) for i in range(8)]
-    rows += [("alloc", 10 + i, 32 * MiB, ("backward", 0, "m", "temporary")) for i in range(4)]
+    rows = [("alloc", i, 16 * MiB, ("forward", 0, "m", "activation"), 0) for i in range(8)]
+    rows += [("free", i, 16 * MiB, None, 0) for i in range(8)]
+    rows += [("alloc", 10 + i, 32 * MiB, ("backward", 0, "m", "temporary"), 0) for i in range(4)]
     return rows
 
 

@@ -82,6 +82,58 @@ def test_a_script_that_does_not_fit_the_card_raises_torch_out_of_memory_at_its_l
     assert run.stats["num_ooms"] == 1
 
 
+SIDE_STREAM = REPO / "tests" / "scripts" / "side_stream.py"
+
+
+def side_stream_readings(out: str) -> dict:
+    """side_stream.py's printed readings: {label: {reading: bytes}} (tests/test_cuda.py reads a real run's)."""
+    got = {}
+    for line in out.splitlines():
+        label, sep, rest = line.partition(" allocated ")
+        if sep:
+            words = ["allocated", *rest.split()]
+            got[label] = {words[i]: int(words[i + 1]) for i in range(0, len(words), 2)}
+    return got
+
+
+def test_a_side_streams_free_block_is_reused_on_its_stream_only(capsys):
+    """The caching allocator keys free blocks by stream: 100 MiB freed on a side stream is not the
+    default stream's (a second segment: 200 MiB reserved), and is the side stream's again."""
+    run = run_script(SIDE_STREAM, [], cards.by_key()["a100-80gb"], AllocSettings())
+    out = capsys.readouterr().out
+    assert run.exit_code == 0 and run.error is None, run.error
+    MiB = 2**20
+    got = side_stream_readings(out)
+    assert got["side freed"] == {"allocated": 0, "max_allocated": 100 * MiB, "reserved": 100 * MiB}
+    assert got["default"] == {"allocated": 100 * MiB, "max_allocated": 100 * MiB, "reserved": 200 * MiB}
+    assert got["side again"] == {"allocated": 100 * MiB, "max_allocated": 100 * MiB, "reserved": 200 * MiB}
+    assert "current is default True" in out
+
+
+def test_a_jobs_side_stream_is_in_its_trace_and_its_replay(tmp_path):
+    """What a job allocates inside `torch.cuda.stream(side)` is on that stream in the trace file,
+    and the replay keeps it in that stream's pool (more reserved than the same trace on one stream)."""
+    import pandas as pd
+
+    from harness.allocator.replay import replay_events
+    from harness.record import trace_store
+
+    point = train_point(precision="fp32", batch_size=4, seq_len=128).replace(
+        workload=Workload(name="custom", steps=3, target="tests.jobs.side_stream:build"), cwd=str(REPO))
+    rec = run_sim(point, tmp_path)
+    assert rec["status"] == "ok", rec.get("error")
+    df = pd.read_parquet(rec["trace_path"])
+    side = df[df["stream"] != 0]
+    allocs = side[side["action"] == "alloc"]
+    assert set(df["stream"]) == {0, 1} and set(allocs["module"]) == {"up"}
+    assert (allocs["phase"] == "forward").all()  # the forward's projection only
+    workspaces = df[(df["action"] == "alloc") & (df["kind"] == "workspace")]
+    assert sorted(zip(workspaces["phase"], workspaces["stream"])) == [("backward", 0), ("forward", 0), ("forward", 1)]
+    one_stream = replay_events(trace_store.replay_rows(df.assign(stream=0)), AllocSettings())[0]
+    assert rec["peak_reserved_bytes"] > one_stream.peak_reserved_bytes
+    assert rec["peak_allocated_bytes"] == one_stream.peak_allocated_bytes
+
+
 def test_a_jobs_own_memory_readings_are_the_virtual_cards(tmp_path):
     from tests.jobs import reads_memory
 

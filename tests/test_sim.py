@@ -39,7 +39,7 @@ def _phase_peak_temporaries(tracker, phase):
     """Largest sum of live `temporary` bytes during `phase` from step 2 on (step 1 creates
     the optimizer state, tagged temporary until that step ends)."""
     live, cur, peak = {}, 0, 0
-    for _s, action, key, size, kind, ph, st, _m in tracker.events:
+    for _s, action, key, size, kind, ph, st, _m, _stream in tracker.events:
         if action == "alloc":
             live[key] = (size, kind)
             if kind == "temporary" and ph == phase and st >= 1:

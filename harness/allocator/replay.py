@@ -281,6 +281,7 @@ class ReplayRow(NamedTuple):
     key: int  # the storage's identity while it lives
     size: int  # requested bytes
     tag: EventTag | None
+    stream: int = 0  # the CUDA stream it is allocated on: free blocks are reused on their own stream only
 
 
 # The steady state of a virtual-GPU trace begins with its second step (step 1 builds the optimizer
@@ -290,7 +291,7 @@ STEADY_FROM_STEP = 1
 
 def replay_events(events, settings: AllocSettings, device: Device | None = None, on_event=None,
                   stop_at_oom: bool = True, lean: bool = False) -> tuple[ReplayResult, CachingAllocator]:
-    """Replay a virtual-GPU trace (ReplayRow: action, key, size, tag): the whole run's peaks and
+    """Replay a virtual-GPU trace (ReplayRow: action, key, size, tag, stream): the whole run's peaks and
     the steady state's (from the first event of step STEADY_FROM_STEP on); `lean`: see
     ReplayResult.lean. `on_event(action, addr, size, stream, tag)` sees each allocator event with
     the row's tag."""
@@ -301,13 +302,13 @@ def replay_events(events, settings: AllocSettings, device: Device | None = None,
     tag = None
     if on_event is not None:
         alloc.on_event = lambda action, addr, size, stream: on_event(action, addr, size, stream, tag)
-    for i, (action, key, size, tag) in enumerate(events):
+    for i, (action, key, size, tag, stream) in enumerate(events):
         result.requests = i + 1
         if not lean and peaks.window is None and tag is not None and tag[1] >= STEADY_FROM_STEP:  # EventTag.step
             peaks.open_window()
         if action == "alloc":
             try:
-                b = alloc.malloc(int(size))
+                b = alloc.malloc(int(size), stream)
             except OutOfMemory as oom:
                 result.ooms.append(_oom_row(oom, i, int(size), tag))
                 if stop_at_oom:

@@ -24,7 +24,7 @@ from harness.record.row import point_identity
 
 TRACE_FILE = "trace.parquet"
 MEASUREMENTS_FILE = "measurements.json"
-COLUMNS = ["seq", "action", "key", "size", "kind", "phase", "step", "module"]
+COLUMNS = ["seq", "action", "key", "size", "kind", "phase", "step", "module", "stream"]
 
 
 def trace_id(point: Point, reads_card: bool = False) -> str:
@@ -55,7 +55,9 @@ def replay_rows(df: pd.DataFrame) -> list[ReplayRow]:
     places: dict[tuple, EventTag] = {}
     tags = (places.get(p) or places.setdefault(p, EventTag._make(p))
             for p in zip(cols["phase"], cols["step"], cols["module"], cols["kind"]))
-    return list(map(ReplayRow._make, zip(cols["action"], cols["key"], df["size"].astype("int64").tolist(), tags)))
+    streams = df["stream"].astype("int64").tolist() if "stream" in df else [0] * len(df)  # (one stream before)
+    return list(map(ReplayRow._make, zip(cols["action"], cols["key"], df["size"].astype("int64").tolist(), tags,
+                                         streams)))
 
 
 def cached(cache_dir: Path | None, tid: str) -> bool:

@@ -49,7 +49,7 @@ class Template:
 
 
 def _token(e: TraceEvent) -> tuple:
-    return (e.action, e.size, e.kind, e.phase, e.step, e.module)
+    return (e.action, e.size, e.kind, e.phase, e.step, e.module, e.stream)
 
 
 def referents(entries: list[TraceEvent]) -> dict[int, int]:
@@ -305,7 +305,7 @@ def synthesize(t: Template, n_layers: int) -> list[TraceEvent]:
         if copy >= 0 and module:
             layer = layer_of(t.block_of[i], copy)
             module = t.layer_names.sub(f"{t.layer_prefix}{t.depth + layer}", module)
-        out.append(TraceEvent(len(out), e.action, key, e.size, e.kind, e.phase, e.step, module))
+        out.append(TraceEvent(len(out), e.action, key, e.size, e.kind, e.phase, e.step, module, e.stream))
 
     starts = {blk.start: n for n, blk in enumerate(blocks)}
     i = 0
@@ -326,8 +326,8 @@ def synthesize(t: Template, n_layers: int) -> list[TraceEvent]:
 def canonical(entries: list[TraceEvent]) -> list[tuple]:
     """The entries with keys replaced by their alloc's position: equal for equal journals."""
     ref = referents(entries)
-    return [(e.action, ref.get(i, i if e.action == "alloc" else -1), e.size, e.kind, e.phase, e.step, e.module)
-            for i, e in enumerate(entries)]
+    return [(e.action, ref.get(i, i if e.action == "alloc" else -1), e.size, e.kind, e.phase, e.step, e.module,
+             e.stream) for i, e in enumerate(entries)]
 
 
 def skeleton(entries: list[TraceEvent]) -> str:
@@ -366,7 +366,7 @@ _ITS_STORAGE = -1  # a recipe's source for a free or retag: the size of the stor
 
 def recipe(t: Template) -> list[list] | None:
     """The deeper journal as made of the shallower one's entries (JSON): per entry its action, key,
-    kind, phase, step and module, and the shallower entry whose size it has - an old entry its own,
+    kind, phase, step, module and stream, and the shallower entry whose size it has - an old entry its own,
     a new layer's alloc its counterpart in the layer beside it (_counterparts), a new layer's free
     or retag its storage's (_ITS_STORAGE). None where a new layer's alloc has no counterpart."""
     old = [k for k in range(len(t.entries)) if t.block_of[k] < 0]
@@ -383,7 +383,7 @@ def recipe(t: Template) -> list[list] | None:
             return None
         src.update({j: _ITS_STORAGE for j in mine})
         src.update({j: in_shallower[k] for j, k in zip(allocs, found)})
-    return [[e.action, e.key, src.get(j, in_shallower.get(j)), e.kind, e.phase, e.step, e.module]
+    return [[e.action, e.key, src.get(j, in_shallower.get(j)), e.kind, e.phase, e.step, e.module, e.stream]
             for j, e in enumerate(t.entries)]
 
 
@@ -396,7 +396,7 @@ def _counterparts(t: Template, blk: _Block, allocs: list[int], old: list[int]) -
 
     def role(k: int) -> tuple:
         e = t.entries[k]
-        return (e.kind, e.phase, e.step, t.layer_names.sub(below, e.module))
+        return (e.kind, e.phase, e.step, t.layer_names.sub(below, e.module), e.stream)
 
     at = bisect.bisect_left(old, blk.start)
     window = 2 * len(allocs)
@@ -419,11 +419,12 @@ def deepen(shallower: list[TraceEvent], made_of: list[list]) -> list[TraceEvent]
     """The deeper journal a `recipe` makes of `shallower`, a journal of the skeleton it was taken on."""
     out: list[TraceEvent] = []
     size_of: dict[int, int] = {}  # key -> its storage's size, while it lives
-    for i, (action, key, src, kind, phase, step, module) in enumerate(made_of):
+    for i, (action, key, src, kind, phase, step, module, stream) in enumerate(made_of):
         size = size_of[int(key)] if src == _ITS_STORAGE else shallower[int(src)].size
         if action == "alloc":
             size_of[int(key)] = size
-        out.append(TraceEvent(i, str(action), int(key), size, str(kind), str(phase), int(step), str(module)))
+        out.append(TraceEvent(i, str(action), int(key), size, str(kind), str(phase), int(step), str(module),
+                              int(stream)))
     return out
 
 

@@ -106,6 +106,7 @@ class TraceEvent(NamedTuple):
     phase: str
     step: int  # -1: before the first step
     module: str  # the innermost module running, "" outside any
+    stream: int = 0  # the CUDA stream the storage was allocated on (0: the default stream)
 
 
 class StorageTracker(TorchDispatchMode):
@@ -123,15 +124,16 @@ class StorageTracker(TorchDispatchMode):
         # on it, and the cyclic GC frees in no fixed order).
         self.recording = True
         self.findings: dict[str, Any] = {}  # what the probe found after the steps (e.g. retained_holder)
-        self._live: dict[int, list] = {}  # key -> [requested, allocated, kind]
+        self._live: dict[int, list] = {}  # key -> [requested, allocated, kind, stream]
         self.kind_bytes = {k: 0 for k in KINDS}
         self.allocated = 0
         self.requested = 0
         self.phase = "setup"
         self.step = -1
         self.module_stack: list[str] = []
+        self.stream = 0  # the current stream's id (virtual_cuda's streams set it); 0: the default
         self.emulate_cublas_workspace = emulate_cublas_workspace
-        self._workspaces: set[str] = set()
+        self._workspaces: set[tuple[str, int]] = set()
         self._next_synthetic = -1
         self._fresh_zeros = 0  # storage key of the last zeros a backward formula made
         self._host: set[int] = set()  # keys of storages a real run keeps in host memory (not counted)
@@ -151,10 +153,10 @@ class StorageTracker(TorchDispatchMode):
     def end_step(self) -> None:
         self._mark("end", 0, 0, "")
 
-    def _mark(self, action: str, key: int, size: int, kind: str) -> None:
+    def _mark(self, action: str, key: int, size: int, kind: str, stream: int = 0) -> None:
         if not self.recording:
             return
-        self.marks.append(TraceEvent(self._seq, action, key, size, kind, self._phase(), self.step, ""))
+        self.marks.append(TraceEvent(self._seq, action, key, size, kind, self._phase(), self.step, "", stream))
         self._seq += 1
 
     def journal(self) -> list[TraceEvent]:
@@ -174,20 +176,21 @@ class StorageTracker(TorchDispatchMode):
     # ---- bookkeeping -----------------------------------------------------------------
     def _record_alloc(self, key: int, nbytes: int, kind: str) -> None:
         alloc = round_request(nbytes)
-        self._live[key] = [nbytes, alloc, kind]
+        self._live[key] = [nbytes, alloc, kind, self.stream]
         self.allocated += alloc
         self.requested += nbytes
         self.kind_bytes[kind] += alloc
         module = self.module_stack[-1] if self.module_stack else ""
         if not self.recording:
             return
-        self.events.append(TraceEvent(self._seq, "alloc", key, nbytes, kind, self._phase(), self.step, module))
+        self.events.append(TraceEvent(self._seq, "alloc", key, nbytes, kind, self._phase(), self.step, module,
+                                      self.stream))
         self._seq += 1
         if self.after_alloc is not None:
             self.after_alloc()
 
     def _forget(self, key: int) -> list | None:
-        """Stop counting a live storage; returns its [requested, allocated, kind] entry."""
+        """Stop counting a live storage; returns its [requested, allocated, kind, stream] entry."""
         entry = self._live.pop(key, None)
         if entry is not None:
             self.allocated -= entry[1]
@@ -198,7 +201,8 @@ class StorageTracker(TorchDispatchMode):
     def _record_free(self, key: int) -> None:
         entry = self._forget(key)
         if entry is not None and self.recording:
-            self.events.append(TraceEvent(self._seq, "free", key, entry[0], entry[2], self._phase(), self.step, ""))
+            self.events.append(TraceEvent(self._seq, "free", key, entry[0], entry[2], self._phase(), self.step, "",
+                                          entry[3]))
             self._seq += 1
 
     def track(self, t: torch.Tensor, kind: str, host: bool = False) -> None:
@@ -249,7 +253,7 @@ class StorageTracker(TorchDispatchMode):
         self.kind_bytes[entry[2]] -= entry[1]
         self.kind_bytes[kind] += entry[1]
         entry[2] = kind
-        self._mark("retag", t.untyped_storage()._cdata, entry[0], kind)
+        self._mark("retag", t.untyped_storage()._cdata, entry[0], kind, entry[3])
 
     def drop(self, t: torch.Tensor) -> None:
         """Forget a storage that a real CUDA run keeps on the host (e.g. optimizer step counts):
@@ -280,12 +284,13 @@ class StorageTracker(TorchDispatchMode):
         return "activation"  # forward, prefill, decode, or a forward phase a job named itself
 
     def _workspace(self, func) -> None:
-        # One workspace per CPU thread that issues GEMMs: the caller's thread for forward and
-        # the autograd engine's device thread for backward (including checkpoint recompute).
-        thread = "backward" if self._phase() == "backward" else "forward"
-        if thread in self._workspaces:
+        # One workspace per cuBLAS handle and stream (at::cuda's cublas_handle_stream_to_workspace):
+        # a handle per CPU thread that issues GEMMs, the caller's for forward and the autograd
+        # engine's device thread's for backward (including checkpoint recompute).
+        handle = ("backward" if self._phase() == "backward" else "forward", self.stream)
+        if handle in self._workspaces:
             return
-        self._workspaces.add(thread)
+        self._workspaces.add(handle)
         key = self._next_synthetic
         self._next_synthetic -= 1
         self._record_alloc(key, CUBLAS_WORKSPACE_BYTES, "workspace")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import sys
 import traceback
 from pathlib import Path
@@ -56,6 +57,20 @@ class LiveAllocator:
         self.whole_run: dict = {}  # the peaks before the code last reset them
         tracker.on_drop = self._dropped
         tracker.after_alloc = self.catch_up if eager else None
+        # torch.cuda's streams, numbered per trace (0: the default stream) so that traces of one
+        # job at other depths number them alike
+        self.Stream = type("Stream", (_Stream,), {"live": self})
+        self.stream_ids = itertools.count(1)
+        self.default_stream = self.Stream(_default=True)
+        self.current_stream = self.default_stream
+
+    def use_stream(self, stream: _Stream) -> _Stream:
+        """Make `stream` current (torch.cuda.set_stream); returns the one current before."""
+        if not isinstance(stream, _Stream):
+            raise TypeError(f"expected a torch.cuda.Stream of the virtual GPU, got {type(stream).__name__}")
+        before, self.current_stream = self.current_stream, stream
+        self.tracker.stream = stream.stream_id
+        return before
 
     # ---- following the tracker -------------------------------------------------------------
     def catch_up(self) -> None:
@@ -65,7 +80,7 @@ class LiveAllocator:
             self.done += 1
             if e.action == "alloc":
                 try:
-                    self.blocks[e.key] = self.alloc.malloc(e.size)
+                    self.blocks[e.key] = self.alloc.malloc(e.size, e.stream)
                 except OutOfMemory as oom:
                     text = oom_message.message(oom, torch.__version__)
                     raise torch.OutOfMemoryError(text) from None
@@ -179,10 +194,19 @@ class _Event:
 
 
 class _Stream:
-    """torch.cuda.Stream: the virtual GPU has one stream (the allocator model frees at once)."""
+    """torch.cuda.Stream on the virtual GPU: an id the tracker puts on each storage allocated while
+    it is current (the allocator model reuses a free block on its own stream only, as the caching
+    allocator does). Nothing runs, so waits and synchronizations return at once; a tensor's
+    record_stream is not modelled (the model frees at once). Each trace has its subclass, bound to
+    its LiveAllocator (`live`), so that its streams are numbered per trace."""
 
-    def __init__(self, device=None, priority=0, **kwargs):
-        self.device, self.priority = torch.device("cuda", 0), priority
+    live: LiveAllocator
+
+    def __init__(self, device=None, priority: int = 0, _default: bool = False, **kwargs):
+        self.stream_id = 0 if _default else next(self.live.stream_ids)
+        self.priority = priority
+        self.device = torch.device("cuda", 0)
+        self.cuda_stream = self.stream_id  # the handle torch reports: here the id, 0 for the default stream
 
     def synchronize(self):
         return None
@@ -199,11 +223,29 @@ class _Stream:
     def query(self) -> bool:
         return True
 
-    def __enter__(self):
+    def __enter__(self):  # `with stream:` as torch.Stream allows
+        self._entered = self.live.use_stream(self)
         return self
 
     def __exit__(self, *exc):
+        self.live.use_stream(self._entered)
         return False
+
+    def __repr__(self) -> str:
+        return f"<virtual torch.cuda.Stream device=cuda:0 cuda_stream={self.stream_id}>"
+
+
+@contextlib.contextmanager
+def _stream_context(live: LiveAllocator, stream):
+    """torch.cuda.stream(s): `s` current inside (None: unchanged)."""
+    if stream is None:
+        yield None
+        return
+    before = live.use_stream(stream)
+    try:
+        yield stream
+    finally:
+        live.use_stream(before)
 
 
 class _NoNvtx:
@@ -289,10 +331,12 @@ def _functions(live: LiveAllocator, original_summary) -> dict:
         "manual_seed_all": lambda seed: None,
         "synchronize": lambda device=None: None,
         "Event": _Event,
-        "Stream": _Stream,
-        "current_stream": lambda device=None: _Stream(),
-        "default_stream": lambda device=None: _Stream(),
-        "stream": lambda stream=None: contextlib.nullcontext(stream),
+        "Stream": live.Stream,
+        "current_stream": lambda device=None: live.current_stream,
+        "default_stream": lambda device=None: live.default_stream,
+        "set_stream": lambda stream: live.use_stream(stream) and None,
+        "stream": lambda stream=None: _stream_context(live, stream),
+        "StreamContext": lambda stream: _stream_context(live, stream),
         "device": lambda device: contextlib.nullcontext(),  # `with torch.cuda.device(0):` - there is one
     }
 
