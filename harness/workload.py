@@ -40,6 +40,9 @@ class Knobs:
     precision: str  # fp32 | bf16 | fp16 | amp_bf16 | amp_fp16
     checkpointing: bool  # applied per block when Job.blocks names the block class
     args: dict[str, Any] = field(default_factory=dict)  # your own keys: +workload.args.<key>=...
+    # parallel.*: the device mesh of this rank's process group (a fake one on the virtual GPU), for
+    # the job to shard its model over; None on one GPU.
+    mesh: Any = None
     # The knobs your build function looked at: checkpointing=true on a job that neither names its
     # blocks nor reads the knob would change nothing, and is refused rather than recorded.
     read: set[str] = field(default_factory=set, repr=False, compare=False)

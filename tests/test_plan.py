@@ -64,10 +64,12 @@ def test_margin_counts_as_memory_kept_from_pytorch():
 
 def test_a_run_that_fits_only_after_a_cache_flush_is_decided_by_replaying_its_trace(tmp_path):
     # 1 GiB allocated and freed (cached), then 1.5 GiB: 2.5 GiB reserved without limit, 1.5 GiB live.
-    events = [(0, "alloc", 1, GIB, "activation", "forward", 0, "m"),
-              (1, "free", 1, GIB, "activation", "forward", 0, "m"),
-              (2, "alloc", 2, 3 * GIB // 2, "activation", "forward", 0, "m"),
-              (3, "free", 2, 3 * GIB // 2, "activation", "forward", 0, "m")]
+    from harness.probe.sim.tracker import TraceEvent
+
+    events = [TraceEvent(0, "alloc", 1, GIB, "activation", "forward", 0, "m"),
+              TraceEvent(1, "free", 1, GIB, "activation", "forward", 0, "m"),
+              TraceEvent(2, "alloc", 2, 3 * GIB // 2, "activation", "forward", 0, "m"),
+              TraceEvent(3, "free", 2, 3 * GIB // 2, "activation", "forward", 0, "m")]
     path = tmp_path / "trace.parquet"
     trace_store.to_frame(events).to_parquet(path)
     row = {"run_id": "r", "peak_allocated_bytes": 3 * GIB // 2, "peak_reserved_bytes": 5 * GIB // 2,

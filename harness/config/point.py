@@ -243,6 +243,28 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class Parallel:
+    """How the job is spread over GPUs; a point's figures are one GPU's (rank 0's)."""
+    dp_shard: int = 1  # FSDP2 (fully_shard per decoder layer and the root): ranks each parameter is sharded over
+    dp_replicate: int = 1  # DDP replicas (HSDP with dp_shard)
+    tp: int = 1  # tensor parallel (DTensor parallelize_module)
+    reshard_after_forward: bool = True  # FSDP2: free the gathered layer after its forward (ZeRO-3), else keep it (ZeRO-2)
+
+    def __post_init__(self):
+        for key in ("dp_shard", "dp_replicate", "tp"):
+            _at_least(f"parallel.{key}", getattr(self, key), 1)
+        # What the virtual GPU models so far: FSDP2. The rest is refused rather than answered
+        # as if the job ran on one GPU.
+        for key, what in (("dp_replicate", "DDP/HSDP replicas"), ("tp", "tensor parallel")):
+            if getattr(self, key) > 1:
+                raise ConfigError(f"parallel.{key}", f"{what} is not modelled yet: use parallel.dp_shard (FSDP2)")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_shard * self.dp_replicate * self.tp
+
+
+@dataclass(frozen=True)
 class Point:
     """One run: the knobs, the card it is judged against, and where it was asked from."""
     model: Model = field(default_factory=Model)
@@ -254,6 +276,7 @@ class Point:
     seq_len: int = 1024  # tokens per sequence (infer: the whole context)
     precision: Precision = Precision.bf16
     checkpointing: bool = False
+    parallel: Parallel = field(default_factory=Parallel)
     backend: Backend = Backend.auto
     results_dir: str = "results"
     sweep: str = "adhoc"
@@ -278,6 +301,13 @@ class Point:
             raise ConfigError("timeout_s", f"must be > 0, got {self.timeout_s}")
         if self.gpu.memory_bytes <= 0:
             raise ConfigError("gpu.memory_bytes", f"must be > 0, got {self.gpu.memory_bytes}")
+        if self.parallel.world_size > 1:
+            if self.backend == Backend.cuda:
+                raise ConfigError("parallel.dp_shard", "a job over several GPUs runs on the virtual GPU only so far "
+                                  "(backend=sim): one rank traced, its peaks per GPU")
+            if self.workload.name != WorkloadName.train:
+                raise ConfigError("parallel.dp_shard", "sharding is modelled for workload=train (FSDP2 on a preset) "
+                                  f"so far, not workload={self.workload.name}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Point:

@@ -42,9 +42,9 @@ def build_function(point: Point):
     return presets.builder(point)
 
 
-def knobs(point: Point) -> Knobs:
+def knobs(point: Point, mesh=None) -> Knobs:
     return Knobs(batch_size=point.batch_size, seq_len=point.seq_len, precision=point.precision,
-                 checkpointing=bool(point.checkpointing), args=dict(point.workload.args or {}))
+                 checkpointing=bool(point.checkpointing), args=dict(point.workload.args or {}), mesh=mesh)
 
 
 def check_job(job, point: Point) -> int:

@@ -14,6 +14,7 @@ import torch
 
 from harness.config.models import hf_config
 from harness.config.point import Leak, OptimizerName, Point, WorkloadName
+from harness.probe.sim.sharded import shard
 from harness.workload import Job, Knobs, phase
 
 
@@ -25,6 +26,10 @@ def builder(point: Point) -> Callable[[Knobs], Job]:
         config = hf_config(point.model)
         model = AutoModelForCausalLM.from_config(config, dtype=k.dtype)
         train = point.workload.name == WorkloadName.train
+        if train and k.checkpointing:  # torch.utils.checkpoint re-enters the forward's autocast to recompute
+            enable_checkpointing(model)
+        if k.mesh is not None:  # parallel.dp_shard: this rank's shards (probe.sim.sharded), as the job sets up
+            shard(model, k.mesh, point.parallel)
         # infer: the prompt; the rest of the context is decoded
         n_tokens = k.seq_len - (0 if train else point.workload.new_tokens)
         phase("input")
@@ -33,8 +38,6 @@ def builder(point: Point) -> Callable[[Knobs], Job]:
         if not train:
             return Job(model, None, input_ids, step=Decode(model, region), name=point.model.name, autocast=False,
                        steps=point.workload.new_tokens + 1, tokens_per_step=k.batch_size)
-        if k.checkpointing:  # torch.utils.checkpoint re-enters the forward's autocast to recompute
-            enable_checkpointing(model)
         optimizer = build_optimizer(point.optimizer.name, model.parameters(), {}, point.optimizer.lr)
         return Job(model, optimizer, input_ids, step=TrainStep(region, point.workload.leak), name=point.model.name,
                    autocast=False)

@@ -19,6 +19,7 @@ COLUMNS = (
     "run_id", "sweep", "status", "error", "backend", "device_name", "gpu", "gpu_memory_bytes",
     "gpu_non_pytorch_bytes", "emulated_gpu", "model", "n_params", "workload", "leak", "batch_size", "seq_len",
     "precision", "optimizer", "optimizer_impl", "checkpointing", "allocator_conf",
+    "world_size", "dp_shard", "dp_replicate", "tp", "reshard_after_forward", "rank",
     "peak_allocated_bytes", "peak_reserved_bytes", "peak_requested_bytes", "steady_peak_allocated_bytes",
     "steady_peak_reserved_bytes", "steady_peak_requested_bytes", "peak_tensor_bytes", "params_bytes",
     "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes", "workspace_bytes",
@@ -62,6 +63,7 @@ def point_identity(point: Point) -> dict:
         "model": d["model"], "workload": workload, "batch_size": point.batch_size,
         "seq_len": point.seq_len, "precision": point.precision, "optimizer": d["optimizer"],
         "checkpointing": point.checkpointing, "allocator_conf": point.allocator.conf,
+        **({"parallel": d["parallel"]} if point.parallel.world_size > 1 else {}),  # one GPU: as before
         "backend": point.backend, "gpu": point.gpu.name, "gpu_memory_bytes": point.gpu.memory_bytes,
         # the libraries and harness's own code: another version traces another graph
         "versions": provenance.versions(),
@@ -91,6 +93,9 @@ def base_record(point: Point) -> dict:
         batch_size=point.batch_size, seq_len=point.seq_len, precision=str(point.precision),
         optimizer=str(point.optimizer.name), optimizer_impl=str(point.optimizer.impl),
         checkpointing=point.checkpointing, allocator_conf=point.allocator.conf,
+        world_size=point.parallel.world_size, dp_shard=point.parallel.dp_shard,
+        dp_replicate=point.parallel.dp_replicate, tp=point.parallel.tp,
+        reshard_after_forward=point.parallel.reshard_after_forward, rank=0,
         harness_version=harness.__version__, overrides=point.overrides, job_id=point.job_id,
     )
     if w.name == WorkloadName.custom:

@@ -43,14 +43,15 @@ def _to_cpu(x):
     return _CPU if _is_cuda(x) else x
 
 
-def _placement(device) -> str | None:
-    """"device" (the card), "host", or None for an argument that names no device."""
+def _placement(device, cpu_is_card: bool = False) -> str | None:
+    """"device" (the card), "host", or None for an argument that names no device. `cpu_is_card`:
+    a plain "cpu" is the card too (a sharded job's: FSDP2 allocates on its CPU mesh's device)."""
     if isinstance(device, bool):
         return None
     if isinstance(device, int) or _is_cuda(device):
         return "device"  # an int device is a CUDA ordinal
     if isinstance(device, torch.device) or (isinstance(device, str) and device.split(":")[0] == "cpu"):
-        return "host"
+        return "device" if cpu_is_card else "host"
     return None
 
 
@@ -71,11 +72,12 @@ class CudaDevicesOnCpu(TorchFunctionMode):
     """Every CUDA device argument (factory `device=`, `.to("cuda")`, `.cuda()`) goes to the CPU,
     and the tracker is told where the call's outputs would live (its `placement`)."""
 
-    def __init__(self, tracker, default_host: bool, real_host: bool = False):
+    def __init__(self, tracker, default_host: bool, real_host: bool = False, cpu_is_card: bool = False):
         super().__init__()
         self.tracker = tracker
         self.default_host = default_host
         self.real_host = real_host
+        self.cpu_is_card = cpu_is_card
         from torch.utils._device import _device_constructors
 
         self.constructors = _device_constructors()
@@ -86,10 +88,10 @@ class CudaDevicesOnCpu(TorchFunctionMode):
         if func is torch.Tensor.cpu or kwargs.get("pin_memory"):
             return "host"
         if "device" in kwargs and kwargs["device"] is not None:
-            return _placement(kwargs["device"])
+            return _placement(kwargs["device"], self.cpu_is_card)
         if func is torch.Tensor.to:
             for a in args[1:]:
-                where = self.tracker.placement_of(a) if isinstance(a, torch.Tensor) else _placement(a)
+                where = self.tracker.placement_of(a) if isinstance(a, torch.Tensor) else _placement(a, self.cpu_is_card)
                 if where is not None:
                     return where
             return None
@@ -97,7 +99,7 @@ class CudaDevicesOnCpu(TorchFunctionMode):
             # a factory: the default device (`torch.set_default_device`, `with torch.device(...)`)
             current = torch.utils._device.CURRENT_DEVICE
             if current is not None:
-                return _placement(current) or "device"
+                return _placement(current, self.cpu_is_card) or "device"
             return "host" if self.default_host else "device"
         return None
 
@@ -235,10 +237,14 @@ def card_devices(tracker):
 
 
 @contextlib.contextmanager
-def cuda_script_on_cpu(tracker, default_host: bool = False):
+def cuda_script_on_cpu(tracker, default_host: bool = False, cpu_is_card: bool = False):
     """`default_host`: a plain script's defaults - a factory call without a device makes a host
     tensor, and small host tensors are real (see CudaDevicesOnCpu._on_the_host); inside a Job the
-    default device is the card and every tensor is shapes only."""
+    default device is the card and every tensor is shapes only. `cpu_is_card`: see _placement."""
     tracker.real_is_host = default_host
-    with script_autocast(), card_devices(tracker), CudaDevicesOnCpu(tracker, default_host, real_host=default_host):
+    # With the CPU the card, a card tensor reports the CPU as it is (FSDP2 checks its parameters
+    # are on its mesh's device)
+    reporting = contextlib.nullcontext() if cpu_is_card else card_devices(tracker)
+    with script_autocast(), reporting, \
+            CudaDevicesOnCpu(tracker, default_host, real_host=default_host, cpu_is_card=cpu_is_card):
         yield

@@ -32,6 +32,7 @@ from harness.probe.jobs import (
     watching,
 )
 from harness.probe.sim import cuda_emulation as cu
+from harness.probe.sim import sharded
 from harness.probe.sim.cuda_script import cuda_script_on_cpu
 from harness.probe.sim.fake_code import (
     VALUE_READS,
@@ -41,7 +42,7 @@ from harness.probe.sim.fake_code import (
     shape_only_init,
 )
 from harness.probe.sim.measure import find_holders, measurements, optimizer_state_bytes, watch_training
-from harness.probe.sim.tracker import StorageTracker
+from harness.probe.sim.tracker import StorageTracker, storage_resizes
 from harness.probe.sim.virtual_cuda import LiveAllocator, virtual_cuda
 
 
@@ -52,14 +53,14 @@ def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tup
     the fake trace against real execution for small models). The cyclic GC is on while it traces,
     as in a real job, whatever the caller has it at.
     """
-    with collector(on=True):
-        return _run_point(point, emulate_cuda, fake)
+    with collector(on=True), sharded.process_group(point.parallel) as mesh:
+        return _run_point(point, emulate_cuda, fake, mesh)
 
 
-def _run_point(point: Point, emulate_cuda: bool, fake: bool) -> tuple[dict, StorageTracker]:
+def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh) -> tuple[dict, StorageTracker]:
     custom = point.workload.name == WorkloadName.custom
     build = build_function(point)
-    k = knobs(point)
+    k = knobs(point, mesh)
     if k.autocast_dtype is not None and not emulate_cuda:
         raise ValueError("amp_* precisions are traced with CUDA's autocast policy only")
     autocast_mode = cu.CudaAutocast(k.autocast_dtype) if k.autocast_dtype is not None else None
@@ -73,9 +74,11 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool) -> tuple[dict, Stor
     # cuda_script_on_cpu: a script's "cuda" devices and autocast on the trace's CPU; virtual_cuda:
     # torch.cuda's readings (memory_allocated, snapshots, ...) are the virtual card's.
     with FakeTensorMode() if fake else contextlib.nullcontext(), cu.unpacked_sequences(), \
-            cu.cuda_kernels() if emulate_cuda else contextlib.nullcontext(), cuda_script_on_cpu(tracker), \
+            cu.cuda_kernels() if emulate_cuda else contextlib.nullcontext(), \
+            cuda_script_on_cpu(tracker, cpu_is_card=mesh is not None), \
             cu.checkpoint_keeps_autocast(), OptimizerScalarReads() as scalar_reads, tracker, watching(tracker), \
-            virtual_cuda(live):
+            storage_resizes(tracker), virtual_cuda(live), \
+            sharded.collectives_own_buffers(tracker) if mesh is not None else contextlib.nullcontext():
         tracker.set_phase("setup")
         try:
             with module_conversion_on_fake_tensors() if fake else contextlib.nullcontext(), shape_only_init():

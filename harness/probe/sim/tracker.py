@@ -109,6 +109,13 @@ class TraceEvent(NamedTuple):
     stream: int = 0  # the CUDA stream the storage was allocated on (0: the default stream)
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `t`: a DTensor's local shard (a sharded job's parameters, gradients
+    and optimizer state), else `t`."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
 class StorageTracker(TorchDispatchMode):
     """Records alloc/free events per storage with kind, phase, step and module."""
 
@@ -137,6 +144,8 @@ class StorageTracker(TorchDispatchMode):
         self._next_synthetic = -1
         self._fresh_zeros = 0  # storage key of the last zeros a backward formula made
         self._host: set[int] = set()  # keys of storages a real run keeps in host memory (not counted)
+        self._resized_away: set[int] = set()  # keys of tracked storages resized to nothing (resized)
+        self.inside_collective = 0  # > 0 while a torch.distributed collective runs
         self.real_is_host = False  # a plain script on fake tensors: its real tensors are host tensors
         self.placement: str | None = None  # where the running call's outputs live (cuda_script)
         # A user's step has no phase marks: count what runs inside autograd's engine as backward.
@@ -208,16 +217,28 @@ class StorageTracker(TorchDispatchMode):
     def track(self, t: torch.Tensor, kind: str, host: bool = False) -> None:
         """Start tracking a tensor's storage (idempotent); `kind` applies if it is new. A host
         storage is remembered as such and not counted."""
-        st = t.untyped_storage()
+        st = _own(t).untyped_storage()
         key = st._cdata
         if key in self._live or key in self._host or st.nbytes() == 0:
             return
-        if host:
+        if host or self.inside_collective:  # (a communication backend's own: sharded.collectives_own_buffers)
             self._host.add(key)
             weakref.finalize(st, self._host.discard, key)
             return
         self._record_alloc(key, st.nbytes(), kind)
         weakref.finalize(st, self._record_free, key)
+
+    def resized(self, st, nbytes: int) -> None:
+        """A tracked storage's resize_ (FSDP2 frees a gathered layer by resizing its storage to 0
+        and gathers it again into the same storage): on CUDA its block is freed and a new one
+        allocated, so a free, then an alloc of the new size (its kind: the phase's)."""
+        key = st._cdata
+        if key in self._live and nbytes != self._live[key][0]:
+            self._record_free(key)
+            self._resized_away.add(key)
+        if key in self._resized_away and nbytes > 0:
+            self._resized_away.discard(key)
+            self._record_alloc(key, nbytes, self._default_kind())
 
     # ---- host and device -------------------------------------------------------------
     def _on_host(self, t: torch.Tensor) -> bool:
@@ -247,6 +268,7 @@ class StorageTracker(TorchDispatchMode):
         """Move a live storage to another kind (e.g. a new tensor that became a .grad)."""
         if t is None:
             return
+        t = _own(t)
         entry = self._live.get(t.untyped_storage()._cdata)
         if entry is None or entry[2] == kind:
             return
@@ -258,7 +280,7 @@ class StorageTracker(TorchDispatchMode):
     def drop(self, t: torch.Tensor) -> None:
         """Forget a storage that a real CUDA run keeps on the host (e.g. optimizer step counts):
         its alloc event goes, and so will its free."""
-        key = t.untyped_storage()._cdata
+        key = _own(t).untyped_storage()._cdata
         if self._forget(key) is None:
             return
         for i in range(len(self.events) - 1, -1, -1):
@@ -270,7 +292,7 @@ class StorageTracker(TorchDispatchMode):
 
     def allocated_bytes_of(self, t: torch.Tensor) -> int:
         """Bytes the allocator holds for t's storage (0 if untracked or on the host)."""
-        entry = self._live.get(t.untyped_storage()._cdata)
+        entry = self._live.get(_own(t).untyped_storage()._cdata)
         return entry[1] if entry else 0
 
     def _default_kind(self) -> str:
@@ -333,3 +355,20 @@ class StorageTracker(TorchDispatchMode):
             # the module is left all the same, so later events are not charged to it
             handles.append(mod.register_forward_hook(post, always_call=True))
         return handles
+
+
+@contextlib.contextmanager
+def storage_resizes(tracker: StorageTracker):
+    """`UntypedStorage.resize_` reported to `tracker` inside (it is no op the dispatcher shows)."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(st, nbytes):
+        out = original(st, nbytes)
+        tracker.resized(st, int(nbytes))
+        return out
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]

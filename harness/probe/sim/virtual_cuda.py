@@ -341,6 +341,8 @@ def _functions(live: LiveAllocator, original_summary) -> dict:
     }
 
 
+_CPU_STREAMS = ("Stream", "stream", "current_stream", "Event", "StreamContext")
+
 # The answers that depend on the card or the allocator settings: a job that reads one may run
 # otherwise on another card (its trace is then kept for this card alone: record.trace_store).
 _READS_CARD = {
@@ -373,6 +375,11 @@ def virtual_cuda(live: LiveAllocator):
             if hasattr(module, name):
                 saved.append((module, name, getattr(module, name)))
                 setattr(module, name, fn)
+    # The trace's CPU tensors stand for the GPU's: code that takes its streams from the tensors'
+    # device (FSDP2 on a CPU mesh: torch.cpu.Stream, ...) gets the virtual GPU's streams too.
+    for name in _CPU_STREAMS:
+        saved.append((torch.cpu, name, getattr(torch.cpu, name)))
+        setattr(torch.cpu, name, fns[name])
     saved.append((nvtx, "_nvtx", nvtx._nvtx))
     nvtx._nvtx = _NoNvtx()  # type: ignore[assignment]  # restored below
     try:

@@ -1,0 +1,118 @@
+"""A job over several GPUs on the virtual GPU (parallel.*): FSDP2 traced as rank 0 of a fake
+process group, checked against the same job on real CPU tensors in gloo processes, one per rank."""
+
+import os
+import socket
+
+import pytest
+import torch.multiprocessing as mp
+
+from harness.config.point import Parallel, Point
+from harness.errors import ConfigError
+from harness.probe.sim.trace import run_point
+from tests.conftest import run_cli, train_point
+
+
+def _sharded(world: int = 2, **kw) -> Point:
+    return train_point(batch_size=2, seq_len=32, **kw).replace(parallel=Parallel(dp_shard=world))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _real_rank(rank: int, world: int, port: int, point: dict, out) -> None:
+    """One rank of the job on real CPU tensors (gloo), tracked as the virtual GPU tracks."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        m, tracker = run_point(Point.from_dict(point), emulate_cuda=False, fake=False)
+        out.put((rank, m["step_allocated_bytes"], _lives(tracker.journal())))
+    finally:
+        dist.destroy_process_group()
+
+
+def _lives(journal: list) -> tuple[list, dict, list]:
+    """Each storage in allocation order (size, kind, phase, step, module, stream), when it was
+    freed (how many allocs came before its free) and its changes of kind: the journal, less the
+    order of frees among themselves."""
+    allocs: list[tuple] = []
+    number: dict[int, int] = {}  # live key -> its alloc's number
+    freed: dict[int, int] = {}
+    retags: list[tuple] = []
+    for e in journal:
+        if e.action == "alloc":
+            number[e.key] = len(allocs)
+            allocs.append((e.size, e.kind, e.phase, e.step, e.module, e.stream))
+        elif e.action == "free" and e.key in number:
+            freed[number.pop(e.key)] = len(allocs)
+        elif e.action == "retag" and e.key in number:
+            retags.append((number[e.key], e.kind))
+    return allocs, freed, retags
+
+
+def _real_ranks(point: Point) -> dict[int, tuple]:
+    world = point.parallel.world_size
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_real_rank, args=(r, world, port, point.to_dict(), out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict((r, rest) for r, *rest in (out.get(timeout=300) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision,checkpointing", [("fp32", False), ("bf16", False), ("bf16", True)])
+def test_one_fake_rank_traces_what_each_gloo_rank_allocates(precision, checkpointing):
+    """FSDP2 over 2 ranks: the fake trace of rank 0 equals, entry for entry, what each rank of the
+    same job on real CPU tensors in two gloo processes allocated (shards padded alike: rank 1 too;
+    what gloo allocates inside a collective is its own, as NCCL's is), but for the timing of gloo's
+    worker thread."""
+    point = _sharded(precision=precision, checkpointing=checkpointing)
+    m, tracker = run_point(point, emulate_cuda=False, fake=True)
+    allocs, freed, retags = _lives(tracker.journal())
+    for rank, (after_steps, (real_allocs, real_freed, real_retags)) in _real_ranks(point).items():
+        assert (real_allocs, real_retags) == (allocs, retags), f"rank {rank}"
+        assert real_freed.keys() == freed.keys(), f"rank {rank}"
+        # gloo's worker thread may drop a collective's buffer one alloc later than the step did
+        late = {i: (freed[i], real_freed[i]) for i in freed if freed[i] != real_freed[i]}
+        assert all(allocs[i][5] != 0 and 0 < b - a <= 1 for i, (a, b) in late.items()), f"rank {rank}: {late}"
+        assert after_steps == m["step_allocated_bytes"]
+
+
+def test_a_sharded_rank_holds_its_share_of_the_parameters_and_optimizer_state():
+    """8 ranks: each holds an eighth (padded) of the parameters and of AdamW's two moments; the
+    layers gathered for compute come and go on FSDP2's own streams."""
+    one, _ = run_point(train_point(batch_size=2, seq_len=32))
+    m, tracker = run_point(_sharded(8))
+    assert one["params_bytes"] / 8 <= m["params_bytes"] < one["params_bytes"] / 8 * 1.2
+    assert m["optimizer_bytes"] == 2 * m["params_bytes"]
+    streams = {e.stream for e in tracker.journal() if e.action == "alloc" and e.phase == "forward"}
+    assert len(streams) > 1
+
+
+@pytest.mark.parametrize("override,key", [
+    ("parallel.tp=2", "parallel.tp"),
+    ("parallel.dp_replicate=2", "parallel.dp_replicate"),
+    ("parallel.dp_shard=0", "parallel.dp_shard"),
+])
+def test_parallel_knobs_not_modelled_or_out_of_range_are_refused_by_name(override, key):
+    with pytest.raises(ConfigError) as e:
+        Parallel(**{override.split("=")[0].split(".")[1]: int(override.split("=")[1])})
+    assert e.value.key == key
+
+
+def test_a_sharded_job_off_the_virtual_gpu_or_not_training_is_refused_up_front(tmp_path):
+    for extra in (["backend=cuda"], ["workload=infer"]):
+        r = run_cli("run", "model=tiny", "parallel.dp_shard=2", *extra, f"results_dir={tmp_path}")
+        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("harness: error: parallel.dp_shard:")
+        assert not list(tmp_path.rglob("result.json"))
