@@ -116,3 +116,20 @@ def test_a_sharded_job_off_the_virtual_gpu_or_not_training_is_refused_up_front(t
         r = run_cli("run", "model=tiny", "parallel.dp_shard=2", *extra, f"results_dir={tmp_path}")
         assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("harness: error: parallel.dp_shard:")
         assert not list(tmp_path.rglob("result.json"))
+
+
+def test_a_sharded_run_is_no_remedy_for_the_job_on_one_gpu():
+    """Per-GPU figures of the job over 8 GPUs do not make the job on one GPU a code problem (nor
+    the other way round): its remedies are judged among runs spread alike."""
+    import pandas as pd
+
+    from harness.analysis.verdict import verdicts
+    from tests.test_verdict import _row
+
+    df = pd.DataFrame([_row(run_id="one", world_size=1),
+                       _row(run_id="eight", world_size=8, dp_shard=8, status="ok", fits_cards=["t4"]),
+                       _row(run_id="eight-ckpt", world_size=8, dp_shard=8, checkpointing=True, status="ok",
+                            fits_cards=["t4"])])
+    v = verdicts(df).set_index("run_id")
+    assert v.loc["one", "remedies"] == [] and v.loc["one", "verdict"] != "code problem"
+    assert "eight" not in v.index  # it fits the card

@@ -82,6 +82,13 @@ def remedy_changes(job, other) -> list[dict]:
     return out
 
 
+def _spread(row) -> tuple[int, bool]:
+    """The GPUs a row's job is spread over and whether FSDP2 reshards after forward (1, True for
+    rows from before parallel.*)."""
+    world, reshard = _val(row.get("world_size")), _val(row.get("reshard_after_forward"))
+    return (int(world) if world is not None else 1), reshard is None or bool(reshard)
+
+
 def _val(v):
     return None if isinstance(v, float) and pd.isna(v) else v  # a missing value reads back as NaN
 
@@ -99,6 +106,9 @@ def _comparable(job, other, ran: bool = True) -> bool:
         return False
     same = _same_job(job, other) and all(_val(other.get(k)) == _val(job.get(k))
                                           for k in ("workload", "seq_len", "workload_args"))
+    # Per-GPU figures of a job spread over another number of GPUs are no remedy on this many cards
+    # (more cards as an answer is not weighed yet)
+    same = same and _spread(other) == _spread(job)
     divides = other["batch_size"] <= job["batch_size"] and job["batch_size"] % other["batch_size"] == 0
     # A remedy only removes a mistake or changes a knob; it never introduces a leak.
     no_new_leak = leak_of(other) in ("none", leak_of(job))

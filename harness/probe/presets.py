@@ -24,12 +24,16 @@ def builder(point: Point) -> Callable[[Knobs], Job]:
         from transformers import AutoModelForCausalLM
 
         config = hf_config(point.model)
-        model = AutoModelForCausalLM.from_config(config, dtype=k.dtype)
+        # Sharded, the model is built on the meta device and only this rank's shards are made on the
+        # card (torchtitan's order): the whole model is never on one GPU.
+        with torch.device("meta") if k.mesh is not None else contextlib.nullcontext():
+            model = AutoModelForCausalLM.from_config(config, dtype=k.dtype)
         train = point.workload.name == WorkloadName.train
         if train and k.checkpointing:  # torch.utils.checkpoint re-enters the forward's autocast to recompute
             enable_checkpointing(model)
-        if k.mesh is not None:  # parallel.dp_shard: this rank's shards (probe.sim.sharded), as the job sets up
+        if k.mesh is not None:  # parallel.dp_shard: this rank's shards (probe.sim.sharded)
             shard(model, k.mesh, point.parallel)
+            model.to_empty(device=k.mesh.device_type)
         # infer: the prompt; the rest of the context is decoded
         n_tokens = k.seq_len - (0 if train else point.workload.new_tokens)
         phase("input")

@@ -36,10 +36,10 @@ def fits_table(df: pd.DataFrame, fit_long: pd.DataFrame) -> Table:
     tells runs apart is a column (fold_constant moves those that hold one value to the title)."""
     cards = list(dict.fromkeys(fit_long["card"])) if not fit_long.empty else []
     cell = {(r.run_id, r.card): _cell(r.edge, r.headroom_pct) for r in fit_long.itertuples(index=False)}
-    header = ["model", "workload", "batch", "seq", "precision", "ckpt", "optimizer", "args", "allocator", "leak",
-              "gpu", "backend", "status", "kind", "alloc GiB", "reserved GiB", *cards]
+    header = ["model", "workload", "batch", "seq", "precision", "ckpt", "GPUs", "optimizer", "args", "allocator",
+              "leak", "gpu", "backend", "status", "kind", "alloc GiB", "reserved GiB", *cards]
     rows = [[str(r["model"]), str(r["workload"]), str(r["batch_size"]), str(r["seq_len"]), str(r["precision"]),
-             _ckpt(r["checkpointing"]), f"{r['optimizer']}/{r['optimizer_impl']}", job_args(r) or "-",
+             _ckpt(r["checkpointing"]), spread(r), f"{r['optimizer']}/{r['optimizer_impl']}", job_args(r) or "-",
              str(r["allocator_conf"] or "default"), str(r.get("leak") or "none"), str(r["gpu"]),
              str(r["backend"]), str(r["status"]), str(r.get("kind")),
              gib(r["peak_allocated_bytes"]), gib(r["peak_reserved_bytes"]),
@@ -48,7 +48,16 @@ def fits_table(df: pd.DataFrame, fit_long: pd.DataFrame) -> Table:
     return header, rows
 
 
-FITS_IDENTITY_COLUMNS = 12  # model .. backend: folded into the title where one value holds for all rows
+FITS_IDENTITY_COLUMNS = 13  # model .. backend: folded into the title where one value holds for all rows
+
+
+def spread(row) -> str:
+    """How many GPUs the run is spread over, and how ("8 FSDP2"; "1"): its figures are one GPU's."""
+    world = row.get("world_size")
+    if world is None or pd.isna(world) or int(world) <= 1:
+        return "1"
+    zero2 = row.get("reshard_after_forward") is False or row.get("reshard_after_forward") == 0
+    return f"{int(world)} FSDP2{' (no reshard)' if zero2 else ''}"
 
 
 def fold_constant(table: Table, columns: int) -> tuple[Table, str]:
