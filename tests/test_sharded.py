@@ -111,10 +111,11 @@ def test_parallel_knobs_not_modelled_or_out_of_range_are_refused_by_name(overrid
     assert e.value.key == key
 
 
-def test_a_sharded_job_off_the_virtual_gpu_or_not_training_is_refused_up_front(tmp_path):
-    for extra in (["backend=cuda"], ["workload=infer"]):
+def test_a_sharded_job_off_the_virtual_gpu_not_training_or_with_adafactor_is_refused_up_front(tmp_path):
+    for extra, key in ((["backend=cuda"], "parallel.dp_shard"), (["workload=infer"], "parallel.dp_shard"),
+                       (["optimizer=adafactor"], "optimizer.name")):
         r = run_cli("run", "model=tiny", "parallel.dp_shard=2", *extra, f"results_dir={tmp_path}")
-        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("harness: error: parallel.dp_shard:")
+        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(f"harness: error: {key}:")
         assert not list(tmp_path.rglob("result.json"))
 
 

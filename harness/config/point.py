@@ -308,6 +308,9 @@ class Point:
             if self.workload.name != WorkloadName.train:
                 raise ConfigError("parallel.dp_shard", "sharding is modelled for workload=train (FSDP2 on a preset) "
                                   f"so far, not workload={self.workload.name}")
+            if self.optimizer.name == OptimizerName.adafactor:  # as torch 2.13's DTensor does on any device
+                raise ConfigError("optimizer.name", "torch.optim.Adafactor does not run on FSDP2's sharded parameters "
+                                  "(DTensor refuses its in-place pow_ on a partial norm): use adamw or sgd")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Point:
