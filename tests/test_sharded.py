@@ -134,3 +134,13 @@ def test_a_sharded_run_is_no_remedy_for_the_job_on_one_gpu():
     v = verdicts(df).set_index("run_id")
     assert v.loc["one", "remedies"] == [] and v.loc["one", "verdict"] != "code problem"
     assert "eight" not in v.index  # it fits the card
+
+
+def test_a_sharded_point_is_traced_in_full_and_says_why(tmp_path):
+    """The layer shortcut does not place FSDP2's reduce-scatter buffer yet: a sharded preset point
+    is traced at its depth, and its row says so."""
+    from harness.probe.sim import shortcut
+
+    traced = shortcut.trace(train_point(batch_size=1, seq_len=32, num_hidden_layers=5).replace(
+        parallel=Parallel(dp_shard=4), trace_cache=str(tmp_path)))
+    assert traced.measurements["trace_method"] == "full: sharded (FSDP2 hands its reduce-scatter buffer from layer to layer)"
