@@ -82,7 +82,7 @@ def remedy_changes(job, other) -> list[dict]:
     return out
 
 
-def _spread(row) -> tuple[int, bool]:
+def spread(row) -> tuple[int, bool]:
     """The GPUs a row's job is spread over and whether FSDP2 reshards after forward (1, True for
     rows from before parallel.*)."""
     world, reshard = _val(row.get("world_size")), _val(row.get("reshard_after_forward"))
@@ -108,7 +108,7 @@ def _comparable(job, other, ran: bool = True) -> bool:
                                           for k in ("workload", "seq_len", "workload_args"))
     # Per-GPU figures of a job spread over another number of GPUs are no remedy on this many cards
     # (more cards as an answer is not weighed yet)
-    same = same and _spread(other) == _spread(job)
+    same = same and spread(other) == spread(job)
     divides = other["batch_size"] <= job["batch_size"] and job["batch_size"] % other["batch_size"] == 0
     # A remedy only removes a mistake or changes a knob; it never introduces a leak.
     no_new_leak = leak_of(other) in ("none", leak_of(job))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -93,9 +94,7 @@ def base_record(point: Point) -> dict:
         batch_size=point.batch_size, seq_len=point.seq_len, precision=str(point.precision),
         optimizer=str(point.optimizer.name), optimizer_impl=str(point.optimizer.impl),
         checkpointing=point.checkpointing, allocator_conf=point.allocator.conf,
-        world_size=point.parallel.world_size, dp_shard=point.parallel.dp_shard,
-        dp_replicate=point.parallel.dp_replicate, tp=point.parallel.tp,
-        reshard_after_forward=point.parallel.reshard_after_forward, rank=0,
+        **dataclasses.asdict(point.parallel), world_size=point.parallel.world_size, rank=0,
         harness_version=harness.__version__, overrides=point.overrides, job_id=point.job_id,
     )
     if w.name == WorkloadName.custom:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from harness.analysis.verdict import spread
 from harness.report.words import job_args, job_label
 from harness.units import GiB
 
@@ -39,7 +40,7 @@ def fits_table(df: pd.DataFrame, fit_long: pd.DataFrame) -> Table:
     header = ["model", "workload", "batch", "seq", "precision", "ckpt", "GPUs", "optimizer", "args", "allocator",
               "leak", "gpu", "backend", "status", "kind", "alloc GiB", "reserved GiB", *cards]
     rows = [[str(r["model"]), str(r["workload"]), str(r["batch_size"]), str(r["seq_len"]), str(r["precision"]),
-             _ckpt(r["checkpointing"]), spread(r), f"{r['optimizer']}/{r['optimizer_impl']}", job_args(r) or "-",
+             _ckpt(r["checkpointing"]), gpus(r), f"{r['optimizer']}/{r['optimizer_impl']}", job_args(r) or "-",
              str(r["allocator_conf"] or "default"), str(r.get("leak") or "none"), str(r["gpu"]),
              str(r["backend"]), str(r["status"]), str(r.get("kind")),
              gib(r["peak_allocated_bytes"]), gib(r["peak_reserved_bytes"]),
@@ -51,13 +52,10 @@ def fits_table(df: pd.DataFrame, fit_long: pd.DataFrame) -> Table:
 FITS_IDENTITY_COLUMNS = 13  # model .. backend: folded into the title where one value holds for all rows
 
 
-def spread(row) -> str:
+def gpus(row) -> str:
     """How many GPUs the run is spread over, and how ("8 FSDP2"; "1"): its figures are one GPU's."""
-    world = row.get("world_size")
-    if world is None or pd.isna(world) or int(world) <= 1:
-        return "1"
-    zero2 = row.get("reshard_after_forward") is False or row.get("reshard_after_forward") == 0
-    return f"{int(world)} FSDP2{' (no reshard)' if zero2 else ''}"
+    world, reshard = spread(row)
+    return "1" if world == 1 else f"{world} FSDP2{'' if reshard else ' (no reshard)'}"
 
 
 def fold_constant(table: Table, columns: int) -> tuple[Table, str]:

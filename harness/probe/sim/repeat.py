@@ -372,13 +372,14 @@ def recipe(t: Template) -> list[list] | None:
     old = [k for k in range(len(t.entries)) if t.block_of[k] < 0]
     in_shallower = {k: n for n, k in enumerate(old)}
     named = referents(t.entries)
+    old_allocs = [k for k in old if t.entries[k].action == "alloc"]
     src: dict[int, int] = {}
     for blk in t.blocks:
         mine = range(blk.start, blk.start + blk.length)
         if any(t.entries[j].action != "alloc" and j not in named for j in mine):
             return None  # an end mark, or a free of a storage the journal never allocated
         allocs = [j for j in mine if t.entries[j].action == "alloc"]
-        found = _counterparts(t, blk, allocs, [k for k in old if t.entries[k].action == "alloc"])
+        found = _counterparts(t, blk, allocs, old_allocs)
         if found is None:
             return None
         src.update({j: _ITS_STORAGE for j in mine})

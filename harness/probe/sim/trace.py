@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -150,29 +149,28 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh) -> tuple[dict
     return m, tracker
 
 
-_set_aside_in: dict[int, bool] = {}  # pid -> whether its heap was frozen before its first trace
-_frozen_for_forks = False  # set_aside_for_forks ran: every child forked after has its heap set aside
+_set_aside: bool | None = None  # whether this process froze its heap before its first trace
 
 
 def _heap_set_aside() -> bool:
     """Whether this process froze its heap before tracing (a zygote's child). Asked once per
-    process: counting the frozen objects walks them all (~40 ms for torch and transformers), so a
-    zygote's children take it from the zygote. A trace leaves the count as it found it, so the
-    first answer holds for the process."""
-    pid = os.getpid()
-    if pid not in _set_aside_in:
-        _set_aside_in[pid] = _frozen_for_forks or gc.get_freeze_count() > 0
-    return _set_aside_in[pid]
+    process: counting the frozen objects walks them all (~40 ms for torch and transformers); a
+    fork inherits the answer (a zygote's from set_aside_for_forks). A trace leaves the count as it
+    found it, so the first answer holds."""
+    global _set_aside
+    if _set_aside is None:
+        _set_aside = gc.get_freeze_count() > 0
+    return _set_aside
 
 
 def set_aside_for_forks() -> None:
     """Set what this process holds aside from the cyclic GC (collected, then frozen), for the
     children it forks from now on (a zygote before serving): their collections walk only what
     they make."""
-    global _frozen_for_forks
+    global _set_aside
     gc.collect()
     gc.freeze()
-    _frozen_for_forks = True
+    _set_aside = True
 
 
 @contextlib.contextmanager
