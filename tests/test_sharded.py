@@ -136,11 +136,19 @@ def test_a_sharded_run_is_no_remedy_for_the_job_on_one_gpu():
     assert "eight" not in v.index  # it fits the card
 
 
-def test_a_sharded_point_is_traced_in_full_and_says_why(tmp_path):
-    """The layer shortcut does not place FSDP2's reduce-scatter buffer yet: a sharded preset point
-    is traced at its depth, and its row says so."""
-    from harness.probe.sim import shortcut
+@pytest.mark.slow
+@pytest.mark.parametrize("precision,checkpointing,reshard", [("fp32", False, True), ("bf16", True, True),
+                                                             ("bf16", False, False)])
+def test_a_sharded_point_synthesized_from_two_layers_is_its_full_trace(precision, checkpointing, reshard, tmp_path):
+    """FSDP2's hand-offs between layers (the all-gather prefetched for the layer below, each
+    reduce-scatter freeing the input of the one before) placed by the template: the synthesized
+    rank is the full trace, entry for entry, and so is another batch's with its layer placed as on
+    the first point's."""
+    from tests.test_repeat import _assert_same_as_full, _point
 
-    traced = shortcut.trace(train_point(batch_size=1, seq_len=32, num_hidden_layers=5).replace(
-        parallel=Parallel(dp_shard=4), trace_cache=str(tmp_path)))
-    assert traced.measurements["trace_method"] == "full: sharded (FSDP2 hands its reduce-scatter buffer from layer to layer)"
+    def point(b, s):
+        return _point(batch_size=b, seq_len=s, precision=precision, checkpointing=checkpointing).replace(
+            parallel=Parallel(dp_shard=4, reshard_after_forward=reshard), trace_cache=str(tmp_path))
+    first = _assert_same_as_full(point(2, 32))
+    assert first["trace_method"].startswith("synthesized: layers 1, 2 -> 4")
+    assert "placed as on 7b b2 s32" in _assert_same_as_full(point(3, 16))["trace_method"]

@@ -16,6 +16,7 @@ part takes the last one's.
 from __future__ import annotations
 
 import bisect
+import difflib
 import hashlib
 import re
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ class _Block:
     start: int  # in the deeper journal
     length: int
     reverse: bool  # copies emitted top layer first (backward)
+    # (block, offset): a junction, what each layer does to the one run before it (_junctions). Each
+    # copy but the last is emitted inside the next copy of that block, at that offset; the last here.
+    joins: tuple[int, int] | None = None
 
 
 @dataclass
@@ -214,6 +218,7 @@ def learn(a: list[TraceEvent], b: list[TraceEvent], depth: int, layer_prefix: st
     layers' modules (e.g. "model.layers." for "model.layers.3.mlp")."""
     ref_a, ref_b = referents(a), referents(b)
     blocks, to_b = _align(a, b, ref_b, layer_prefix)
+    _junctions(b, blocks, ref_b)
     block_of = [-1] * len(b)
     for n, blk in enumerate(blocks):
         block_of[blk.start:blk.start + blk.length] = [n] * blk.length
@@ -252,6 +257,48 @@ def learn(a: list[TraceEvent], b: list[TraceEvent], depth: int, layer_prefix: st
                 raise NotRepeating(f"old entry {f} refers to the new layer's entry {x} outside a chain")
             rules[f] = ("last", x)
     return Template(depth, b, blocks, block_of, rules, _layer_names(layer_prefix, depth), layer_prefix)
+
+
+def _junctions(b: list[TraceEvent], blocks: list[_Block], refs: dict[int, int]) -> None:
+    """Mark the blocks that are a junction: entries that only free or retag what one earlier block
+    (the new layer, backward) allocated, placed in the layer run after it; each copy but the last goes as far
+    into the next copy of the new layer as it is into that layer (the entries before it there, in
+    order, among the new layer's first ones, alike but for sizes and modules). FSDP2's post-backward frees the reduce-scatter input of the layer
+    reduced before it: with one layer more, the old layer frees the new one's, and each of more new
+    layers its predecessor's."""
+    def role(e: TraceEvent) -> tuple:
+        return (e.action, e.kind, e.phase, e.step, e.stream)
+
+    starts = [blk.start for blk in blocks]  # (in order)
+
+    def block_at(k: int) -> int:
+        m = bisect.bisect_right(starts, k) - 1
+        return m if m >= 0 and k < blocks[m].start + blocks[m].length else -1
+
+    for n, blk in enumerate(blocks):
+        entries = range(blk.start, blk.start + blk.length)
+        hosts = {block_at(refs[k]) if k in refs else -1 for k in entries}
+        if len(hosts) != 1 or (m := hosts.pop()) in (-1, n):
+            continue
+        host = blocks[m]
+        # Reversed: the layer run after the new one is an old layer (forward, it is what follows
+        # the layers)
+        if not (host.reverse and blk.reverse) or blk.start < host.start + host.length:
+            continue
+        # Where the junction falls in the layer after the host, aligned with the host's own entries
+        # (the new layer may do what the one after does not: prefetch the layer below, where the
+        # last has none; and the other way round)
+        ids: dict[tuple, int] = {}
+        mine = [ids.setdefault(role(e), len(ids)) for e in b[host.start:host.start + host.length]]
+        after = [ids.setdefault(role(e), len(ids)) for e in b[host.start + host.length:blk.start]]
+        matched = [m for m in difflib.SequenceMatcher(None, mine, after, autojunk=False).get_matching_blocks() if m.size]
+        # the layer after as the host's entries, but for a few
+        if not matched or matched[-1].b + matched[-1].size != len(after) \
+                or 10 * sum(m.size for m in matched) < 9 * len(after):
+            continue
+        offset = matched[-1].a + matched[-1].size
+        if offset < host.length:
+            blk.joins = (m, offset)
 
 
 def synthesize(t: Template, n_layers: int) -> list[TraceEvent]:
@@ -308,6 +355,10 @@ def synthesize(t: Template, n_layers: int) -> list[TraceEvent]:
         out.append(TraceEvent(len(out), e.action, key, e.size, e.kind, e.phase, e.step, module, e.stream))
 
     starts = {blk.start: n for n, blk in enumerate(blocks)}
+    joined: dict[tuple[int, int], list[_Block]] = {}  # (host block, offset) -> the junctions there
+    for blk in blocks:
+        if blk.joins is not None:
+            joined.setdefault(blk.joins, []).append(blk)
     i = 0
     while i < len(b):
         n = starts.get(i)
@@ -316,8 +367,11 @@ def synthesize(t: Template, n_layers: int) -> list[TraceEvent]:
             i += 1
             continue
         blk = blocks[n]
-        for copy in range(k):
+        for copy in range(k - 1 if blk.joins is not None else 0, k):  # a junction's others are in its host
             for j in range(blk.start, blk.start + blk.length):
+                for junction in joined.get((n, j - blk.start), ()) if copy > 0 else ():
+                    for jj in range(junction.start, junction.start + junction.length):
+                        emit(jj, copy - 1)  # the junction after the copy before
                 emit(j, copy)
         i = blk.start + blk.length
     return out
@@ -343,14 +397,14 @@ def _less_sizes(entries: list[TraceEvent]) -> list[tuple]:
 def layout(t: Template) -> dict:
     """What `learn` found, less the entries (JSON): where the new layer sits and the rules."""
     return {"depth": t.depth, "layer_prefix": t.layer_prefix,
-            "blocks": [[blk.start, blk.length, blk.reverse] for blk in t.blocks],
+            "blocks": [[blk.start, blk.length, blk.reverse, blk.joins] for blk in t.blocks],
             "rules": [[f, *rule] for f, rule in sorted(t.rules.items())]}
 
 
 def placed(entries: list[TraceEvent], found: dict) -> Template:
     """The template of the deeper journal `entries` with the layer placed as `found` (a layout)
     says: a journal of the same skeleton as the one it was learned on."""
-    blocks = [_Block(int(s), int(n), bool(r)) for s, n, r in found["blocks"]]
+    blocks = [_Block(int(s), int(n), bool(r), (int(j[0]), int(j[1])) if j else None) for s, n, r, j in found["blocks"]]
     block_of = [-1] * len(entries)
     for n, blk in enumerate(blocks):
         if blk.start + blk.length > len(entries):
@@ -391,8 +445,10 @@ def recipe(t: Template) -> list[list] | None:
 def _counterparts(t: Template, blk: _Block, allocs: list[int], old: list[int]) -> list[int] | None:
     """Each of the new layer's allocs in `blk`, matched to the old layer's beside it (`old`: the old
     allocs): in order, alike in all but their sizes with the layer index one less, among the allocs
-    just before the block (read backwards) or just after it; the layer beside may allocate what the
-    new one does not (the first layer's cuBLAS workspace). Kept where each size is its match's."""
+    just before the block (read backwards) or just after it, a side taken only where each size is
+    its match's; then those left, on the side before. The layer beside may allocate what the new
+    one does not (the first layer's cuBLAS workspace), and the other way round (FSDP2's prefetch of
+    the layer below, which the last layer has none of: its counterpart is the root's, before)."""
     below = f"{t.layer_prefix}{t.depth - 1}"
 
     def role(k: int) -> tuple:
@@ -401,19 +457,22 @@ def _counterparts(t: Template, blk: _Block, allocs: list[int], old: list[int]) -
 
     at = bisect.bisect_left(old, blk.start)
     window = 2 * len(allocs)
-    for wanted, near in ((allocs[::-1], old[max(0, at - window):at][::-1]), (allocs, old[at:at + window])):
-        found: list[int] = []
+    before, after = old[max(0, at - window):at][::-1], old[at:at + window]
+    found: dict[int, int] = {}
+    for wanted, near in ((allocs[::-1], before), (allocs, after), (allocs[::-1], before)):
+        matched: dict[int, int] = {}
         n = 0
-        for j in wanted:
-            while n < len(near) and role(near[n]) != role(j):
-                n += 1
-            if n == len(near) or t.entries[near[n]].size != t.entries[j].size:
-                break
-            found.append(near[n])
-            n += 1
-        if len(found) == len(wanted):
-            return found if wanted is allocs else found[::-1]
-    return None
+        for j in (j for j in wanted if j not in found):
+            m = next((m for m in range(n, len(near)) if role(near[m]) == role(j)), None)
+            if m is None:
+                continue  # none alike on this side
+            if t.entries[near[m]].size != t.entries[j].size:
+                break  # not this side's layer: the match taken apart
+            matched[j] = near[m]
+            n = m + 1
+        else:
+            found.update(matched)
+    return [found[j] for j in allocs] if len(found) == len(allocs) else None
 
 
 def deepen(shallower: list[TraceEvent], made_of: list[list]) -> list[TraceEvent]:
@@ -439,6 +498,6 @@ def structure(t: Template) -> str:
     phases, steps, modules and references, the layer's places and the rules. Templates with the same
     structure synthesize alike: one checked at a depth is checked for the others (sizes are copied,
     nothing else depends on them)."""
-    blob = repr((t.depth, t.layer_prefix, [(b.start, b.length, b.reverse) for b in t.blocks],
+    blob = repr((t.depth, t.layer_prefix, [(b.start, b.length, b.reverse, b.joins) for b in t.blocks],
                  sorted(t.rules.items()), _less_sizes(t.entries)))
     return hashlib.sha1(blob.encode()).hexdigest()[:16]

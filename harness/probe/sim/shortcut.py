@@ -72,10 +72,6 @@ def refusal(point: Point) -> str | None:
     """Why the point is traced in full (None: it may be synthesized)."""
     if point.workload.name == WorkloadName.custom:
         return "a job of the user's own"
-    if point.parallel.world_size > 1:
-        # Each layer's reduce-scatter frees the layer before's input buffer (FSDP2 keeps one): an
-        # entry at the layers' junction the template cannot place yet
-        return "sharded (FSDP2 hands its reduce-scatter buffer from layer to layer)"
     config = hf_config(point.model)
     n = int(config.num_hidden_layers)
     if n <= SHALLOW + 2:
