@@ -119,21 +119,74 @@ def test_a_sharded_job_off_the_virtual_gpu_not_training_or_with_adafactor_is_ref
         assert not list(tmp_path.rglob("result.json"))
 
 
-def test_a_sharded_run_is_no_remedy_for_the_job_on_one_gpu():
-    """Per-GPU figures of the job over 8 GPUs do not make the job on one GPU a code problem (nor
-    the other way round): its remedies are judged among runs spread alike."""
+def _spread_rows():
+    from tests.test_verdict import _row
+
+    def over(n, **kw):
+        return _row(world_size=n, dp_shard=n, all_gather_bytes_per_step=26 * GiB, reduce_scatter_bytes_per_step=13 * GiB,
+                    **kw)
+    return _row, over
+
+
+GiB = 1024**3
+
+
+def test_the_job_sharded_over_more_gpus_that_fit_the_card_is_a_code_problem_with_its_traffic():
+    """Batch 8 on one T4 OOMs; the same 8 sequences a step as 1 per GPU over 8 GPUs fit a T4: the
+    remedy is sharding (the batch per GPU follows from it, no accumulation), with what each GPU
+    all-gathers and reduce-scatters per step and its reserved bytes on the card. Batch 8 per GPU
+    over 8 GPUs is another job (64 sequences a step)."""
     import pandas as pd
 
     from harness.analysis.verdict import verdicts
-    from tests.test_verdict import _row
+    from harness.config import cards
+    from harness.report import words
+    _row, over = _spread_rows()
+    df = pd.DataFrame([_row(run_id="one"), over(8, run_id="eight", batch_size=1, status="ok", fits_cards=["t4"]),
+                       over(8, run_id="eight-b8", status="ok", fits_cards=["t4"])])
+    v = verdicts(df).set_index("run_id").loc["one"]
+    assert v["verdict"] == "code problem"
+    (remedy,) = v["remedies"]
+    assert remedy["run_id"] == "eight"
+    (change,) = remedy["changes"]
+    assert (change["kind"], change["was"], change["value"], change["batch_per_gpu"]) == ("sharding", "1", "8", 1)
+    assert (change["all_gather_bytes"], change["reduce_scatter_bytes"]) == (26 * GiB, 13 * GiB)
+    assert remedy["headroom_bytes"] == cards.by_key()["t4"].room() - 30 * GiB
+    # the words (the one check of them here)
+    assert "FSDP2 over 8 GPUs, batch 1 per GPU" in words.verdict_detail(v) and "26.00 GiB" in words.verdict_detail(v)
 
-    df = pd.DataFrame([_row(run_id="one", world_size=1),
-                       _row(run_id="eight", world_size=8, dp_shard=8, status="ok", fits_cards=["t4"]),
-                       _row(run_id="eight-ckpt", world_size=8, dp_shard=8, checkpointing=True, status="ok",
-                            fits_cards=["t4"])])
-    v = verdicts(df).set_index("run_id")
-    assert v.loc["one", "remedies"] == [] and v.loc["one", "verdict"] != "code problem"
-    assert "eight" not in v.index  # it fits the card
+
+def test_a_card_problem_names_the_smallest_card_and_count_that_fit():
+    """Nothing fits a T4: the verdict weighs the job as it is on one card against it spread over
+    more (least memory in all first): one H200 (141 GB) before 8 x A100 40GB, and 8 x A100 40GB
+    where one card of none fits."""
+    import pandas as pd
+
+    from harness.analysis.verdict import verdicts
+    _row, over = _spread_rows()
+
+    def needed(one_fits):
+        df = pd.DataFrame([_row(run_id="one", fits_cards=one_fits),
+                           over(8, run_id="eight", batch_size=1, status="ok", fits_cards=["a100-40gb", "h200"])])
+        v = verdicts(df).set_index("run_id").loc["one"]
+        assert v["verdict"] == "card problem"
+        return v["card_needed"], v["card_count"]
+    assert needed(["h200"]) == ("h200", 1)
+    assert needed([]) == ("a100-40gb", 8)
+
+
+def test_a_job_on_fewer_gpus_is_no_remedy_for_a_sharded_one():
+    """Over 8 GPUs the job OOMs; the same job over 4 GPUs is not a remedy (4 hold more each), over
+    16 it is."""
+    import pandas as pd
+
+    from harness.analysis.verdict import verdicts
+    _row, over = _spread_rows()
+    df = pd.DataFrame([over(8, run_id="eight", batch_size=2), over(4, run_id="four", batch_size=4, status="ok",
+                                                                     fits_cards=["t4"]),
+                       over(16, run_id="sixteen", batch_size=1, status="ok", fits_cards=["t4"])])
+    v = verdicts(df).set_index("run_id").loc["eight"]
+    assert [r["run_id"] for r in v["remedies"]] == ["sixteen"]
 
 
 @pytest.mark.slow
@@ -152,3 +205,22 @@ def test_a_sharded_point_synthesized_from_two_layers_is_its_full_trace(precision
     first = _assert_same_as_full(point(2, 32))
     assert first["trace_method"].startswith("synthesized: layers 1, 2 -> 4")
     assert "placed as on 7b b2 s32" in _assert_same_as_full(point(3, 16))["trace_method"]
+
+
+def test_the_capacity_table_gives_each_job_and_card_the_fewest_gpus_that_fit():
+    """Batch 1 per GPU: on one GPU it fits only the H200, over 8 the A100 40GB too; the T4 fits it
+    over none of the sweep's counts."""
+    import pandas as pd
+
+    from harness.report import tables
+    _row, over = _spread_rows()
+    df = pd.DataFrame([_row(run_id="one", batch_size=1, gpu="H200", status="ok", peak_reserved_bytes=100 * GiB),
+                       over(8, run_id="eight", batch_size=1, gpu="A100 40GB", status="ok",
+                            peak_reserved_bytes=30 * GiB)])
+    fit_long = pd.DataFrame([{"run_id": r, "card": c, "edge": e} for r, c, e in [
+        ("one", "t4", "oom"), ("one", "a100-40gb", "oom"), ("one", "h200", "room"),
+        ("eight", "t4", "oom"), ("eight", "a100-40gb", "room"), ("eight", "h200", "room")]])
+    header, rows = tables.capacity_table(df, fit_long)
+    (row,) = rows
+    cell = dict(zip(header, row))
+    assert (cell["h200"], cell["a100-40gb"], cell["t4"]) == ("1", "8 FSDP2", "-")

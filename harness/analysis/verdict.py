@@ -2,9 +2,12 @@
 
 A row that does not fit its card is a *code problem* when another row of the sweep - the same model,
 workload and sequence length, at the same effective batch (a micro-batch that divides it, with
-gradient accumulation) - fits that card: the differences between the two are the remedy, with their
-cost. It is a *card problem* when none does; the verdict then names the smallest card of the catalog
-that the job fits as it is, with its headroom.
+gradient accumulation; the batch per GPU times the data-parallel ranks) or spread over more GPUs with
+as many sequences per GPU or fewer - fits that card: the differences between the two are the remedy, with their cost (sharding over more
+GPUs: the bytes each GPU all-gathers and reduce-scatters per step). It is a *card problem* when none
+does; the verdict then names the smallest (card, count) that fits the job as it is, spread over that
+many GPUs where the sweep has it so (the least GPU memory in all, then the fewest GPUs), with its
+headroom.
 
 Everything here is data: a remedy is its changes (kind, the knob, its new value, the cost of it),
 and a card problem names a card and the headroom in bytes. report/words.py puts them in words.
@@ -29,8 +32,9 @@ COSTS = {
     "checkpointing": (3, "recompute"),
     "optimizer": (4, "optimizer_behaviour"),
     "precision": (5, "numerics"),
+    "sharding": (6, "more_gpus"),
 }
-VERDICT_COLUMNS = ["run_id", "card", "kind", "verdict", "remedies", "card_needed", "card_headroom_bytes",
+VERDICT_COLUMNS = ["run_id", "card", "kind", "verdict", "remedies", "card_needed", "card_count", "card_headroom_bytes",
                    "card_headroom_pct", "card_edge", "missing"]
 
 
@@ -53,9 +57,28 @@ def _edge(row, card_key: str) -> str:
 _OWN = "own:"  # the key of a card outside the catalog (gpu.memory_bytes=...), by its name
 
 
-def _change(kind: str, key: str, was, value, steps: int | None = None, holder: str | None = None) -> dict:
+def _change(kind: str, key: str, was, value, steps: int | None = None, holder: str | None = None, **more) -> dict:
     return {"kind": kind, "key": key, "was": str(was), "value": str(value), "steps": steps, "holder": holder,
-            "cost": COSTS[kind][1]}
+            "cost": COSTS[kind][1], **more}
+
+
+def global_batch(row) -> int:
+    """The sequences one optimizer step takes over all GPUs: the batch per GPU times the
+    data-parallel ranks (tensor-parallel ranks share a batch)."""
+    shard, replicate = _val(row.get("dp_shard")), _val(row.get("dp_replicate"))
+    return int(row["batch_size"]) * int(shard or 1) * int(replicate or 1)
+
+
+def _sharding(job, other) -> dict | None:
+    """The change of spread from `job` to `other` (more GPUs, or resharding after forward or not),
+    with its cost: the bytes each GPU all-gathers and reduce-scatters per step."""
+    (world, reshard), (world2, reshard2) = spread(job), spread(other)
+    if (world, reshard) == (world2, reshard2):
+        return None
+    return _change("sharding", "parallel.dp_shard", world, world2, gpus=world2, reshard_after_forward=reshard2,
+                   batch_per_gpu=int(other["batch_size"]), batch_per_step=global_batch(other),
+                   all_gather_bytes=int(_val(other.get("all_gather_bytes_per_step")) or 0),
+                   reduce_scatter_bytes=int(_val(other.get("reduce_scatter_bytes_per_step")) or 0))
 
 
 def remedy_changes(job, other) -> list[dict]:
@@ -67,8 +90,8 @@ def remedy_changes(job, other) -> list[dict]:
         out.append(_change("leak", "leak", leak_of(job), "none", holder=_val(job.get("retained_holder"))))
     if (other.get("allocator_conf") or "") != (job.get("allocator_conf") or ""):
         out.append(_change("allocator", "allocator_conf", job.get("allocator_conf") or "", other.get("allocator_conf") or ""))
-    if other["batch_size"] != job["batch_size"]:
-        steps = int(job["batch_size"] // other["batch_size"])
+    if global_batch(other) < global_batch(job):
+        steps = global_batch(job) // global_batch(other)
         # inference has no gradients to accumulate: it serves in waves
         out.append(_change("waves" if job.get("workload") == "infer" else "accumulation", "batch_size",
                            int(job["batch_size"]), int(other["batch_size"]), steps=steps))
@@ -79,6 +102,9 @@ def remedy_changes(job, other) -> list[dict]:
                            f"{other.get('optimizer')} ({other.get('optimizer_impl')})"))
     if other.get("precision") != job.get("precision"):
         out.append(_change("precision", "precision", job.get("precision"), other.get("precision")))
+    sharding = _sharding(job, other)
+    if sharding is not None:
+        out.append(sharding)
     return out
 
 
@@ -106,13 +132,17 @@ def _comparable(job, other, ran: bool = True) -> bool:
         return False
     same = _same_job(job, other) and all(_val(other.get(k)) == _val(job.get(k))
                                           for k in ("workload", "seq_len", "workload_args"))
-    # Per-GPU figures of a job spread over another number of GPUs are no remedy on this many cards
-    # (more cards as an answer is not weighed yet)
-    same = same and spread(other) == spread(job)
-    divides = other["batch_size"] <= job["batch_size"] and job["batch_size"] % other["batch_size"] == 0
-    # A remedy only removes a mistake or changes a knob; it never introduces a leak.
+    # Spread over as many GPUs or more: a job on fewer GPUs than it has is not a remedy for it
+    same = same and spread(other)[0] >= spread(job)[0]
+    # The same sequences a step, in micro-batches (accumulation); or, spread over more GPUs, as many
+    # or fewer per GPU (more a step: each GPU's memory is what its own batch makes it)
+    divides = (global_batch(job) % global_batch(other) == 0 or
+               spread(other)[0] > spread(job)[0] and int(job["batch_size"]) % int(other["batch_size"]) == 0)
+    # A remedy only removes a mistake or changes a knob; it never introduces a leak, nor takes
+    # checkpointing away (that would be a change no remedy lists)
     no_new_leak = leak_of(other) in ("none", leak_of(job))
-    return same and divides and no_new_leak
+    keeps_checkpointing = bool(other.get("checkpointing")) or not bool(job.get("checkpointing"))
+    return same and divides and no_new_leak and keeps_checkpointing
 
 
 def verdicts(df: pd.DataFrame, missing: Sequence[dict] = ()) -> pd.DataFrame:
@@ -138,10 +168,14 @@ def verdicts(df: pd.DataFrame, missing: Sequence[dict] = ()) -> pd.DataFrame:
                     # fewer changes first; a remedy inside the card's uncertainty after every sure one
                     rank = sum(COSTS[c["kind"]][0] for c in changes) + len(changes) * 10 + (100 if where == "tight" else 0)
                     key = repr([(c["kind"], c["value"], c["steps"]) for c in changes])  # one per distinct remedy
-                    found.setdefault(key, (rank, {"run_id": other.get("run_id"), "changes": changes, "edge": where}))
+                    reserved = int(_val(other.get("peak_reserved_bytes")) or 0)
+                    found.setdefault(key, (rank, {"run_id": other.get("run_id"), "changes": changes, "edge": where,
+                                                  "peak_reserved_bytes": reserved,
+                                                  "headroom_bytes": card.room() - reserved}))
         remedies = [r for _rank, r in sorted(found.values(), key=lambda x: (x[0], repr(x[1]["changes"])))[:3]]
         entry = {"run_id": job.get("run_id"), "card": card.key.removeprefix(_OWN), "kind": job.get("kind"),
-                 "remedies": remedies, "card_needed": None, "card_headroom_bytes": None, "card_headroom_pct": None,
+                 "remedies": remedies, "card_needed": None, "card_count": None, "card_headroom_bytes": None,
+                 "card_headroom_pct": None,
                  "card_edge": None, "missing": None}
         unrun = [m for m in missing if _comparable(job, m, ran=False) and remedy_changes(job, m)]
         if remedies:
@@ -149,9 +183,11 @@ def verdicts(df: pd.DataFrame, missing: Sequence[dict] = ()) -> pd.DataFrame:
         elif unrun:
             entry.update(verdict="undecided", missing=[" ".join(m["overrides"]) for m in unrun])
         else:
-            entry.update(verdict="card problem", **_card_needed(job, cards))
+            spread_out = [o for o in rows if _comparable(job, o) and o.get("status") == "ok"
+                          and [c["kind"] for c in remedy_changes(job, o)] == ["sharding"]]
+            entry.update(verdict="card problem", **_card_needed([job, *spread_out], cards))
         out.append(entry)
-    return pd.DataFrame(out, columns=VERDICT_COLUMNS)
+    return pd.DataFrame(out, columns=VERDICT_COLUMNS, dtype=object)  # None stays None (not NaN)
 
 
 def _own_card(job) -> Card:
@@ -160,14 +196,16 @@ def _own_card(job) -> Card:
                 non_pytorch_bytes=int(job.get("gpu_non_pytorch_bytes") or 0), key=f"{_OWN}{job.get('gpu')}")
 
 
-def _card_needed(job, cards: dict[str, Card]) -> dict:
-    """The smallest card that surely fits the job as it is (not only inside a card's uncertainty:
-    the smallest tight one where no card is sure), and its headroom (none fits: all None)."""
-    fitting = [c for c in cards.values() if _fits(job, c.key)]
+def _card_needed(runs: list[dict], cards: dict[str, Card]) -> dict:
+    """The smallest (card, count) that surely fits the job as it is (not only inside a card's
+    uncertainty: the smallest tight one where none is sure), of `runs` (the job, and the job spread
+    over more GPUs): the least memory in all, then the fewest GPUs; with its headroom per GPU (none
+    fits: {})."""
+    fitting = [(run, c) for run in runs for c in cards.values() if _fits(run, c.key)]
     if not fitting:
         return {}
-    sure = [c for c in fitting if _edge(job, c.key) != "tight"]
-    smallest = min(sure or fitting, key=lambda c: c.memory_bytes)
-    headroom = smallest.room() - int(job.get("peak_reserved_bytes") or 0)
-    return {"card_needed": smallest.key, "card_headroom_bytes": headroom,
-            "card_headroom_pct": 100 * headroom / smallest.memory_bytes, "card_edge": _edge(job, smallest.key)}
+    sure = [(run, c) for run, c in fitting if _edge(run, c.key) != "tight"]
+    run, smallest = min(sure or fitting, key=lambda rc: (spread(rc[0])[0] * rc[1].memory_bytes, spread(rc[0])[0]))
+    headroom = smallest.room() - int(run.get("peak_reserved_bytes") or 0)
+    return {"card_needed": smallest.key, "card_count": spread(run)[0], "card_headroom_bytes": headroom,
+            "card_headroom_pct": 100 * headroom / smallest.memory_bytes, "card_edge": _edge(run, smallest.key)}

@@ -58,6 +58,37 @@ def gpus(row) -> str:
     return "1" if world == 1 else f"{world} FSDP2{'' if reshard else ' (no reshard)'}"
 
 
+def capacity_table(df: pd.DataFrame, fit_long: pd.DataFrame) -> Table:
+    """Job x card: the fewest GPUs of the sweep's counts the job fits that card spread over ("8
+    FSDP2": 8 GPUs; "1": one), "-" where none does. A job here is its model, workload, batch per
+    GPU, length and the rest of its knobs; the sweep's runs of it differ only by how many GPUs
+    they are spread over (and so by the sequences a step takes over all of them)."""
+    cards = list(dict.fromkeys(fit_long["card"])) if not fit_long.empty else []
+    fits = {(r.run_id, r.card): r.edge for r in fit_long.itertuples(index=False)}
+    header = ["model", "workload", "batch per GPU", "seq", "precision", "ckpt", "optimizer", "args", "allocator",
+              "leak", *cards]
+    jobs: dict[tuple, list[dict]] = {}
+    for r in df.to_dict("records"):
+        if r["status"] in ("ok", "oom"):
+            key = (str(r["model"]), str(r["workload"]), str(r["batch_size"]), str(r["seq_len"]), str(r["precision"]),
+                   _ckpt(r["checkpointing"]), f"{r['optimizer']}/{r['optimizer_impl']}", job_args(r) or "-",
+                   str(r["allocator_conf"] or "default"), str(r.get("leak") or "none"))
+            jobs.setdefault(key, []).append(r)
+    rows = []
+    for key, runs in jobs.items():
+        cells = []
+        for card in cards:
+            sure = [r for r in runs if fits.get((r["run_id"], card)) in ("room", "after_retry")]
+            tight = [r for r in runs if fits.get((r["run_id"], card)) == "tight"]
+            fewest = min(sure or tight, key=lambda r: spread(r)[0], default=None)
+            cells.append("-" if fewest is None else gpus(fewest) + ("" if sure else " tight"))
+        rows.append([*key, *cells])
+    return header, rows
+
+
+CAPACITY_IDENTITY_COLUMNS = 10  # model .. leak
+
+
 def fold_constant(table: Table, columns: int) -> tuple[Table, str]:
     """Move the first `columns` columns that hold one value in every row into a caption."""
     header, rows = table

@@ -20,6 +20,7 @@ COST_WORDS = {
     "recompute": "about 20-33% more compute (one more forward per layer)",
     "optimizer_behaviour": "changes the optimizer's behaviour",
     "numerics": "changes numerics",
+    "more_gpus": "more GPUs",
 }
 
 
@@ -106,7 +107,17 @@ def change(c: dict, torch_version: str | None = None) -> str:
         return f"{value} concurrent sequences x {c['steps']} waves"
     if kind == "checkpointing":
         return "activation checkpointing"
+    if kind == "sharding":
+        return sharding(c)
     return f"{kind} {value}"  # optimizer, precision
+
+
+def sharding(c: dict) -> str:
+    """A job spread over GPUs (a remedy's sharding change), with what each GPU moves per step."""
+    how = "" if c.get("reshard_after_forward", True) else ", not resharded after forward"
+    return (f"FSDP2 over {c['gpus']} GPUs, batch {c['batch_per_gpu']} per GPU ({c['batch_per_step']} a step){how}"
+            f" (each GPU all-gathers "
+            f"{gib(c['all_gather_bytes'])} and reduce-scatters {gib(c['reduce_scatter_bytes'])} per step)")
 
 
 # How a remedy's run fits the card (probe.sim.reserved.EDGES).
@@ -126,13 +137,25 @@ def verdict_detail(v, torch_version: str | None = None) -> str:
         return (f"undecided: no remedy with a row fits, and {len(unrun)} comparable point(s) have no row "
                 f"(e.g. {unrun[0]}); run the sweep to its end")
     if remedies:
-        return " | ".join(f"{EDGE_FITS[r.get('edge') or 'room']} with {remedy(r, torch_version)}" for r in remedies)
+        return " | ".join(f"{EDGE_FITS[r.get('edge') or 'room']} with {remedy(r, torch_version)}{_per_gpu(r)}"
+                          for r in remedies)
     if v["card_needed"] is None or (isinstance(v["card_needed"], float) and pd.isna(v["card_needed"])):
         return "no remedy in the sweep fits, and no card of the catalog fits the job as it is"
     where = v.get("card_edge")
     note = "" if where in (None, "room") or (isinstance(where, float) and pd.isna(where)) else f"; {EDGE_FITS[where]}"
-    return (f"no remedy in the sweep fits; the smallest card that fits it as it is: {v['card_needed']} "
-            f"({gib(v['card_headroom_bytes'])} headroom, {v['card_headroom_pct']:.0f}% of the card{note})")
+    count = v.get("card_count")
+    count = 1 if count is None or pd.isna(count) else int(count)
+    needed = f"{count} x {v['card_needed']}" if count > 1 else v["card_needed"]
+    return (f"no remedy in the sweep fits; the smallest card that fits it as it is: {needed} "
+            f"({gib(v['card_headroom_bytes'])} headroom{' per GPU' if count > 1 else ''}, "
+            f"{v['card_headroom_pct']:.0f}% of the card{note})")
+
+
+def _per_gpu(r: dict) -> str:
+    """A remedy over several GPUs: what each reserves and has to spare on the card."""
+    if not any(c["kind"] == "sharding" for c in r["changes"]) or r.get("peak_reserved_bytes") is None:
+        return ""
+    return f": per-GPU reserved {gib(r['peak_reserved_bytes'])}, headroom {gib(r['headroom_bytes'])}"
 
 
 def worded_verdicts(judged: pd.DataFrame, rows: pd.DataFrame) -> pd.DataFrame:

@@ -66,19 +66,33 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 # The collectives FSDP2 calls (and DDP's, HSDP's all-reduce), by their torch.distributed names
-_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter_single", "all_reduce",
-                "all_gather", "broadcast")
+_COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
+                "all_reduce", "all_gather", "broadcast")
+# What a rank's traffic is counted by: an all-gather's whole output (what each rank assembles), a
+# reduce-scatter's whole input (what each rank contributes), an all-reduce's tensor
+_TRAFFIC = {"all_gather_into_tensor": ("all_gather", "output_tensor", 0),
+            "all_gather_single": ("all_gather", "output_tensor", 0),
+            "reduce_scatter_tensor": ("reduce_scatter", "input", 1),
+            "reduce_scatter_single": ("reduce_scatter", "input", 1),
+            "all_reduce": ("all_reduce", "tensor", 0)}
 
 
 @contextlib.contextmanager
 def collectives_own_buffers(tracker):
     """What a collective allocates inside itself is the communication backend's: NCCL's buffers are
     not the caching allocator's (gloo's copies, on real CPU ranks, are counted nowhere either). The
-    tracker counts them as it counts host memory: not at all."""
+    tracker counts them as it counts host memory: not at all. The bytes each collective moves are
+    added up per step in `tracker.traffic` ({(all_gather | reduce_scatter | all_reduce, step): bytes})."""
     import torch.distributed as dist
 
-    def inside(fn):
+    def inside(name, fn):
+        what, keyword, position = _TRAFFIC.get(name, (None, None, None))
+
         def call(*args, **kwargs):
+            if what is not None and tracker.recording:
+                t = kwargs[keyword] if keyword in kwargs else args[position]
+                key = (what, tracker.step)
+                tracker.traffic[key] = tracker.traffic.get(key, 0) + t.numel() * t.element_size()
             tracker.inside_collective += 1
             try:
                 return fn(*args, **kwargs)
@@ -88,9 +102,16 @@ def collectives_own_buffers(tracker):
 
     saved = {name: getattr(dist, name) for name in _COLLECTIVES}
     for name, fn in saved.items():
-        setattr(dist, name, inside(fn))
+        setattr(dist, name, inside(name, fn))
     try:
         yield
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
+
+
+def traffic_per_step(tracker) -> dict[str, int]:
+    """The bytes one step all-gathers and reduce-scatters on this rank: its last step's (the steps
+    after the first are alike)."""
+    last = max((step for _what, step in tracker.traffic), default=None)
+    return {f"{what}_bytes": tracker.traffic.get((what, last), 0) for what in ("all_gather", "reduce_scatter")}

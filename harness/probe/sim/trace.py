@@ -140,7 +140,8 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh) -> tuple[dict
         tracker.findings["scalars"] = {
             "trains": opt is not None, "n_params": sum(p.numel() for p in params),
             "params_bytes": sum(tracker.allocated_bytes_of(p) for p in params),
-            "state_bytes": optimizer_state_bytes(tracker, opt) if opt is not None else 0}
+            "state_bytes": optimizer_state_bytes(tracker, opt) if opt is not None else 0,
+            **sharded.traffic_per_step(tracker)}
         m = measurements(tracker.journal(), holder=tracker.findings.get("retained_holder"),
                          **tracker.findings["scalars"])
         if custom:  # the job names itself; a preset's row keeps the config's names

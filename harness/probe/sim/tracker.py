@@ -146,6 +146,7 @@ class StorageTracker(TorchDispatchMode):
         self._host: set[int] = set()  # keys of storages a real run keeps in host memory (not counted)
         self._resized_away: set[int] = set()  # keys of tracked storages resized to nothing (resized)
         self.inside_collective = 0  # > 0 while a torch.distributed collective runs
+        self.traffic: dict[tuple[str, int], int] = {}  # (collective, step) -> bytes (sharded.collectives_own_buffers)
         self.real_is_host = False  # a plain script on fake tensors: its real tensors are host tensors
         self.placement: str | None = None  # where the running call's outputs live (cuda_script)
         # A user's step has no phase marks: count what runs inside autograd's engine as backward.
