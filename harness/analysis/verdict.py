@@ -3,8 +3,9 @@
 A row that does not fit its card is a *code problem* when another row of the sweep - the same model,
 workload and sequence length, at the same effective batch (a micro-batch that divides it, with
 gradient accumulation; the batch per GPU times the data-parallel ranks) or spread over more GPUs with
-as many sequences per GPU or fewer - fits that card: the differences between the two are the remedy, with their cost (sharding over more
-GPUs: the bytes each GPU all-gathers and reduce-scatters per step). It is a *card problem* when none
+as many sequences per GPU or fewer - fits that card: the differences between the two are the
+remedy, with their cost (sharding over more GPUs: the bytes each GPU all-gathers and reduce-scatters
+per step). It is a *card problem* when none
 does; the verdict then names the smallest (card, count) that fits the job as it is, spread over that
 many GPUs where the sweep has it so (the least GPU memory in all, then the fewest GPUs), with its
 headroom.

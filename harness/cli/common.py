@@ -98,7 +98,8 @@ def aggregate(path: Path, expected: int | None = None) -> int:
     judged = words.worded_verdicts(verdicts(df, missing or []), df)
     # the verdict's data (remedies, the card needed) and, derived from it, its words
     columns = {"verdict": "verdict", "remedies": "verdict_remedies", "card_needed": "verdict_card_needed",
-               "card_count": "verdict_card_count", "card_headroom_bytes": "verdict_card_headroom_bytes", "detail": "verdict_detail"}
+               "card_count": "verdict_card_count", "card_headroom_bytes": "verdict_card_headroom_bytes",
+               "detail": "verdict_detail"}
     df = df.merge(judged[["run_id", *columns]].rename(columns=columns), on="run_id", how="left")
     out = results.write(df, target)
     frontier = results.load_frontier(target)

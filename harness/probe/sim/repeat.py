@@ -261,11 +261,11 @@ def learn(a: list[TraceEvent], b: list[TraceEvent], depth: int, layer_prefix: st
 
 def _junctions(b: list[TraceEvent], blocks: list[_Block], refs: dict[int, int]) -> None:
     """Mark the blocks that are a junction: entries that only free or retag what one earlier block
-    (the new layer, backward) allocated, placed in the layer run after it; each copy but the last goes as far
-    into the next copy of the new layer as it is into that layer (the entries before it there, in
-    order, among the new layer's first ones, alike but for sizes and modules). FSDP2's post-backward frees the reduce-scatter input of the layer
-    reduced before it: with one layer more, the old layer frees the new one's, and each of more new
-    layers its predecessor's."""
+    (the new layer, backward) allocated, placed in the layer run after it. Each copy but the last
+    goes as far into the next copy of the new layer as it is into that layer (the entries before it
+    there aligned with the new layer's, alike but for sizes and modules). FSDP2's post-backward
+    frees the reduce-scatter input of the layer reduced before it: with one layer more, the old
+    layer frees the new one's, and each of more new layers its predecessor's."""
     def role(e: TraceEvent) -> tuple:
         return (e.action, e.kind, e.phase, e.step, e.stream)
 
