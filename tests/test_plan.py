@@ -108,6 +108,8 @@ def test_fit_table_has_a_row_per_run_and_card_with_headroom():
     (["plan.cards=[t4,nope]"], "plan.cards"),
     (["plan.margin=1.5"], "plan.margin"),
     (["plan.lo=8", "plan.hi=4"], "plan.hi"),
+    (["plan.axis=world_size", "plan.step=2"], "plan.step"),
+    (["plan.axis=world_size", "workload=infer"], "parallel.dp_shard"),
     (["model=tiny", "plan.axis=seq_len", "plan.hi=99999"], "seq_len"),
 ])
 def test_bad_plan_settings_fail_before_any_work_naming_the_key(args, key, tmp_path):
@@ -184,3 +186,22 @@ def test_a_sequence_frontier_searches_multiples_of_the_step(tmp_path):
     assert fr.loc["l4", "largest"] > fr.loc["t4", "largest"] and fr.loc["t4", "lo"] == 128
     rows = pd.read_parquet(_only_dir(tmp_path) / "results.parquet")
     assert (rows["seq_len"] % 128 == 0).all() and (rows["batch_size"] == 2).all()
+
+
+@pytest.mark.slow
+def test_a_count_plan_finds_each_cards_fewest_gpus_checked_at_the_count_below(tmp_path):
+    """plan.axis=world_size: per card the fewest GPUs (powers of two) FSDP2 must shard the job over
+    for it to fit, the count below probed and not fitting; a card it fits on one GPU says so."""
+    r = run_cli("plan", "model=7b", "model.hf.num_hidden_layers=4", "batch_size=1", "seq_len=64", "precision=bf16",
+                "checkpointing=false", "plan.axis=world_size", "plan.hi=8", "plan.cards=[rtx4060,t4]",
+                "sweep=counts", f"results_dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    plan_dir = _only_dir(tmp_path)
+    fr = pd.read_parquet(plan_dir / "frontier.parquet").set_index("card")
+    rows = {int(r["world_size"]): r for r in pd.read_parquet(plan_dir / "results.parquet").to_dict("records")}
+    cards = {c.key: c for c in catalog.cards()}
+    assert fr.loc["t4", "largest"] == 1 and pd.isna(fr.loc["t4", "first_oom"])
+    fewest, below = int(fr.loc["rtx4060", "largest"]), int(fr.loc["rtx4060", "first_oom"])
+    assert fewest > 1 and below == fewest // 2
+    assert fit.fits(rows[fewest], cards["rtx4060"]) and not fit.fits(rows[below], cards["rtx4060"])
+    assert fr.loc["rtx4060", "hi"] == 8 and fr.loc["rtx4060", "grid_points"] == 4  # 1, 2, 4, 8

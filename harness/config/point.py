@@ -70,6 +70,12 @@ class Backend(StrEnum):
 class PlanAxis(StrEnum):
     batch_size = "batch_size"
     seq_len = "seq_len"
+    world_size = "world_size"  # the GPUs FSDP2 shards over (parallel.dp_shard): the fewest that fit
+
+    @property
+    def key(self) -> str:
+        """The override the axis sets."""
+        return "parallel.dp_shard" if self is PlanAxis.world_size else self.value
 
 
 def _choice(key: str, enum: type[StrEnum], value: Any) -> Any:
@@ -221,8 +227,8 @@ class Plan:
     """`python -m harness plan`: per card, the largest `axis` value that fits (searched, not swept)."""
     axis: PlanAxis = PlanAxis.batch_size
     lo: int = 1
-    hi: int = 0  # 0: 256 for batch_size, the model's max_position_embeddings for seq_len
-    step: int = 0  # 0: 1 for batch_size, 128 for seq_len
+    hi: int = 0  # 0: 256 for batch_size, the model's max_position_embeddings for seq_len, 64 GPUs
+    step: int = 0  # 0: 1 for batch_size, 128 for seq_len; world_size: powers of two
     margin: float = 0.0  # share of the card's total memory kept free, beyond non-PyTorch memory
     cards: tuple[str, ...] = ()  # catalog keys; empty: every card
     block_size: int = 16  # serving: vLLM's KV block, tokens
@@ -236,6 +242,8 @@ class Plan:
             raise ConfigError("plan.hi", f"must be >= plan.lo ({self.lo}), got {self.hi}")
         if self.step < 0:
             raise ConfigError("plan.step", f"must be >= 0 (0: the axis's default), got {self.step}")
+        if self.axis == PlanAxis.world_size and self.step:
+            raise ConfigError("plan.step", f"plan.axis=world_size searches powers of two: leave it 0, got {self.step}")
         if not 0 <= self.margin < 1:
             raise ConfigError("plan.margin", f"must be in [0, 1) (a share of the card's memory), got {self.margin}")
         _at_least("plan.block_size", self.block_size, 1)

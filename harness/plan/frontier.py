@@ -16,14 +16,14 @@ from omegaconf import DictConfig
 
 from harness.config import cards as catalog
 from harness.config.models import hf_config, max_positions
-from harness.config.point import Card
+from harness.config.point import Card, PlanAxis
 from harness.config.validate import validate
 from harness.errors import ConfigError
 from harness.launch.runner import run_point
 from harness.plan import fit, search, serving
 from harness.units import GiB
 
-DEFAULT_HI = {"batch_size": 256}
+DEFAULT_HI = {"batch_size": 256, "world_size": 64}
 DEFAULT_STEP = {"batch_size": 1, "seq_len": 128}
 
 
@@ -42,6 +42,12 @@ class Group:
 def axis_values(cfg) -> list[int]:
     """lo..hi by step for the plan's axis, defaults filled from the axis and the model."""
     plan = cfg.plan
+    if plan.axis == "world_size":  # powers of two, the counts jobs are sharded over
+        hi = plan.hi or DEFAULT_HI["world_size"]
+        values = [2**k for k in range(hi.bit_length()) if plan.lo <= 2**k <= hi]
+        if not values:
+            raise ConfigError("plan.hi", f"no power of two between plan.lo={plan.lo} and plan.hi={hi}")
+        return values
     step = plan.step or DEFAULT_STEP[plan.axis]
     hi = plan.hi or DEFAULT_HI.get(plan.axis)
     if hi is None:  # seq_len: as far as the model's positions go
@@ -75,7 +81,7 @@ class Planner:
         for p in points:
             cfg = self._compose(p)
             validate(cfg)
-            axis = cfg.plan.axis
+            axis = PlanAxis(cfg.plan.axis).key
             rest = [o for o in p if o.split("=", 1)[0].lstrip("+~") != axis]
             if tuple(rest) in seen:
                 continue
@@ -121,18 +127,28 @@ class Planner:
         plan, axis = cfg.plan, cfg.plan.axis
         by_key = {c.key: c for c in self.cards(g)}
         rows_by_value: dict[int, dict] = {}
+        # The search finds the largest value that fits, memory growing with it; per GPU it shrinks
+        # with the count, so counts are searched by their place from the most down: the largest
+        # place that fits is the fewest GPUs.
+        fewer = axis == "world_size"
+        value_at = sorted(g.values, reverse=True) if fewer else g.values
 
-        def probe(v: int) -> search.Probe:
-            row = self.run([*g.overrides, f"{axis}={v}"])
+        def probe(i: int) -> search.Probe:
+            v = value_at[i] if fewer else i
+            row = self.run([*g.overrides, f"{PlanAxis(axis).key}={v}"])
             rows_by_value[v] = row
             peak = row.get("peak_reserved_bytes") or row["peak_allocated_bytes"]
             self.say(f"{' '.join(g.overrides)} {axis}={v}: {peak / GiB:.2f} GiB reserved "
                      f"(probe {len(rows_by_value)})")
-            return search.Probe(v, int(peak), {k: bool(fit.fits(row, c, plan.margin)) for k, c in by_key.items()})
+            return search.Probe(i, int(peak), {k: bool(fit.fits(row, c, plan.margin)) for k, c in by_key.items()})
+
+        def value(i: int | None) -> int | None:
+            return value_at[i] if fewer and i is not None else i
 
         ident = _group_columns(cfg, axis)
         try:
-            s = search.search(probe, {k: c.room(plan.margin) for k, c in by_key.items()}, g.values,
+            s = search.search(probe, {k: c.room(plan.margin) for k, c in by_key.items()},
+                              list(range(len(value_at))) if fewer else g.values,
                               self.width, lambda vs: _together(probe, vs))
             serve = self._serving(g) if cfg.workload.name == "infer" else None
         except ProbeFailed as e:
@@ -140,11 +156,13 @@ class Planner:
         out = []
         for key, f in s.frontiers.items():
             card = by_key[key]
-            row = rows_by_value.get(f.largest) if f.largest is not None else None
+            # world_size: `largest` is the fewest GPUs that fit, `first_oom` the count below it
+            largest, first_oom = value(f.largest), value(f.first_oom)
+            row = rows_by_value.get(largest) if largest is not None else None
             rec = {**ident, "card": key, "card_memory_bytes": card.memory_bytes, "status": "ok",
-                   "error": None, "largest": f.largest, "first_oom": f.first_oom,
+                   "error": None, "largest": largest, "first_oom": first_oom,
                    "monotone": f.monotone, "probes": len(s.probes), "grid_points": len(g.values),
-                   "lo": g.values[0], "hi": g.values[-1], "step": _step(g.values),
+                   "lo": g.values[0], "hi": g.values[-1], "step": 0 if fewer else _step(g.values),
                    "peak_reserved_bytes": row.get("peak_reserved_bytes") if row else None,
                    "peak_allocated_bytes": row.get("peak_allocated_bytes") if row else None,
                    "headroom_bytes": fit.headroom_bytes(row, card, plan.margin) if row else None,
@@ -155,7 +173,7 @@ class Planner:
                    "activations_bytes": row.get("activations_bytes") if row else None,
                    "run_id": row.get("run_id") if row else None}
             if serve is not None:
-                rec.update(serving.compare(card, cfg, serve, f.largest, row))
+                rec.update(serving.compare(card, cfg, serve, largest, row))
             out.append(rec)
         return sorted(out, key=lambda r: r["card_memory_bytes"])
 
@@ -195,6 +213,7 @@ def _group_columns(cfg, axis: str) -> dict:
             "checkpointing": bool(cfg.checkpointing), "optimizer": cfg.optimizer.name,
             "allocator_conf": cfg.allocator.conf, "leak": cfg.workload.leak, "axis": axis,
             "batch_size": cfg.batch_size if axis != "batch_size" else None,
+            "world_size": None if axis == "world_size" else int(cfg.parallel.dp_shard),
             "seq_len": cfg.seq_len if axis != "seq_len" else None, "margin": float(cfg.plan.margin)}
     if custom:
         cols["workload_args"] = json.dumps(dict(cfg.workload.args or {}), sort_keys=True, default=str)

@@ -200,7 +200,8 @@ def frontiers(fr: pd.DataFrame) -> plt.Figure | None:
         ax.bar([j + i * width for j in range(len(cards))], vals, width, label=gname, color=_style(i)["color"],
                hatch="//" if i >= 20 else None)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cards))], cards, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel(f"largest {ok['axis'].iloc[0]} that fits")
+    axis = ok["axis"].iloc[0]
+    ax.set_ylabel("fewest GPUs that fit" if axis == "world_size" else f"largest {axis} that fits")
     ax.set_title(f"Frontiers (margin {ok['margin'].iloc[0]:.0%} of each card kept free)", fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the bars
     ax.grid(axis="y", alpha=0.3)

@@ -125,15 +125,18 @@ def verdict_table(judged: pd.DataFrame) -> Table:
 
 def group_label(r) -> str:
     """A plan group in words: what is fixed while its axis is searched."""
-    fixed = f"seq {int(r.seq_len)}" if r.axis == "batch_size" else f"batch {int(r.batch_size)}"
+    fixed = {"batch_size": f"seq {int(r.seq_len)}", "seq_len": f"batch {int(r.batch_size)}"}.get(
+        r.axis, f"batch {int(r.batch_size)} per GPU, seq {int(r.seq_len)}")
     alloc = f", {r.allocator_conf}" if r.allocator_conf else ""
     return f"{r.model} {r.workload} {r.precision}{' ckpt' if r.checkpointing else ''}, {fixed}{alloc}"
 
 
 def frontier_table(fr: pd.DataFrame) -> Table:
-    """Group x card: the largest value that fits, and what it cost to find."""
-    header = ["group", "axis", "margin", "card", "largest that fits", "first OOM", "peak reserved GiB",
-              "headroom GiB", "cache flushes", "probes / grid"]
+    """Group x card: the largest value that fits (world_size: the fewest GPUs), and what it cost to
+    find."""
+    fewest = not fr.empty and (fr["axis"] == "world_size").all()
+    header = ["group", "axis", "margin", "card", "fewest GPUs that fit" if fewest else "largest that fits",
+              "first OOM", "peak reserved GiB", "headroom GiB", "cache flushes", "probes / grid"]
     rows, failed = [], set()
     for r in fr.itertuples(index=False):
         if r.status != "ok":  # one line per group: the search stopped at a probe that failed
@@ -143,7 +146,8 @@ def frontier_table(fr: pd.DataFrame) -> Table:
             continue
         largest = "none" if pd.isna(r.largest) else f"{int(r.largest)}"
         if not pd.isna(r.largest) and pd.isna(r.first_oom):
-            largest = f">= {int(r.largest)} (top of range)"
+            edge_of_range = "<= {} (bottom of range)" if r.axis == "world_size" else ">= {} (top of range)"
+            largest = edge_of_range.format(int(r.largest))
         first = "-" if pd.isna(r.first_oom) else str(int(r.first_oom))
         if not r.monotone:
             first += " (not monotone above)"
