@@ -3,7 +3,8 @@ as the zygote's child would run it: `python benchmarks/big_points.py`.
 
 Prints per point the wall time of the worker's run (trace + replay for every card; imports and
 the warm-up a zygote does once are not counted) and the process's peak RSS. Targets: 70B <= 15 s,
-405B <= 30 s, RSS <= 4 GiB.
+405B <= 30 s, RSS <= 4 GiB; one rank of 70B over 64 GPUs <= 15 s (issue 17: no more than the
+70B point on one GPU).
 """
 
 import json
@@ -20,10 +21,13 @@ sys.path.insert(0, sys.argv[1])
 from harness.launch.zygote import _warm_up
 from harness.probe import worker
 from tests.conftest import model_cfg, train_point
-from harness.config.point import Workload
+from harness.config.point import Parallel, Workload
 _warm_up()
 spec = json.loads(sys.argv[2])
-point = train_point(model=spec["model"], batch_size=spec["batch_size"], seq_len=spec["seq_len"])
+point = train_point(model=spec["model"], batch_size=spec["batch_size"], seq_len=spec["seq_len"],
+                    checkpointing=spec.get("checkpointing", False))
+if spec.get("dp_shard", 1) > 1:
+    point = point.replace(parallel=Parallel(dp_shard=spec["dp_shard"]))
 if spec["workload"] == "infer":
     point = point.replace(workload=Workload(name="infer", new_tokens=16))
 t0 = time.perf_counter()
@@ -38,6 +42,9 @@ POINTS = [
      "target_s": 15},
     {"name": "llama3-405b infer b1 s8192 bf16", "model": "llama3-405b", "workload": "infer", "batch_size": 1,
      "seq_len": 8192, "target_s": 30},
+    # issue 17: one rank of 64 should cost no more than the 70B point on one GPU
+    {"name": "70b train b1 s4096 ckpt over 64 (FSDP2)", "model": "70b", "workload": "train", "batch_size": 1,
+     "seq_len": 4096, "checkpointing": True, "dp_shard": 64, "target_s": 15},
 ]
 
 
