@@ -5,10 +5,9 @@ workload and sequence length, at the same effective batch (a micro-batch that di
 gradient accumulation; the batch per GPU times the data-parallel ranks) or spread over more GPUs with
 as many sequences per GPU or fewer - fits that card: the differences between the two are the
 remedy, with their cost (sharding over more GPUs: the bytes each GPU all-gathers and reduce-scatters
-per step). It is a *card problem* when none
-does; the verdict then names the smallest (card, count) that fits the job as it is, spread over that
-many GPUs where the sweep has it so (the least GPU memory in all, then the fewest GPUs), with its
-headroom.
+per step). It is a *card problem* when none does; the verdict then names the smallest (card, count)
+that fits the job as it is, spread over that many GPUs where the sweep has it so (the least GPU
+memory in all, then the fewest GPUs), with its headroom.
 
 Everything here is data: a remedy is its changes (kind, the knob, its new value, the cost of it),
 and a card problem names a card and the headroom in bytes. report/words.py puts them in words.
@@ -176,15 +175,15 @@ def verdicts(df: pd.DataFrame, missing: Sequence[dict] = ()) -> pd.DataFrame:
         remedies = [r for _rank, r in sorted(found.values(), key=lambda x: (x[0], repr(x[1]["changes"])))[:3]]
         entry = {"run_id": job.get("run_id"), "card": card.key.removeprefix(_OWN), "kind": job.get("kind"),
                  "remedies": remedies, "card_needed": None, "card_count": None, "card_headroom_bytes": None,
-                 "card_headroom_pct": None,
-                 "card_edge": None, "missing": None}
+                 "card_headroom_pct": None, "card_edge": None, "missing": None}
         unrun = [m for m in missing if _comparable(job, m, ran=False) and remedy_changes(job, m)]
         if remedies:
             entry["verdict"] = "code problem"
         elif unrun:
             entry.update(verdict="undecided", missing=[" ".join(m["overrides"]) for m in unrun])
         else:
-            spread_out = [o for o in rows if _comparable(job, o) and o.get("status") == "ok"
+            # the job as it is over more GPUs (a run that OOMed on its own card may fit a larger one)
+            spread_out = [o for o in rows if _comparable(job, o)
                           and [c["kind"] for c in remedy_changes(job, o)] == ["sharding"]]
             entry.update(verdict="card problem", **_card_needed([job, *spread_out], cards))
         out.append(entry)
