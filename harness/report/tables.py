@@ -125,8 +125,12 @@ def verdict_table(judged: pd.DataFrame) -> Table:
 
 def group_label(r) -> str:
     """A plan group in words: what is fixed while its axis is searched."""
-    fixed = {"batch_size": f"seq {int(r.seq_len)}", "seq_len": f"batch {int(r.batch_size)}"}.get(
-        r.axis, f"batch {int(r.batch_size)} per GPU, seq {int(r.seq_len)}")
+    if r.axis == "batch_size":
+        fixed = f"seq {int(r.seq_len)}"
+    elif r.axis == "seq_len":
+        fixed = f"batch {int(r.batch_size)}"
+    else:  # world_size
+        fixed = f"batch {int(r.batch_size)} per GPU, seq {int(r.seq_len)}"
     alloc = f", {r.allocator_conf}" if r.allocator_conf else ""
     return f"{r.model} {r.workload} {r.precision}{' ckpt' if r.checkpointing else ''}, {fixed}{alloc}"
 
