@@ -160,18 +160,17 @@ def verdicts(df: pd.DataFrame, missing: Sequence[dict] = ()) -> pd.DataFrame:
             continue
         card = by_name.get(job.get("gpu")) or _own_card(job)
         found: dict[str, tuple[int, dict]] = {}
-        for other in rows:
-            if _comparable(job, other) and _fits(other, card.key):
-                changes = remedy_changes(job, other)
-                if changes:
-                    where = _edge(other, card.key)
-                    # fewer changes first; a remedy inside the card's uncertainty after every sure one
-                    rank = sum(COSTS[c["kind"]][0] for c in changes) + len(changes) * 10 + (100 if where == "tight" else 0)
-                    key = repr([(c["kind"], c["value"], c["steps"]) for c in changes])  # one per distinct remedy
-                    reserved = int(_val(other.get("peak_reserved_bytes")) or 0)
-                    found.setdefault(key, (rank, {"run_id": other.get("run_id"), "changes": changes, "edge": where,
-                                                  "peak_reserved_bytes": reserved,
-                                                  "headroom_bytes": card.room() - reserved}))
+        alike = [(other, remedy_changes(job, other)) for other in rows if _comparable(job, other)]
+        for other, changes in alike:
+            if changes and _fits(other, card.key):
+                where = _edge(other, card.key)
+                # fewer changes first; a remedy inside the card's uncertainty after every sure one
+                rank = sum(COSTS[c["kind"]][0] for c in changes) + len(changes) * 10 + (100 if where == "tight" else 0)
+                key = repr([(c["kind"], c["value"], c["steps"]) for c in changes])  # one per distinct remedy
+                reserved = int(_val(other.get("peak_reserved_bytes")) or 0)
+                found.setdefault(key, (rank, {"run_id": other.get("run_id"), "changes": changes, "edge": where,
+                                              "peak_reserved_bytes": reserved,
+                                              "headroom_bytes": card.room() - reserved}))
         remedies = [r for _rank, r in sorted(found.values(), key=lambda x: (x[0], repr(x[1]["changes"])))[:3]]
         entry = {"run_id": job.get("run_id"), "card": card.key.removeprefix(_OWN), "kind": job.get("kind"),
                  "remedies": remedies, "card_needed": None, "card_count": None, "card_headroom_bytes": None,
@@ -183,8 +182,7 @@ def verdicts(df: pd.DataFrame, missing: Sequence[dict] = ()) -> pd.DataFrame:
             entry.update(verdict="undecided", missing=[" ".join(m["overrides"]) for m in unrun])
         else:
             # the job as it is over more GPUs (a run that OOMed on its own card may fit a larger one)
-            spread_out = [o for o in rows if _comparable(job, o)
-                          and [c["kind"] for c in remedy_changes(job, o)] == ["sharding"]]
+            spread_out = [o for o, changes in alike if [c["kind"] for c in changes] == ["sharding"]]
             entry.update(verdict="card problem", **_card_needed([job, *spread_out], cards))
         out.append(entry)
     return pd.DataFrame(out, columns=VERDICT_COLUMNS, dtype=object)  # None stays None (not NaN)

@@ -291,10 +291,11 @@ def _junctions(b: list[TraceEvent], blocks: list[_Block], refs: dict[int, int]) 
         ids: dict[tuple, int] = {}
         mine = [ids.setdefault(role(e), len(ids)) for e in b[host.start:host.start + host.length]]
         after = [ids.setdefault(role(e), len(ids)) for e in b[host.start + host.length:blk.start]]
-        matched = [m for m in difflib.SequenceMatcher(None, mine, after, autojunk=False).get_matching_blocks() if m.size]
+        matched = [run for run in difflib.SequenceMatcher(None, mine, after, autojunk=False).get_matching_blocks()
+                   if run.size]
         # the layer after as the host's entries, but for a few
         if not matched or matched[-1].b + matched[-1].size != len(after) \
-                or 10 * sum(m.size for m in matched) < 9 * len(after):
+                or 10 * sum(run.size for run in matched) < 9 * len(after):
             continue
         offset = matched[-1].a + matched[-1].size
         if offset < host.length:

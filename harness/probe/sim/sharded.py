@@ -69,12 +69,11 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 _COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
                 "all_reduce", "all_gather", "broadcast")
 # What a rank's traffic is counted by: an all-gather's whole output (what each rank assembles), a
-# reduce-scatter's whole input (what each rank contributes), an all-reduce's tensor
+# reduce-scatter's whole input (what each rank contributes); (collective, keyword, position)
 _TRAFFIC = {"all_gather_into_tensor": ("all_gather", "output_tensor", 0),
             "all_gather_single": ("all_gather", "output_tensor", 0),
             "reduce_scatter_tensor": ("reduce_scatter", "input", 1),
-            "reduce_scatter_single": ("reduce_scatter", "input", 1),
-            "all_reduce": ("all_reduce", "tensor", 0)}
+            "reduce_scatter_single": ("reduce_scatter", "input", 1)}
 
 
 @contextlib.contextmanager
@@ -82,7 +81,7 @@ def collectives_own_buffers(tracker):
     """What a collective allocates inside itself is the communication backend's: NCCL's buffers are
     not the caching allocator's (gloo's copies, on real CPU ranks, are counted nowhere either). The
     tracker counts them as it counts host memory: not at all. The bytes each collective moves are
-    added up per step in `tracker.traffic` ({(all_gather | reduce_scatter | all_reduce, step): bytes})."""
+    added up per step in `tracker.traffic` ({(all_gather | reduce_scatter, step): bytes})."""
     import torch.distributed as dist
 
     def inside(name, fn):
