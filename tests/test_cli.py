@@ -7,6 +7,7 @@ import socket
 import stat
 import sys
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -122,6 +123,13 @@ def test_a_killed_worker_is_an_error_row(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "error"
 
 
+def _stdout_of(pid: str) -> Path | None:
+    try:
+        return Path(os.readlink(f"/proc/{pid}/fd/1")).resolve()
+    except OSError:  # gone, or not ours to read
+        return None
+
+
 def test_a_forked_point_killed_mid_run_is_an_error_row(tmp_path):
     """The zygote path: a child killed by a signal leaves an error row, not a lost sweep."""
     import threading
@@ -138,9 +146,11 @@ def test_a_forked_point_killed_mid_run_is_an_error_row(tmp_path):
             if log.exists():
                 import subprocess as sp
 
-                # Only this test's zygote (its socket is on its command line): never another sweep's.
+                # Only this point's child: the zygote is shared by every test of this code (its
+                # socket is per code), and a child's stdout is its point's worker.log
                 out = sp.run(["pgrep", "-f", str(zygote.socket_path())], capture_output=True, text=True).stdout.split()
-                children = sp.run(["pgrep", "-P", ",".join(out) or "0"], capture_output=True, text=True).stdout.split()
+                children = [pid for pid in sp.run(["pgrep", "-P", ",".join(out) or "0"], capture_output=True,
+                                                  text=True).stdout.split() if _stdout_of(pid) == log.resolve()]
                 if children:
                     _time.sleep(0.5)
                     for pid in children:
