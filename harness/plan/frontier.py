@@ -132,24 +132,25 @@ class Planner:
         # place that fits is the fewest GPUs.
         fewer = axis == "world_size"
         value_at = sorted(g.values, reverse=True) if fewer else g.values
+        searched = list(range(len(value_at))) if fewer else g.values
+        override = PlanAxis(axis).key
 
-        def probe(i: int) -> search.Probe:
-            v = value_at[i] if fewer else i
-            row = self.run([*g.overrides, f"{PlanAxis(axis).key}={v}"])
+        def value(x: int | None) -> int | None:  # the axis's value at what the search holds
+            return value_at[x] if fewer and x is not None else x
+
+        def probe(x: int) -> search.Probe:
+            v = value(x)
+            row = self.run([*g.overrides, f"{override}={v}"])
             rows_by_value[v] = row
             peak = row.get("peak_reserved_bytes") or row["peak_allocated_bytes"]
             self.say(f"{' '.join(g.overrides)} {axis}={v}: {peak / GiB:.2f} GiB reserved "
                      f"(probe {len(rows_by_value)})")
-            return search.Probe(i, int(peak), {k: bool(fit.fits(row, c, plan.margin)) for k, c in by_key.items()})
-
-        def value(i: int | None) -> int | None:
-            return value_at[i] if fewer and i is not None else i
+            return search.Probe(x, int(peak), {k: bool(fit.fits(row, c, plan.margin)) for k, c in by_key.items()})
 
         ident = _group_columns(cfg, axis)
         try:
-            s = search.search(probe, {k: c.room(plan.margin) for k, c in by_key.items()},
-                              list(range(len(value_at))) if fewer else g.values,
-                              self.width, lambda vs: _together(probe, vs))
+            s = search.search(probe, {k: c.room(plan.margin) for k, c in by_key.items()}, searched, self.width,
+                              lambda vs: _together(probe, vs))
             serve = self._serving(g) if cfg.workload.name == "infer" else None
         except ProbeFailed as e:
             return [{**ident, "card": k, "status": "error", "error": str(e)} for k in by_key]

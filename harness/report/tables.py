@@ -39,9 +39,7 @@ def fits_table(df: pd.DataFrame, fit_long: pd.DataFrame) -> Table:
     cell = {(r.run_id, r.card): _cell(r.edge, r.headroom_pct) for r in fit_long.itertuples(index=False)}
     header = ["model", "workload", "batch", "seq", "precision", "ckpt", "GPUs", "optimizer", "args", "allocator",
               "leak", "gpu", "backend", "status", "kind", "alloc GiB", "reserved GiB", *cards]
-    rows = [[str(r["model"]), str(r["workload"]), str(r["batch_size"]), str(r["seq_len"]), str(r["precision"]),
-             _ckpt(r["checkpointing"]), gpus(r), f"{r['optimizer']}/{r['optimizer_impl']}", job_args(r) or "-",
-             str(r["allocator_conf"] or "default"), str(r.get("leak") or "none"), str(r["gpu"]),
+    rows = [[*_shape_cells(r), gpus(r), *_knob_cells(r), str(r["gpu"]),
              str(r["backend"]), str(r["status"]), str(r.get("kind")),
              gib(r["peak_allocated_bytes"]), gib(r["peak_reserved_bytes"]),
              *[cell.get((r["run_id"], c), "-") for c in cards]]
@@ -50,6 +48,18 @@ def fits_table(df: pd.DataFrame, fit_long: pd.DataFrame) -> Table:
 
 
 FITS_IDENTITY_COLUMNS = 13  # model .. backend: folded into the title where one value holds for all rows
+
+
+def _shape_cells(r) -> list[str]:
+    """model, workload, batch (per GPU), seq, precision, ckpt."""
+    return [str(r["model"]), str(r["workload"]), str(r["batch_size"]), str(r["seq_len"]), str(r["precision"]),
+            _ckpt(r["checkpointing"])]
+
+
+def _knob_cells(r) -> list[str]:
+    """optimizer, args, allocator, leak."""
+    return [f"{r['optimizer']}/{r['optimizer_impl']}", job_args(r) or "-", str(r["allocator_conf"] or "default"),
+            str(r.get("leak") or "none")]
 
 
 def gpus(row) -> str:
@@ -70,10 +80,7 @@ def capacity_table(df: pd.DataFrame, fit_long: pd.DataFrame) -> Table:
     jobs: dict[tuple, list[dict]] = {}
     for r in df.to_dict("records"):
         if r["status"] in ("ok", "oom"):
-            key = (str(r["model"]), str(r["workload"]), str(r["batch_size"]), str(r["seq_len"]), str(r["precision"]),
-                   _ckpt(r["checkpointing"]), f"{r['optimizer']}/{r['optimizer_impl']}", job_args(r) or "-",
-                   str(r["allocator_conf"] or "default"), str(r.get("leak") or "none"))
-            jobs.setdefault(key, []).append(r)
+            jobs.setdefault((*_shape_cells(r), *_knob_cells(r)), []).append(r)
     rows = []
     for key, runs in jobs.items():
         cells = []
