@@ -52,6 +52,7 @@ def fsdp_memtracker_peak(point) -> int:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from transformers import AutoModelForCausalLM
 
+    from harness.probe.parallelize import parallelize
     from harness.probe.sim import sharded
 
     with sharded.process_group(point.parallel) as mesh, FakeTensorMode(), cu.unpacked_sequences(), \
@@ -59,8 +60,7 @@ def fsdp_memtracker_peak(point) -> int:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config(point.model), dtype=knobs(point).dtype)
         model.train()
-        sharded.shard(model, mesh, point.parallel)
-        model.to_empty(device=mesh.device_type)
+        model = parallelize(model, mesh, point.parallel)
         opt = presets.build_optimizer(point.optimizer.name, model.parameters(), {}, 1e-4)
         ids = _inputs(model, point)
         fmt = FSDPMemTracker(model, opt)

@@ -252,24 +252,33 @@ class Plan:
 
 @dataclass(frozen=True)
 class Parallel:
-    """How the job is spread over GPUs; a point's figures are one GPU's (rank 0's)."""
+    """How the job is spread over GPUs (probe.parallelize); a point's figures are one GPU's (rank 0's)."""
     dp_shard: int = 1  # FSDP2 (fully_shard per decoder layer and the root): ranks each parameter is sharded over
-    dp_replicate: int = 1  # DDP replicas (HSDP with dp_shard)
-    tp: int = 1  # tensor parallel (DTensor parallelize_module)
+    dp_replicate: int = 1  # data-parallel replicas: DDP, or HSDP with dp_shard (replicas of a sharded model)
+    tp: int = 1  # tensor parallel (DTensor parallelize_module, the model's own plan)
     reshard_after_forward: bool = True  # FSDP2: free the gathered layer after its forward (ZeRO-3), else keep it (ZeRO-2)
 
     def __post_init__(self):
         for key in ("dp_shard", "dp_replicate", "tp"):
             _at_least(f"parallel.{key}", getattr(self, key), 1)
-        # What the virtual GPU models so far: FSDP2. The rest is refused rather than answered
-        # as if the job ran on one GPU.
-        for key, what in (("dp_replicate", "DDP/HSDP replicas"), ("tp", "tensor parallel")):
-            if getattr(self, key) > 1:
-                raise ConfigError(f"parallel.{key}", f"{what} is not modelled yet: use parallel.dp_shard (FSDP2)")
+        if self.dp_replicate > 1 and self.tp > 1 and self.dp_shard == 1:  # as torchtitan refuses it
+            raise ConfigError("parallel.dp_replicate", "DDP does not take tensor-parallel (DTensor) parameters: "
+                              "replicate a tensor-parallel job with HSDP (parallel.dp_shard > 1)")
 
     @property
     def world_size(self) -> int:
         return self.dp_shard * self.dp_replicate * self.tp
+
+    @property
+    def key(self) -> str:
+        """The knob that spreads the job (the first of more than one GPU), for errors that name one."""
+        return next((f"parallel.{k}" for k in ("dp_shard", "dp_replicate", "tp") if getattr(self, k) > 1),
+                    "parallel.dp_shard")
+
+    @property
+    def dtensors(self) -> bool:
+        """Whether the parameters are DTensors (FSDP2's shards, tensor parallel's slices); DDP's are not."""
+        return self.dp_shard > 1 or self.tp > 1
 
 
 @dataclass(frozen=True)
@@ -310,14 +319,15 @@ class Point:
         if self.gpu.memory_bytes <= 0:
             raise ConfigError("gpu.memory_bytes", f"must be > 0, got {self.gpu.memory_bytes}")
         if self.parallel.world_size > 1:
+            key = self.parallel.key
             if self.backend == Backend.cuda:
-                raise ConfigError("parallel.dp_shard", "a job over several GPUs runs on the virtual GPU only so far "
+                raise ConfigError(key, "a job over several GPUs runs on the virtual GPU only so far "
                                   "(backend=sim): one rank traced, its peaks per GPU")
             if self.workload.name != WorkloadName.train:
-                raise ConfigError("parallel.dp_shard", "sharding is modelled for workload=train (FSDP2 on a preset) "
+                raise ConfigError(key, "a job over several GPUs is modelled for workload=train (a preset) "
                                   f"so far, not workload={self.workload.name}")
-            if self.optimizer.name == OptimizerName.adafactor:  # as torch 2.13's DTensor does on any device
-                raise ConfigError("optimizer.name", "torch.optim.Adafactor does not run on FSDP2's sharded parameters "
+            if self.optimizer.name == OptimizerName.adafactor and self.parallel.dtensors:  # as torch 2.13's DTensor does
+                raise ConfigError("optimizer.name", "torch.optim.Adafactor does not run on DTensor parameters (FSDP2, TP) "
                                   "(DTensor refuses its in-place pow_ on a partial norm): use adamw or sgd")
 
     @classmethod

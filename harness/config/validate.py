@@ -46,6 +46,7 @@ def _check_plan_cards(point: Point) -> None:
 
 def _check_model(point: Point) -> None:
     model = point.model
+    _check_tensor_parallel(point)
     limit = model.hf.get("max_position_embeddings") if not model.config_json else None
     if limit is None:
 
@@ -53,3 +54,16 @@ def _check_model(point: Point) -> None:
     if limit is not None and point.seq_len > limit:
         raise ConfigError("seq_len", f"{point.seq_len} exceeds model {model.name}'s "
                           f"max_position_embeddings ({limit})")
+
+
+def _check_tensor_parallel(point: Point) -> None:
+    """Tensor parallel splits each attention layer's heads among its ranks: they must divide (the
+    query heads and the key/value heads alike), as transformers' own tensor parallelism requires."""
+    tp = point.parallel.tp
+    if tp == 1:
+        return
+    config = hf_config(point.model)
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, key, None)
+        if heads is not None and heads % tp:
+            raise ConfigError("parallel.tp", f"{tp} does not divide model {point.model.name}'s {key} ({heads})")

@@ -14,7 +14,7 @@ import torch
 
 from harness.config.models import hf_config
 from harness.config.point import Leak, OptimizerName, Point, WorkloadName
-from harness.probe.sim.sharded import shard
+from harness.probe.parallelize import parallelize
 from harness.workload import Job, Knobs, phase
 
 
@@ -24,16 +24,15 @@ def builder(point: Point) -> Callable[[Knobs], Job]:
         from transformers import AutoModelForCausalLM
 
         config = hf_config(point.model)
-        # Sharded, the model is built on the meta device and only this rank's shards are made on the
-        # card (torchtitan's order): the whole model is never on one GPU.
+        # Over several GPUs, the model is built on the meta device and only what this rank holds is
+        # made on the card (torchtitan's order): a sharded model is never whole on one GPU.
         with torch.device("meta") if k.mesh is not None else contextlib.nullcontext():
             model = AutoModelForCausalLM.from_config(config, dtype=k.dtype)
         train = point.workload.name == WorkloadName.train
         if train and k.checkpointing:  # torch.utils.checkpoint re-enters the forward's autocast to recompute
             enable_checkpointing(model)
-        if k.mesh is not None:  # parallel.dp_shard: this rank's shards (probe.sim.sharded)
-            shard(model, k.mesh, point.parallel)
-            model.to_empty(device=k.mesh.device_type)
+        if k.mesh is not None:  # parallel.*: what this rank holds (probe.parallelize)
+            model = parallelize(model, k.mesh, point.parallel)
         # infer: the prompt; the rest of the context is decoded
         n_tokens = k.seq_len - (0 if train else point.workload.new_tokens)
         phase("input")

@@ -21,7 +21,7 @@ COLUMNS = (
     "gpu_non_pytorch_bytes", "emulated_gpu", "model", "n_params", "workload", "leak", "batch_size", "seq_len",
     "precision", "optimizer", "optimizer_impl", "checkpointing", "allocator_conf",
     "world_size", "dp_shard", "dp_replicate", "tp", "reshard_after_forward", "rank",
-    "all_gather_bytes_per_step", "reduce_scatter_bytes_per_step",
+    "all_gather_bytes_per_step", "reduce_scatter_bytes_per_step", "all_reduce_bytes_per_step",
     "peak_allocated_bytes", "peak_reserved_bytes", "peak_requested_bytes", "steady_peak_allocated_bytes",
     "steady_peak_reserved_bytes", "steady_peak_requested_bytes", "peak_tensor_bytes", "params_bytes",
     "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes", "workspace_bytes",

@@ -58,7 +58,8 @@ def _retag_state(tracker: StorageTracker, optimizer, host_steps: bool) -> None:
 
 
 def measurements(journal: list[TraceEvent], trains: bool, n_params: int, params_bytes: int,
-                 state_bytes: int, holder: dict | None, all_gather_bytes: int = 0, reduce_scatter_bytes: int = 0) -> dict:
+                 state_bytes: int, holder: dict | None, all_gather_bytes: int = 0, reduce_scatter_bytes: int = 0,
+                 all_reduce_bytes: int = 0) -> dict:
     """The record's columns from a journal (tracker.journal(), or one synthesized): the whole run's
     peak (building the job and every step: what decides an OOM) with where it happened and what it
     held. Its byte peaks are the storages' (the row's peak_tensor_bytes); the row's allocated,
@@ -87,7 +88,8 @@ def measurements(journal: list[TraceEvent], trains: bool, n_params: int, params_
         "peak_breakdown": {k: v for k, v in bd.items() if v},
         "step_allocated_bytes": [s.allocated_after_bytes for s in per_step],
         "step_peak_bytes": [s.peak_allocated_bytes for s in per_step],
-        # a sharded job's traffic on this rank, per step (the cost of sharding)
+        # a job's traffic on this rank over several GPUs, per step (the cost of spreading it)
         "all_gather_bytes_per_step": all_gather_bytes,
         "reduce_scatter_bytes_per_step": reduce_scatter_bytes,
+        "all_reduce_bytes_per_step": all_reduce_bytes,
     }

@@ -1,14 +1,16 @@
 """A job over several GPUs on the virtual GPU: one rank traced in one process.
 
 The process joins a fake process group of the job's world size (torch's `fake` backend: every
-collective returns at once, nothing is sent) as rank 0, and the model is sharded as the job would
-shard it, FSDP2's `fully_shard` on each decoder layer and on the root. What the tracker then sees
-is rank 0's memory: its shards of the parameters, gradients and optimizer state, the all-gather
-and reduce-scatter buffers FSDP2 allocates on its own streams (virtual_cuda numbers them, the
+collective returns at once, nothing is sent) as rank 0, and the model is spread as the job would
+spread it (probe.parallelize: tensor parallel, FSDP2 or HSDP, DDP). What the tracker then sees is
+rank 0's memory: its shards of the parameters, gradients and optimizer state, the all-gather and
+reduce-scatter buffers FSDP2 allocates on its own streams (virtual_cuda numbers them, the
 allocator model keeps their blocks in those streams' pools), the next layer gathered while this
-one computes. FSDP2 pads each shard to the same size, so every rank holds what rank 0 does.
-FSDP2 places what it allocates on its mesh's device, the fake group's "cpu": in a sharded trace
-that device is the card (cuda_script's `cpu_is_card`), not the host.
+one computes, DDP's gradient buckets, a tensor-parallel rank's slices of each projection and of
+its activations. FSDP2 pads each shard to the same size and tensor parallel gives rank 0 the
+largest slice, so no rank holds more than rank 0 does. Torch places what it allocates on the
+mesh's device, the fake group's "cpu": in such a trace that device is the card (cuda_script's
+`cpu_is_card`), not the host.
 """
 
 from __future__ import annotations
@@ -17,16 +19,19 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from harness.config.point import Parallel
+from harness.probe.parallelize import mesh_shape
 
 
 @contextlib.contextmanager
 def process_group(parallel: Parallel) -> Iterator[object | None]:
-    """This rank's device mesh inside: of the process group the process is in, where it is one of
-    the job's world size (real ranks: gloo on CPU tensors, NCCL), else of rank 0 of a fake group
-    joined for the trace. None, and nothing joined, on one GPU. Made before the trace's
-    FakeTensorMode: the mesh's setup reads values."""
+    """This rank's device mesh inside (probe.parallelize.mesh_shape): of the process group the
+    process is in, where it is one of the job's world size (real ranks: gloo on CPU tensors, NCCL),
+    else of rank 0 of a fake group joined for the trace. None, and nothing joined, on one GPU.
+    Made before the trace's FakeTensorMode: the mesh's setup reads values."""
     if parallel.world_size == 1:
         yield None
         return
@@ -39,41 +44,121 @@ def process_group(parallel: Parallel) -> Iterator[object | None]:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=parallel.world_size)
     elif dist.get_world_size() != parallel.world_size:
         raise ValueError(f"this process's group has {dist.get_world_size()} ranks, the job {parallel.world_size}")
+    names, sizes = mesh_shape(parallel)
     try:
-        yield init_device_mesh("cpu", (parallel.dp_shard,), mesh_dim_names=("dp_shard",))
+        with fake_group_workarounds() if joined else contextlib.nullcontext():
+            yield init_device_mesh("cpu", sizes, mesh_dim_names=names)
     finally:
         if joined:
             dist.destroy_process_group()
 
 
-def shard(model: torch.nn.Module, mesh, parallel: Parallel) -> None:
-    """FSDP2 as torchtitan applies it: each decoder layer its own group, then the root (embedding,
-    final norm and head)."""
-    from torch.distributed.fsdp import fully_shard
+@contextlib.contextmanager
+def fake_group_workarounds() -> Iterator[None]:
+    """What torch's parallel code needs of a fake group under FakeTensorMode, given without
+    changing what it allocates:
+    - DDP checks that every rank's parameters have the same shapes by sending rank 0's as a tensor
+      of int64 it fills and reads back (`_verify_param_shape_across_processes`): those small tensors
+      are real.
+    - DDP's default communication hook reads the all-reduce's result from the collective's future,
+      which the fake group leaves empty: the hook is torch's own default (divide the bucket by the
+      world size in place, all-reduce it) returning the bucket it reduced in place, as the real one
+      does.
+    - DDP rebuilds its buckets in the order the first step's gradients came (at the second
+      forward), rank 0 sending the new assignment as a tensor of int32 indices: real too (the
+      buckets stay fake).
+    - A functional collective (tensor parallel's all-reduces) returns, in eager, a wrapper that
+      waits for its result where it is first used, so its input lives until then; under
+      FakeTensorMode torch takes itself to be compiling and waits at once: not here.
+    - FSDP2 over a tensor-parallel mesh joins two meshes into one (DeviceMesh._concatenate), which
+      builds its rank map from real tensors: outside FakeTensorMode, as before the trace."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    import torch.nn.parallel.distributed as ddp
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
 
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=parallel.reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=parallel.reshard_after_forward)
+    def fill_bucket(_state, bucket):
+        buffer = bucket.buffer()
+        buffer.div_(dist.get_world_size())
+        dist.all_reduce(buffer)
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+
+    DDP = ddp.DistributedDataParallel
+    ddp_init, pre_forward, verify = DDP.__init__, DDP._pre_forward, ddp._verify_param_shape_across_processes
+    concatenate = DeviceMesh._concatenate
+
+    def init(self, *args, **kwargs):
+        ddp_init(self, *args, **kwargs)
+        self.register_comm_hook(None, fill_bucket)
+
+    def pre_forward_with_real_indices(self, *args, **kwargs):
+        with _RealIndices(torch.int32):
+            return pre_forward(self, *args, **kwargs)
+
+    def verify_with_real_shapes(*args, **kwargs):
+        with _RealIndices(torch.int64):
+            return verify(*args, **kwargs)
+
+    def concatenate_on_values(*args, **kwargs):
+        with unset_fake_temporarily():
+            return concatenate(*args, **kwargs)
+
+    with _patched([(DDP, "__init__", init), (DDP, "_pre_forward", pre_forward_with_real_indices),
+                   (ddp, "_verify_param_shape_across_processes", verify_with_real_shapes),
+                   (funcol, "_are_we_tracing", lambda: False),
+                   (DeviceMesh, "_concatenate", staticmethod(concatenate_on_values))]):
+        yield
 
 
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """A transformers causal LM's decoder layers (model.model.layers)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no model.layers to shard")
-    return list(layers)
+@contextlib.contextmanager
+def _patched(patches: list[tuple[object, str, object]]) -> Iterator[None]:
+    """Each (owner, name, value) set inside, as it was after (read from the owner's own dict:
+    a staticmethod stays one)."""
+    saved = [(owner, name, vars(owner)[name]) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
 
 
-# The collectives FSDP2 calls (and DDP's, HSDP's all-reduce), by their torch.distributed names
+class _RealIndices(TorchDispatchMode):
+    """Empty tensors of `dtype` made real (outside FakeTensorMode, still tracked), and what is done
+    to real tensors alone done for real: DDP's shapes and bucket indices, filled, sent, read back."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+        kwargs = kwargs or {}
+        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        indices = func is torch.ops.aten.empty.memory_format and kwargs.get("dtype") == self.dtype
+        if indices or (tensors and not any(isinstance(t, FakeTensor) for t in tensors)):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+# The collectives FSDP2 calls (and DDP's, HSDP's all-reduce), by their torch.distributed names;
+# tensor parallel's are functional collectives, whose outputs are the caching allocator's
 _COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
                 "all_reduce", "all_gather", "broadcast")
 # What a rank's traffic is counted by: an all-gather's whole output (what each rank assembles), a
-# reduce-scatter's whole input (what each rank contributes); (collective, keyword, position)
+# reduce-scatter's whole input (what each rank contributes), an all-reduce's tensor (DDP's buckets,
+# HSDP's shards across replicas); (collective, keyword, position)
 _TRAFFIC = {"all_gather_into_tensor": ("all_gather", "output_tensor", 0),
             "all_gather_single": ("all_gather", "output_tensor", 0),
             "reduce_scatter_tensor": ("reduce_scatter", "input", 1),
-            "reduce_scatter_single": ("reduce_scatter", "input", 1)}
+            "reduce_scatter_single": ("reduce_scatter", "input", 1),
+            "all_reduce": ("all_reduce", "tensor", 0)}
 
 
 @contextlib.contextmanager
@@ -81,7 +166,7 @@ def collectives_own_buffers(tracker):
     """What a collective allocates inside itself is the communication backend's: NCCL's buffers are
     not the caching allocator's (gloo's copies, on real CPU ranks, are counted nowhere either). The
     tracker counts them as it counts host memory: not at all. The bytes each collective moves are
-    added up per step in `tracker.traffic` ({(all_gather | reduce_scatter, step): bytes})."""
+    added up per step in `tracker.traffic` ({(all_gather | reduce_scatter | all_reduce, step): bytes})."""
     import torch.distributed as dist
 
     def inside(name, fn):
@@ -110,7 +195,10 @@ def collectives_own_buffers(tracker):
 
 
 def traffic_per_step(tracker) -> dict[str, int]:
-    """The bytes one step all-gathers and reduce-scatters on this rank: its last step's (the steps
-    after the first are alike)."""
+    """The bytes one step all-gathers, reduce-scatters and all-reduces on this rank: its last step's
+    (the steps after the first are alike)."""
     last = max((step for _what, step in tracker.traffic), default=None)
-    return {f"{what}_bytes": tracker.traffic.get((what, last), 0) for what in ("all_gather", "reduce_scatter")}
+    return {f"{what}_bytes": tracker.traffic.get((what, last), 0) for what in COLLECTIVES}
+
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")  # what a row's traffic columns count

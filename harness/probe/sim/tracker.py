@@ -47,6 +47,16 @@ _ZEROS_OPS = {_aten.zeros.default, _aten.new_zeros.default, _aten.zeros_like.def
 # `t.device` of a fake tensor, asked of the modes (two in three of a training step's dispatches,
 # mostly autograd's engine): it makes no storage, so nothing here applies to it.
 _DEVICE_QUERY = torch.ops.prim.device.default
+# A functional collective's result (tensor parallel's all-reduces) is wrapped, in eager, in a
+# tensor that waits for it where it is first used, and the wait returns the tensor it waited for;
+# both ops' fake (meta) kernels make a new tensor instead. On fake tensors they do what eager does.
+# (The wrap is registered by torch.distributed._functional_collectives, once imported.)
+_WAIT = torch.ops._c10d_functional.wait_tensor.default if torch.distributed.is_available() else None
+
+
+def _wrap_op():
+    wrap = getattr(torch.ops._c10d_functional, "_wrap_tensor_autograd", None) if _WAIT is not None else None
+    return wrap.default if wrap is not None else None
 _IN_PLACE_IN_EAGER = {
     _aten.scatter_add.default: _aten.scatter_add_.default,
     _aten.scatter.src: _aten.scatter_.src,
@@ -110,10 +120,14 @@ class TraceEvent(NamedTuple):
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of `t`: a DTensor's local shard (a sharded job's parameters, gradients
-    and optimizer state), else `t`."""
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else t
+    """The tensor holding `t`'s storage: a DTensor's local shard (a sharded job's parameters,
+    gradients and optimizer state), a functional collective's result behind the wrapper that waits
+    for it (AsyncCollectiveTensor, on real ranks), else `t`."""
+    for attribute in ("_local_tensor", "elem"):
+        inner = getattr(t, attribute, None)
+        if isinstance(inner, torch.Tensor) and type(t) is not torch.Tensor:
+            return _own(inner)
+    return t
 
 
 class StorageTracker(TorchDispatchMode):
@@ -121,6 +135,7 @@ class StorageTracker(TorchDispatchMode):
 
     def __init__(self, emulate_cublas_workspace: bool = True):
         super().__init__()
+        self._wrap = _wrap_op()  # a functional collective's eager wrap (see _WAIT)
         self.events: list[TraceEvent] = []
         # What the record's columns need beside the events (kinds changing, steps ending), in the
         # same sequence: the journal (probe.sim.ledger) is both, merged.
@@ -322,6 +337,11 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE_QUERY:
             return func(*args, **(kwargs or {}))
+        if (func is _WAIT or func is self._wrap) and isinstance(args[0], FakeTensor):
+            if func is _WAIT:
+                return args[0]
+            from torch.distributed._functional_collectives import AsyncCollectiveTensor
+            return AsyncCollectiveTensor(args[0])
         in_place = _IN_PLACE_IN_EAGER.get(func)
         if in_place is not None and self._fresh_zeros and isinstance(args[0], torch.Tensor) \
                 and args[0].untyped_storage()._cdata == self._fresh_zeros and _in_autograd_formula():

@@ -1,0 +1,124 @@
+"""A preset's model spread over the job's GPUs (parallel.*), in torchtitan's order: tensor parallel
+inside each layer first, then FSDP2 per decoder layer and the root (HSDP when replicated too), the
+shards made on this rank's device; or DDP around the whole model.
+
+What each rank holds then is what the job's memory is per GPU: with FSDP2 a shard of every
+parameter, gradient and optimizer state (padded alike on every rank); with DDP all of them plus its
+gradient buckets (a flat copy of every gradient, `gradient_as_bucket_view=False` as torch defaults);
+with tensor parallel the rank's columns or rows of each projection, torch.chunk's split (rank 0's
+the largest where a dimension does not divide).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from harness.config.point import Parallel
+
+# The mesh's dimensions, outermost first (torchtitan's order): replicas, shards, tensor parallel
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+def mesh_shape(parallel: Parallel) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The names and sizes of the job's mesh: its dimensions of more than one GPU."""
+    dims = [(name, getattr(parallel, name)) for name in MESH_DIMS if getattr(parallel, name) > 1]
+    return tuple(n for n, _ in dims), tuple(s for _, s in dims)
+
+
+def parallelize(model: torch.nn.Module, mesh, parallel: Parallel) -> torch.nn.Module:
+    """`model` (built on the meta device) as this rank holds it, on the mesh's device; the module
+    to step (DDP's wrapper, or the model)."""
+    if parallel.tp > 1:
+        tensor_parallel(model, mesh["tp"])
+    if parallel.dp_shard > 1:
+        dims = ("dp_replicate", "dp_shard") if parallel.dp_replicate > 1 else ("dp_shard",)
+        shard(model, mesh[dims], parallel.reshard_after_forward)
+    materialize(model, mesh.device_type, keep_identity=parallel.dp_shard > 1)
+    if parallel.dp_replicate > 1 and parallel.dp_shard == 1:
+        return torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group())
+    return model
+
+
+def materialize(model: torch.nn.Module, device: str, keep_identity: bool) -> None:
+    """Every parameter and buffer of the meta-built model made, empty, on `device`: `to_empty`.
+    FSDP2 keeps its own references to its shards (`keep_identity`): `to_empty` swaps their data in
+    place. Elsewhere each is a new tensor in the module, as `to_empty` gives a plain meta tensor (the
+    swap it uses for tensor subclasses, fake tensors among them, cannot move one off meta)."""
+    if keep_identity:
+        model.to_empty(device=device)
+        return
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            module._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+        for name, b in module.named_buffers(recurse=False):
+            module._buffers[name] = torch.empty_like(b, device=device)
+
+
+def shard(model: torch.nn.Module, mesh, reshard_after_forward: bool) -> None:
+    """FSDP2 as torchtitan applies it: each decoder layer its own group, then the root (embedding,
+    final norm and head). On a 2-D mesh (replicas, shards): HSDP."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+
+
+def tensor_parallel(model: torch.nn.Module, mesh) -> None:
+    """The model's own tensor-parallel plan, as transformers applies it (the model's `_tp_plan`; for
+    Llama, Qwen2 and Mistral: q/k/v, gate and up split by columns, o and down by rows, the embedding
+    by vocabulary rows, the head by columns and gathered); norms replicated."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = getattr(model, "_tp_plan", None)
+    if not plan:
+        raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (transformers' _tp_plan)")
+    parallelize_module(model, mesh, {name: _style(style, name) for name, style in plan.items()})
+    # The rest (the norms) replicated as DTensors on the mesh: plain tensors beside DTensors fail
+    # torch.optim's foreach step ("mixed torch.Tensor and DTensor"), on any device.
+    plain = {name for name, m in model.named_modules()
+             if any(not isinstance(p, DTensor) for p in m.parameters(recurse=False))}
+    for name in plain:
+        replicate(model.get_submodule(name), mesh)
+
+
+def replicate(module: torch.nn.Module, mesh) -> None:
+    """`module`'s parameters held whole by every rank, as DTensors (Replicate); its inputs and
+    outputs stay local tensors, as the plan's other styles leave them."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def to_dtensor(_module, inputs, mesh):
+        return tuple(DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+                     if isinstance(x, torch.Tensor) else x for x in inputs)
+
+    def to_local(_module, outputs, _mesh):
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+    distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+def _style(name: str, module: str):
+    """torch's parallel style for one of transformers' plan words."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles: dict[str, Callable[[], object]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+              "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+              "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+              "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate())}
+    if name not in styles:
+        raise ValueError(f"tensor-parallel style '{name}' ({module}) is not one the harness applies "
+                         f"({', '.join(styles)})")
+    return styles[name]()
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """A transformers causal LM's decoder layers (model.model.layers)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no model.layers to shard")
+    return list(layers)
