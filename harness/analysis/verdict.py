@@ -70,15 +70,21 @@ def global_batch(row) -> int:
 
 
 def _sharding(job, other) -> dict | None:
-    """The change of spread from `job` to `other` (more GPUs, or resharding after forward or not),
-    with its cost: the bytes each GPU all-gathers and reduce-scatters per step."""
+    """The change of spread from `job` to `other` (more GPUs, another layout, or resharding after
+    forward or not), with its cost: the bytes each GPU all-gathers, reduce-scatters and all-reduces
+    per step."""
     (world, reshard), (world2, reshard2) = spread(job), spread(other)
-    if (world, reshard) == (world2, reshard2):
+    if (world, reshard, layout(job)) == (world2, reshard2, layout(other)):
         return None
-    return _change("sharding", "parallel.dp_shard", world, world2, gpus=world2, reshard_after_forward=reshard2,
-                   batch_per_gpu=int(other["batch_size"]), batch_per_step=global_batch(other),
-                   all_gather_bytes=int(_val(other.get("all_gather_bytes_per_step")) or 0),
-                   reduce_scatter_bytes=int(_val(other.get("reduce_scatter_bytes_per_step")) or 0))
+    knob = next((f"parallel.{k}" for k in _MESH if (_val(other.get(k)) or 1) != (_val(job.get(k)) or 1)),
+                "parallel.reshard_after_forward")
+    return _change("sharding", knob, world, world2, gpus=world2, reshard_after_forward=reshard2,
+                   layout=layout(other), batch_per_gpu=int(other["batch_size"]), batch_per_step=global_batch(other),
+                   **{f"{what}_bytes": int(_val(other.get(f"{what}_bytes_per_step")) or 0)
+                      for what in ("all_gather", "reduce_scatter", "all_reduce")})
+
+
+_MESH = ("dp_shard", "dp_replicate", "tp")  # a row's parallel.* columns
 
 
 def remedy_changes(job, other) -> list[dict]:
@@ -113,6 +119,17 @@ def spread(row) -> tuple[int, bool]:
     rows from before parallel.*)."""
     world, reshard = _val(row.get("world_size")), _val(row.get("reshard_after_forward"))
     return (int(world) if world is not None else 1), reshard is None or bool(reshard)
+
+
+def layout(row) -> str:
+    """How a row's job is spread over its GPUs: "FSDP2", "DDP", "HSDP 2x4" (replicas x shards),
+    "TP", "FSDP2 4 x TP 2"; "" on one GPU."""
+    shard, replicate, tp = (int(_val(row.get(k)) or 1) for k in _MESH)
+    data = ("" if shard == replicate == 1 else "DDP" if shard == 1 else "FSDP2" if replicate == 1
+            else f"HSDP {replicate}x{shard}")
+    if tp == 1:
+        return data
+    return f"{data} {replicate * shard} x TP {tp}" if data else "TP"
 
 
 def _val(v):

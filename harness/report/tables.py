@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness.analysis.verdict import spread
+from harness.analysis.verdict import layout, spread
 from harness.report.words import job_args, job_label
 from harness.units import GiB
 
@@ -63,9 +63,10 @@ def _knob_cells(r) -> list[str]:
 
 
 def gpus(row) -> str:
-    """How many GPUs the run is spread over, and how ("8 FSDP2"; "1"): its figures are one GPU's."""
+    """How many GPUs the run is spread over, and how ("8 FSDP2", "2 DDP", "8 FSDP2 4 x TP 2"; "1"):
+    its figures are one GPU's."""
     world, reshard = spread(row)
-    return "1" if world == 1 else f"{world} FSDP2{'' if reshard else ' (no reshard)'}"
+    return "1" if world == 1 else f"{world} {layout(row)}{'' if reshard else ' (no reshard)'}"
 
 
 def capacity_table(df: pd.DataFrame, fit_long: pd.DataFrame) -> Table:

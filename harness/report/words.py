@@ -115,9 +115,16 @@ def change(c: dict, torch_version: str | None = None) -> str:
 def sharding(c: dict) -> str:
     """A job spread over GPUs (a remedy's sharding change), with what each GPU moves per step."""
     how = "" if c.get("reshard_after_forward", True) else ", not resharded after forward"
-    return (f"FSDP2 over {c['gpus']} GPUs, batch {c['batch_per_gpu']} per GPU ({c['batch_per_step']} a step){how}"
-            f" (each GPU all-gathers "
-            f"{gib(c['all_gather_bytes'])} and reduce-scatters {gib(c['reduce_scatter_bytes'])} per step)")
+    moved = [f"{verb} {gib(c[key])}" for verb, key in (("all-gathers", "all_gather_bytes"),
+                                                      ("reduce-scatters", "reduce_scatter_bytes"),
+                                                      ("all-reduces", "all_reduce_bytes")) if c.get(key)]
+    traffic = f" (each GPU {_and(moved)} per step)" if moved else ""
+    return (f"{c.get('layout') or 'FSDP2'} over {c['gpus']} GPUs, batch {c['batch_per_gpu']} per GPU "
+            f"({c['batch_per_step']} a step){how}{traffic}")
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
 # How a remedy's run fits the card (probe.sim.reserved.EDGES).

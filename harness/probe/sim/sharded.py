@@ -166,8 +166,10 @@ def collectives_own_buffers(tracker):
     """What a collective allocates inside itself is the communication backend's: NCCL's buffers are
     not the caching allocator's (gloo's copies, on real CPU ranks, are counted nowhere either). The
     tracker counts them as it counts host memory: not at all. The bytes each collective moves are
-    added up per step in `tracker.traffic` ({(all_gather | reduce_scatter | all_reduce, step): bytes})."""
+    added up per step in `tracker.traffic` ({(all_gather | reduce_scatter | all_reduce, step): bytes}),
+    tensor parallel's functional all-reduces among them."""
     import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
 
     def inside(name, fn):
         what, keyword, position = _TRAFFIC.get(name, (None, None, None))
@@ -184,14 +186,17 @@ def collectives_own_buffers(tracker):
                 tracker.inside_collective -= 1
         return call
 
-    saved = {name: getattr(dist, name) for name in _COLLECTIVES}
-    for name, fn in saved.items():
-        setattr(dist, name, inside(name, fn))
-    try:
+    def functional(fn):  # its output is a tensor of the caching allocator's, tracked as any
+        def call(tensor, *args, **kwargs):
+            if tracker.recording:
+                key = ("all_reduce", tracker.step)
+                tracker.traffic[key] = tracker.traffic.get(key, 0) + tensor.numel() * tensor.element_size()
+            return fn(tensor, *args, **kwargs)
+        return call
+
+    with _patched([*((dist, name, inside(name, getattr(dist, name))) for name in _COLLECTIVES),
+                   (funcol, "all_reduce", functional(funcol.all_reduce))]):
         yield
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
 
 
 def traffic_per_step(tracker) -> dict[str, int]:

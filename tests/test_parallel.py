@@ -1,0 +1,99 @@
+"""DDP, HSDP and tensor parallel on the virtual GPU (parallel.dp_replicate, parallel.tp): one rank
+traced in a fake process group, checked against the same job on real CPU tensors in gloo
+processes, one per rank (FSDP2 alone: tests/test_sharded.py)."""
+
+import pytest
+
+from harness.config.point import Parallel
+from harness.probe.sim.trace import run_point
+from harness.probe.sim.tracker import round_request
+from tests.conftest import run_cli, train_point
+from tests.test_sharded import _lives, _real_ranks
+
+
+def _over(precision="fp32", checkpointing=False, **parallel):
+    return train_point(batch_size=2, seq_len=32, precision=precision,
+                       checkpointing=checkpointing).replace(parallel=Parallel(**parallel))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel,precision,checkpointing", [
+    (dict(dp_replicate=2), "fp32", False),
+    (dict(dp_replicate=2), "bf16", True),
+    (dict(tp=2), "fp32", False),
+    (dict(tp=2), "bf16", True),
+    (dict(dp_replicate=2, dp_shard=2), "bf16", False),  # HSDP: 2 replicas of 2 shards
+    (dict(dp_shard=2, tp=2), "bf16", True),  # FSDP2 over tensor parallel (2-D)
+], ids=["ddp-fp32", "ddp-bf16-ckpt", "tp-fp32", "tp-bf16-ckpt", "hsdp-bf16", "fsdp-tp-bf16-ckpt"])
+def test_one_fake_rank_allocates_what_each_gloo_rank_allocates(parallel, precision, checkpointing):
+    """Every storage each real rank allocated (size, kind, phase, step, module, stream), in order,
+    and its changes of kind, are the fake rank's; so is what each step leaves allocated. A free may
+    come later on a real rank, never earlier: gloo's worker thread lets go of a collective's tensors
+    when it is done (FSDP2's on its own streams, one alloc later at most), and tensor parallel's
+    all-reduce input lives until its result is waited for, within the step."""
+    point = _over(precision, checkpointing, **parallel)
+    m, tracker = run_point(point, emulate_cuda=False, fake=True)
+    allocs, freed, retags = _lives(tracker.journal())
+    for rank, (after_steps, (real_allocs, real_freed, real_retags)) in _real_ranks(point).items():
+        assert (real_allocs, real_retags) == (allocs, retags), f"rank {rank}"
+        assert real_freed.keys() == freed.keys(), f"rank {rank}"
+        assert after_steps == m["step_allocated_bytes"], f"rank {rank}"
+        for i in (i for i in freed if freed[i] != real_freed[i]):
+            fake_at, real_at = freed[i], real_freed[i]
+            assert fake_at < real_at, f"rank {rank}: alloc {i} {allocs[i]} freed earlier on the real rank"
+            if allocs[i][5] != 0:
+                assert real_at - fake_at <= 1, f"rank {rank}: alloc {i} {allocs[i]}"
+            else:
+                assert point.parallel.tp > 1 and allocs[real_at - 1][3] == allocs[i][3], f"rank {rank}: {allocs[i]}"
+
+
+def test_a_ddp_rank_holds_the_whole_model_and_a_bucket_copy_of_its_gradients():
+    """DDP: parameters and AdamW's state whole on each rank; its gradient buckets (a flat copy of
+    every gradient, gradient_as_bucket_view=False) stay allocated between steps, and are what each
+    step all-reduces."""
+    one, _ = run_point(_over())
+    m, _ = run_point(_over(dp_replicate=2))
+    assert (m["params_bytes"], m["optimizer_bytes"]) == (one["params_bytes"], one["optimizer_bytes"])
+    buckets = m["all_reduce_bytes_per_step"]
+    assert buckets == one["n_params"] * 4  # fp32: every gradient once
+    assert [a - b for a, b in zip(m["step_allocated_bytes"], one["step_allocated_bytes"])] == [round_request(buckets)] * 3
+    assert m["all_gather_bytes_per_step"] == m["reduce_scatter_bytes_per_step"] == 0
+
+
+def test_a_tensor_parallel_rank_holds_its_slices_and_whole_norms():
+    """TP over 2: each projection, the embedding and the head split in two (the tiny model's dims
+    divide), the norms whole on every rank; the activations between layers all-reduced."""
+    one, _ = run_point(_over())
+    m, tracker = run_point(_over(tp=2))
+    hidden, layers = 64, 2
+    norms = (2 * layers + 1) * hidden * 4  # fp32: two per layer and the final one
+    assert m["params_bytes"] == pytest.approx((one["params_bytes"] - norms) / 2 + norms, rel=0.01)
+    assert m["optimizer_bytes"] == 2 * m["params_bytes"]
+    assert m["all_reduce_bytes_per_step"] > 0 and m["all_gather_bytes_per_step"] == 0
+
+
+def test_tensor_parallel_that_does_not_divide_the_heads_is_refused_by_name(tmp_path):
+    r = run_cli("run", "model=tiny", "parallel.tp=3", f"results_dir={tmp_path}")  # tiny: 4 heads, 2 kv heads
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("harness: error: parallel.tp:")
+    assert not list(tmp_path.rglob("result.json"))
+
+
+def test_the_job_over_ddp_is_a_remedy_with_its_layout_and_all_reduce_traffic():
+    """A DDP run that fits the card is a remedy for the job on one GPU at the same sequences a
+    step: the change says DDP and what each GPU all-reduces per step."""
+    import pandas as pd
+
+    from harness.analysis.verdict import verdicts
+    from harness.report import words
+    from tests.test_verdict import _row
+
+    GiB = 1024**3
+    df = pd.DataFrame([_row(run_id="one"),
+                       _row(run_id="ddp", batch_size=4, world_size=2, dp_replicate=2, status="ok", fits_cards=["t4"],
+                            all_reduce_bytes_per_step=13 * GiB)])
+    v = verdicts(df).set_index("run_id").loc["one"]
+    (remedy,) = v["remedies"]
+    (change,) = [c for c in remedy["changes"] if c["kind"] == "sharding"]
+    assert (change["key"], change["layout"], change["gpus"], change["all_reduce_bytes"]) == \
+        ("parallel.dp_replicate", "DDP", 2, 13 * GiB)
+    assert words.sharding(change).startswith("DDP over 2 GPUs, batch 4 per GPU (8 a step) (each GPU all-reduces 13.00 GiB")
