@@ -120,7 +120,8 @@ def build(df: pd.DataFrame, fit_long: pd.DataFrame, judged: pd.DataFrame, fr: pd
     if "world_size" in df and (df["world_size"].fillna(1) > 1).any():
         table, same = tables.fold_constant(tables.capacity_table(df, fit_long), tables.CAPACITY_IDENTITY_COLUMNS)
         sections.append(Section("Cards x count", "Per job (its batch per GPU) and card, the fewest GPUs of the "
-                                "sweep's counts that the job fits spread over, and how (FSDP2, DDP, HSDP, TP); \"-\": none of them"
+                                "sweep's counts that the job fits spread over, and how (FSDP2, DDP, HSDP, TP); "
+                                "\"-\": none of them"
                                 f"{'; ' + same if same else ''}.", table))
     table, same = tables.fold_constant(tables.fits_table(df, fit_long), columns=tables.FITS_IDENTITY_COLUMNS)
     sections.append(Section("Fit table", f"Every run on every card of the catalog{'; ' + same if same else ''}.",
