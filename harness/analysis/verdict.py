@@ -78,10 +78,11 @@ def _sharding(job, other) -> dict | None:
         return None
     knob = next((f"parallel.{k}" for k in _MESH if (_val(other.get(k)) or 1) != (_val(job.get(k)) or 1)),
                 "parallel.reshard_after_forward")
+    traffic: dict = {f"{what}_bytes": int(_val(other.get(f"{what}_bytes_per_step")) or 0)
+                     for what in ("all_gather", "reduce_scatter", "all_reduce")}
     return _change("sharding", knob, world, world2, gpus=world2, reshard_after_forward=reshard2,
                    layout=layout(other), batch_per_gpu=int(other["batch_size"]), batch_per_step=global_batch(other),
-                   **{f"{what}_bytes": int(_val(other.get(f"{what}_bytes_per_step")) or 0)
-                      for what in ("all_gather", "reduce_scatter", "all_reduce")})
+                   **traffic)
 
 
 _MESH = ("dp_shard", "dp_replicate", "tp")  # a row's parallel.* columns
