@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import pandas as pd
 
 from harness.config import cards as catalog
-from harness.config.point import Card
-from harness.record.row import listed, recorded_edge
+from harness.config.point import PARALLEL_KNOBS, Card
+from harness.record.row import TRAFFIC, listed, recorded_edge
 
 # What each kind of remedy costs (a code, worded by the report), and its rank: cheapest first.
 COSTS = {
@@ -73,19 +73,14 @@ def _sharding(job, other) -> dict | None:
     """The change of spread from `job` to `other` (more GPUs, another layout, or resharding after
     forward or not), with its cost: the bytes each GPU all-gathers, reduce-scatters and all-reduces
     per step."""
-    (world, reshard), (world2, reshard2) = spread(job), spread(other)
-    if (world, reshard, layout(job)) == (world2, reshard2, layout(other)):
+    (world, reshard, how), (world2, reshard2, how2) = (*spread(job), layout(job)), (*spread(other), layout(other))
+    if (world, reshard, how) == (world2, reshard2, how2):
         return None
-    knob = next((f"parallel.{k}" for k in _MESH if (_val(other.get(k)) or 1) != (_val(job.get(k)) or 1)),
+    knob = next((f"parallel.{k}" for k in PARALLEL_KNOBS if (_val(other.get(k)) or 1) != (_val(job.get(k)) or 1)),
                 "parallel.reshard_after_forward")
-    traffic: dict = {f"{what}_bytes": int(_val(other.get(f"{what}_bytes_per_step")) or 0)
-                     for what in ("all_gather", "reduce_scatter", "all_reduce")}
-    return _change("sharding", knob, world, world2, gpus=world2, reshard_after_forward=reshard2,
-                   layout=layout(other), batch_per_gpu=int(other["batch_size"]), batch_per_step=global_batch(other),
-                   **traffic)
-
-
-_MESH = ("dp_shard", "dp_replicate", "tp")  # a row's parallel.* columns
+    traffic: dict = {f"{what}_bytes": int(_val(other.get(f"{what}_bytes_per_step")) or 0) for what in TRAFFIC}
+    return _change("sharding", knob, world, world2, gpus=world2, reshard_after_forward=reshard2, layout=how2,
+                   batch_per_gpu=int(other["batch_size"]), batch_per_step=global_batch(other), **traffic)
 
 
 def remedy_changes(job, other) -> list[dict]:
@@ -125,7 +120,7 @@ def spread(row) -> tuple[int, bool]:
 def layout(row) -> str:
     """How a row's job is spread over its GPUs: "FSDP2", "DDP", "HSDP 2x4" (replicas x shards),
     "TP", "FSDP2 4 x TP 2"; "" on one GPU."""
-    shard, replicate, tp = (int(_val(row.get(k)) or 1) for k in _MESH)
+    shard, replicate, tp = (int(_val(row.get(k)) or 1) for k in PARALLEL_KNOBS)
     data = ("" if shard == replicate == 1 else "DDP" if shard == 1 else "FSDP2" if replicate == 1
             else f"HSDP {replicate}x{shard}")
     if tp == 1:

@@ -250,6 +250,9 @@ class Plan:
         _at_least("plan.max_num_batched_tokens", self.max_num_batched_tokens, 2)
 
 
+PARALLEL_KNOBS = ("dp_shard", "dp_replicate", "tp")  # parallel.*'s degrees (a row's columns of the same names)
+
+
 @dataclass(frozen=True)
 class Parallel:
     """How the job is spread over GPUs (probe.parallelize); a point's figures are one GPU's (rank 0's)."""
@@ -259,7 +262,7 @@ class Parallel:
     reshard_after_forward: bool = True  # FSDP2: free the gathered layer after its forward (ZeRO-3), else keep it (ZeRO-2)
 
     def __post_init__(self):
-        for key in ("dp_shard", "dp_replicate", "tp"):
+        for key in PARALLEL_KNOBS:
             _at_least(f"parallel.{key}", getattr(self, key), 1)
         if self.dp_replicate > 1 and self.tp > 1 and self.dp_shard == 1:  # as torchtitan refuses it
             raise ConfigError("parallel.dp_replicate", "DDP does not take tensor-parallel (DTensor) parameters: "
@@ -272,8 +275,7 @@ class Parallel:
     @property
     def key(self) -> str:
         """The knob that spreads the job (the first of more than one GPU), for errors that name one."""
-        return next((f"parallel.{k}" for k in ("dp_shard", "dp_replicate", "tp") if getattr(self, k) > 1),
-                    "parallel.dp_shard")
+        return next((f"parallel.{k}" for k in PARALLEL_KNOBS if getattr(self, k) > 1), "parallel.dp_shard")
 
     @property
     def dtensors(self) -> bool:

@@ -79,10 +79,8 @@ def tensor_parallel(model: torch.nn.Module, mesh) -> None:
     parallelize_module(model, mesh, {name: _style(style, name) for name, style in plan.items()})
     # The rest (the norms) replicated as DTensors on the mesh: plain tensors beside DTensors fail
     # torch.optim's foreach step ("mixed torch.Tensor and DTensor"), on any device.
-    plain = {name for name, m in model.named_modules()
-             if any(not isinstance(p, DTensor) for p in m.parameters(recurse=False))}
-    for name in plain:
-        replicate(model.get_submodule(name), mesh)
+    for module in [m for m in model.modules() if any(not isinstance(p, DTensor) for p in m.parameters(recurse=False))]:
+        replicate(module, mesh)
 
 
 def replicate(module: torch.nn.Module, mesh) -> None:

@@ -15,13 +15,16 @@ STATUSES = ("ok", "oom", "error", "timeout")
 RESULT_FILE = "result.json"  # one row per run dir
 POINT_FILE = "point.json"  # the point the row is of (Point.to_dict)
 
+# The collectives a row's traffic columns count (`<name>_bytes_per_step`: this GPU's bytes a step)
+TRAFFIC = ("all_gather", "reduce_scatter", "all_reduce")
+
 # Every column a row carries (DESIGN.md "The record"); absent values are None.
 COLUMNS = (
     "run_id", "sweep", "status", "error", "backend", "device_name", "gpu", "gpu_memory_bytes",
     "gpu_non_pytorch_bytes", "emulated_gpu", "model", "n_params", "workload", "leak", "batch_size", "seq_len",
     "precision", "optimizer", "optimizer_impl", "checkpointing", "allocator_conf",
     "world_size", "dp_shard", "dp_replicate", "tp", "reshard_after_forward", "rank",
-    "all_gather_bytes_per_step", "reduce_scatter_bytes_per_step", "all_reduce_bytes_per_step",
+    *(f"{what}_bytes_per_step" for what in TRAFFIC),
     "peak_allocated_bytes", "peak_reserved_bytes", "peak_requested_bytes", "steady_peak_allocated_bytes",
     "steady_peak_reserved_bytes", "steady_peak_requested_bytes", "peak_tensor_bytes", "params_bytes",
     "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes", "workspace_bytes",

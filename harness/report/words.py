@@ -9,6 +9,7 @@ from harness.analysis.kinds import KindReading, ShapeReading
 from harness.analysis.oom_text import OomReading
 from harness.analysis.verdict import leak_of
 from harness.config import alloc_conf
+from harness.record.row import TRAFFIC
 from harness.units import gib
 
 # The cost codes of analysis.verdict.COSTS, as people read them.
@@ -115,12 +116,13 @@ def change(c: dict, torch_version: str | None = None) -> str:
 def sharding(c: dict) -> str:
     """A job spread over GPUs (a remedy's sharding change), with what each GPU moves per step."""
     how = "" if c.get("reshard_after_forward", True) else ", not resharded after forward"
-    moved = [f"{verb} {gib(c[key])}" for verb, key in (("all-gathers", "all_gather_bytes"),
-                                                      ("reduce-scatters", "reduce_scatter_bytes"),
-                                                      ("all-reduces", "all_reduce_bytes")) if c.get(key)]
+    moved = [f"{_MOVES[what]} {gib(c[f'{what}_bytes'])}" for what in TRAFFIC if c.get(f"{what}_bytes")]
     traffic = f" (each GPU {_and(moved)} per step)" if moved else ""
     return (f"{c.get('layout') or 'FSDP2'} over {c['gpus']} GPUs, batch {c['batch_per_gpu']} per GPU "
             f"({c['batch_per_step']} a step){how}{traffic}")
+
+
+_MOVES = {"all_gather": "all-gathers", "reduce_scatter": "reduce-scatters", "all_reduce": "all-reduces"}  # TRAFFIC
 
 
 def _and(items: list[str]) -> str:

@@ -19,11 +19,13 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from harness.config.point import Parallel
 from harness.probe.parallelize import mesh_shape
+from harness.record.row import TRAFFIC
 
 
 @contextlib.contextmanager
@@ -75,7 +77,6 @@ def fake_group_workarounds() -> Iterator[None]:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
     import torch.nn.parallel.distributed as ddp
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
 
     def fill_bucket(_state, bucket):
@@ -136,8 +137,6 @@ class _RealIndices(TorchDispatchMode):
         self.dtype = dtype
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-
         kwargs = kwargs or {}
         tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         indices = func is torch.ops.aten.empty.memory_format and kwargs.get("dtype") == self.dtype
@@ -171,14 +170,17 @@ def collectives_own_buffers(tracker):
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
+    def count(what: str, t: torch.Tensor) -> None:
+        if tracker.recording:
+            key = (what, tracker.step)
+            tracker.traffic[key] = tracker.traffic.get(key, 0) + t.numel() * t.element_size()
+
     def inside(name, fn):
         what, keyword, position = _TRAFFIC.get(name, (None, None, None))
 
         def call(*args, **kwargs):
-            if what is not None and tracker.recording:
-                t = kwargs[keyword] if keyword in kwargs else args[position]
-                key = (what, tracker.step)
-                tracker.traffic[key] = tracker.traffic.get(key, 0) + t.numel() * t.element_size()
+            if what is not None:
+                count(what, kwargs[keyword] if keyword in kwargs else args[position])
             tracker.inside_collective += 1
             try:
                 return fn(*args, **kwargs)
@@ -188,9 +190,7 @@ def collectives_own_buffers(tracker):
 
     def functional(fn):  # its output is a tensor of the caching allocator's, tracked as any
         def call(tensor, *args, **kwargs):
-            if tracker.recording:
-                key = ("all_reduce", tracker.step)
-                tracker.traffic[key] = tracker.traffic.get(key, 0) + tensor.numel() * tensor.element_size()
+            count("all_reduce", tensor)
             return fn(tensor, *args, **kwargs)
         return call
 
@@ -203,7 +203,4 @@ def traffic_per_step(tracker) -> dict[str, int]:
     """The bytes one step all-gathers, reduce-scatters and all-reduces on this rank: its last step's
     (the steps after the first are alike)."""
     last = max((step for _what, step in tracker.traffic), default=None)
-    return {f"{what}_bytes": tracker.traffic.get((what, last), 0) for what in COLLECTIVES}
-
-
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")  # what a row's traffic columns count
+    return {f"{what}_bytes": tracker.traffic.get((what, last), 0) for what in TRAFFIC}

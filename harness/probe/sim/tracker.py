@@ -123,10 +123,12 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     """The tensor holding `t`'s storage: a DTensor's local shard (a sharded job's parameters,
     gradients and optimizer state), a functional collective's result behind the wrapper that waits
     for it (AsyncCollectiveTensor, on real ranks), else `t`."""
-    for attribute in ("_local_tensor", "elem"):
-        inner = getattr(t, attribute, None)
-        if isinstance(inner, torch.Tensor) and type(t) is not torch.Tensor:
-            return _own(inner)
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        return local
+    funcol = sys.modules.get("torch.distributed._functional_collectives")  # (none to wrap before it is imported)
+    if funcol is not None and isinstance(t, funcol.AsyncCollectiveTensor):
+        return _own(t.elem)
     return t
 
 
