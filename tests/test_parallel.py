@@ -2,9 +2,16 @@
 traced in a fake process group, checked against the same job on real CPU tensors in gloo
 processes, one per rank (FSDP2 alone: tests/test_sharded.py)."""
 
-import pytest
+import shutil
 
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from harness.config import nccl
 from harness.config.point import Parallel
+from harness.errors import ConfigError
 from harness.probe.sim.trace import run_point
 from harness.probe.sim.tracker import round_request
 from tests.conftest import run_cli, train_point
@@ -96,3 +103,106 @@ def test_the_job_over_ddp_is_a_remedy_with_its_layout_and_all_reduce_traffic():
     assert (change["key"], change["layout"], change["gpus"], change["all_reduce_bytes"]) == \
         ("parallel.dp_replicate", "DDP", 2, 13 * GiB)
     assert words.sharding(change).startswith("DDP over 2 GPUs, batch 4 per GPU (8 a step) (each GPU all-reduces 13.00 GiB")
+
+
+class _Groups(TorchDispatchMode):
+    """The process groups a trace's collectives run on, by name (c10d's ops carry the group,
+    functional collectives its name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "c10d":
+            self.names |= {dist.ProcessGroup.unbox(a).group_name for a in (*args, *kwargs.values())
+                           if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a)}
+        elif func.namespace == "_c10d_functional" and "wait" not in func.name():
+            self.names.add(args[-1])  # all_reduce(t, op, group_name), all_gather_into_tensor(t, n, group_name)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("parallel", [dict(dp_shard=2), dict(dp_replicate=2), dict(tp=2), dict(dp_shard=2, tp=2),
+                                      dict(dp_replicate=2, dp_shard=2)], ids=["fsdp2", "ddp", "tp", "fsdp2-tp", "hsdp"])
+def test_nccl_is_counted_once_per_process_group_the_ranks_collectives_run_on(parallel):
+    point = train_point(batch_size=2, seq_len=32).replace(parallel=Parallel(**parallel))
+    with _Groups() as groups:
+        run_point(point, emulate_cuda=False, fake=True)
+    mem = nccl.per_rank(point.parallel)
+    assert mem.communicators == len(groups.names) > 0
+    assert (mem.bytes, mem.spread_bytes) == (mem.communicators * nccl.ESTIMATE_BYTES, mem.communicators * nccl.SPREAD_BYTES)
+    mine = nccl.per_rank(Parallel(**parallel, nccl_bytes_per_communicator=3 * 2**20))
+    assert (mine.bytes, mine.spread_bytes, mine.source) == (mem.communicators * 3 * 2**20, 0, nccl.USER_SOURCE)
+
+
+def _rows(tmp_path, *overrides) -> dict:
+    import pandas as pd
+
+    r = run_cli("run", "model=tiny", "batch_size=2", "seq_len=32", f"results_dir={tmp_path}", *overrides)
+    assert r.returncode == 0, r.stderr
+    (path,) = tmp_path.rglob("results.parquet")
+    (row,) = pd.read_parquet(path).to_dict("records")
+    for p in tmp_path.iterdir():  # the next run writes a results.parquet of its own
+        shutil.rmtree(p)
+    return row
+
+
+@pytest.mark.slow
+def test_a_card_that_holds_the_rank_but_not_nccls_memory_beside_it_is_an_oom(tmp_path):
+    """NCCL's memory per rank is outside PyTorch, as the CUDA context is: a card whose room holds
+    the rank's reserved peak with 256 MiB to spare fits the job with NCCL at 0 B per communicator,
+    and is an OOM at the estimate (512 MiB per communicator)."""
+    card = ["gpu.non_pytorch_bytes=0", "gpu.non_pytorch_spread_bytes=0", "gpu.memory_spread_bytes=0"]
+    free = _rows(tmp_path, "parallel.dp_shard=2", "parallel.nccl_bytes_per_communicator=0", *card)
+    assert (free["nccl_communicators"], free["nccl_bytes"], free["status"]) == (1, 0, "ok")
+    size = f"gpu.memory_bytes={int(free['peak_reserved_bytes']) + 256 * 2**20}"
+    fits = _rows(tmp_path, "parallel.dp_shard=2", "parallel.nccl_bytes_per_communicator=0", *card, size)
+    assert fits["status"] == "ok"
+    estimated = _rows(tmp_path, "parallel.dp_shard=2", *card, size)
+    assert (estimated["status"], estimated["nccl_bytes"], estimated["nccl_spread_bytes"]) == \
+        ("oom", nccl.ESTIMATE_BYTES, nccl.SPREAD_BYTES)
+    assert estimated["nccl_source"] == nccl.ESTIMATE_SOURCE
+    # on the catalog's cards too: each card's room is less NCCL's memory (the row's own headroom)
+    from harness.config import cards as catalog
+    from harness.plan import fit
+
+    t4 = next(c for c in catalog.cards() if c.key == "t4")
+    assert fit.headroom_bytes(estimated, t4) == \
+        t4.room() - nccl.ESTIMATE_BYTES - int(estimated["peak_reserved_bytes"])
+
+
+@pytest.mark.parametrize("overrides,ok", [
+    (["parallel.dp_shard=16"], False),  # an A100 80GB node holds 8
+    (["parallel.dp_shard=16", "parallel.nodes=2"], True),
+    (["parallel.dp_shard=16", "gpu.gpus_per_node=16"], True),
+    (["parallel.dp_shard=8", "parallel.nodes=3"], False),  # not as many on each node
+    (["parallel.nodes=2"], False),  # one GPU on two nodes
+    (["gpu=rtx4090", "parallel.tp=2", "parallel.dp_shard=4"], False),  # a workstation of 4
+])
+def test_a_job_over_more_gpus_than_its_nodes_hold_is_refused_naming_parallel_nodes(overrides, ok):
+    from harness.config.compose import compose
+    from harness.config.validate import validate
+
+    if ok:
+        assert validate(compose(["model=tiny", *overrides])).parallel.nodes >= 1
+    else:
+        with pytest.raises(ConfigError) as e:
+            validate(compose(["model=tiny", *overrides]))
+        assert e.value.key == "parallel.nodes"
+
+
+@pytest.mark.slow
+def test_a_plan_over_tensor_parallel_counts_finds_the_fewest_gpus_per_card(tmp_path):
+    """plan.axis=world_size plan.over=tp searches tensor-parallel degrees (up to the model's key/value
+    heads), each probe placed on the nodes it needs; the answer is GPUs."""
+    import pandas as pd
+
+    r = run_cli("plan", "sweeps=smoke", "model=tiny", "plan.axis=world_size", "plan.over=tp", "batch_size=2",
+                "seq_len=32", "plan.cards=[rtx4060]", "gpu.gpus_per_node=1", f"results_dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    (path,) = tmp_path.rglob("frontier.parquet")
+    (row,) = pd.read_parquet(path).to_dict("records")
+    assert (row["over"], row["lo"], row["hi"], row["largest"]) == ("tp", 1, 2, 1)  # tiny: 2 kv heads; fits one
+    rows = pd.read_parquet(path.parent / "results.parquet")
+    assert set(zip(rows["tp"], rows["nodes"])) == {(1, 1), (2, 2)}  # a node of one GPU each

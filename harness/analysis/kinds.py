@@ -86,7 +86,8 @@ class KindReading:
 
 def kind(rec: dict) -> KindReading:
     """The kind for one record against its card."""
-    room = _num(rec.get("gpu_memory_bytes")) - _num(rec.get("gpu_non_pytorch_bytes"))
+    # NCCL's memory (a job over several GPUs) is outside PyTorch too
+    room = _num(rec.get("gpu_memory_bytes")) - _num(rec.get("gpu_non_pytorch_bytes")) - _num(rec.get("nccl_bytes"))
     after = tuple(int(x) for x in list(rec.get("step_allocated_bytes") or []))
     allocated, reserved = _num(rec.get("peak_allocated_bytes")), _num(rec.get("peak_reserved_bytes"))
     base: dict[str, Any] = {"room_bytes": room, "allocated_bytes": allocated, "reserved_bytes": reserved,

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import pandas as pd
 
 from harness.config import cards as catalog
+from harness.config import nccl
 from harness.config.point import PARALLEL_KNOBS, Card
 from harness.record.row import TRAFFIC, listed, recorded_edge
 
@@ -172,18 +173,20 @@ def verdicts(df: pd.DataFrame, missing: Sequence[dict] = ()) -> pd.DataFrame:
         if job.get("status") != "oom":
             continue
         card = by_name.get(job.get("gpu")) or _own_card(job)
-        found: dict[str, tuple[int, dict]] = {}
+        found: dict[str, tuple[tuple[int, int], dict]] = {}
         alike = [(other, remedy_changes(job, other)) for other in rows if _comparable(job, other)]
         for other, changes in alike:
             if changes and _fits(other, card.key):
                 where = _edge(other, card.key)
-                # fewer changes first; a remedy inside the card's uncertainty after every sure one
-                rank = sum(COSTS[c["kind"]][0] for c in changes) + len(changes) * 10 + (100 if where == "tight" else 0)
+                # fewer changes first; a remedy inside the card's uncertainty after every sure one; then
+                # the fewest GPUs (over 2 before over 16)
+                rank = (sum(COSTS[c["kind"]][0] for c in changes) + len(changes) * 10 + (100 if where == "tight" else 0),
+                        spread(other)[0])
                 key = repr([(c["kind"], c["value"], c["steps"]) for c in changes])  # one per distinct remedy
                 reserved = int(_val(other.get("peak_reserved_bytes")) or 0)
                 found.setdefault(key, (rank, {"run_id": other.get("run_id"), "changes": changes, "edge": where,
                                               "peak_reserved_bytes": reserved,
-                                              "headroom_bytes": card.room() - reserved}))
+                                              "headroom_bytes": _room(other, card) - reserved}))
         remedies = [r for _rank, r in sorted(found.values(), key=lambda x: (x[0], repr(x[1]["changes"])))[:3]]
         entry = {"run_id": job.get("run_id"), "card": card.key.removeprefix(_OWN), "kind": job.get("kind"),
                  "remedies": remedies, "card_needed": None, "card_count": None, "card_headroom_bytes": None,
@@ -199,6 +202,11 @@ def verdicts(df: pd.DataFrame, missing: Sequence[dict] = ()) -> pd.DataFrame:
             entry.update(verdict="card problem", **_card_needed([job, *spread_out], cards))
         out.append(entry)
     return pd.DataFrame(out, columns=VERDICT_COLUMNS, dtype=object)  # None stays None (not NaN)
+
+
+def _room(row, card: Card) -> int:
+    """What `card` leaves PyTorch on one of the row's GPUs (NCCL's memory outside it too)."""
+    return nccl.on_card(card, nccl.of_row(row)).room()
 
 
 def _own_card(job) -> Card:
@@ -217,6 +225,6 @@ def _card_needed(runs: list[dict], cards: dict[str, Card]) -> dict:
         return {}
     sure = [(run, c) for run, c in fitting if _edge(run, c.key) != "tight"]
     run, smallest = min(sure or fitting, key=lambda rc: (spread(rc[0])[0] * rc[1].memory_bytes, spread(rc[0])[0]))
-    headroom = smallest.room() - int(run.get("peak_reserved_bytes") or 0)
+    headroom = _room(run, smallest) - int(run.get("peak_reserved_bytes") or 0)
     return {"card_needed": smallest.key, "card_count": spread(run)[0], "card_headroom_bytes": headroom,
             "card_headroom_pct": 100 * headroom / smallest.memory_bytes, "card_edge": _edge(run, smallest.key)}

@@ -70,12 +70,7 @@ class Backend(StrEnum):
 class PlanAxis(StrEnum):
     batch_size = "batch_size"
     seq_len = "seq_len"
-    world_size = "world_size"  # the GPUs FSDP2 shards over (parallel.dp_shard): the fewest that fit
-
-    @property
-    def key(self) -> str:
-        """The override the axis sets."""
-        return "parallel.dp_shard" if self is PlanAxis.world_size else self.value
+    world_size = "world_size"  # the GPUs the job is spread over (the parallel.* degree plan.over): the fewest that fit
 
 
 def _choice(key: str, enum: type[StrEnum], value: Any) -> Any:
@@ -175,6 +170,7 @@ class Card:
     non_pytorch_spread_bytes: int = 0  # +- on non_pytorch_bytes
     source: str = ""
     non_pytorch_source: str = ""
+    gpus_per_node: int = 8  # the most a node of these holds (a job over more spans nodes: parallel.nodes)
     slurm: Slurm = field(default_factory=Slurm)
     key: str = field(default="", metadata=RUNTIME)  # its name in the catalog (conf/gpu/<key>.yaml), where known
 
@@ -182,6 +178,7 @@ class Card:
         for key in ("memory_spread_bytes", "non_pytorch_bytes", "non_pytorch_spread_bytes"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"gpu.{key}", f"must be >= 0, got {getattr(self, key)}")
+        _at_least("gpu.gpus_per_node", self.gpus_per_node, 1)
         cc = str(self.compute_capability)
         if cc and not (cc.count(".") == 1 and all(p.isdigit() for p in cc.split("."))):
             raise ConfigError("gpu.compute_capability", f"'major.minor' such as 8.0, got {cc!r}")
@@ -222,6 +219,9 @@ class Card:
         return _build(cls, data, "gpu.")
 
 
+PARALLEL_KNOBS = ("dp_shard", "dp_replicate", "tp")  # parallel.*'s degrees (a row's columns of the same names)
+
+
 @dataclass(frozen=True)
 class Plan:
     """`python -m harness plan`: per card, the largest `axis` value that fits (searched, not swept)."""
@@ -231,6 +231,7 @@ class Plan:
     step: int = 0  # 0: 1 for batch_size, 128 for seq_len; world_size: powers of two
     margin: float = 0.0  # share of the card's total memory kept free, beyond non-PyTorch memory
     cards: tuple[str, ...] = ()  # catalog keys; empty: every card
+    over: str = "dp_shard"  # world_size: the parallel.* degree searched (dp_shard, dp_replicate, tp), the others kept
     block_size: int = 16  # serving: vLLM's KV block, tokens
     max_num_batched_tokens: int = 8192  # serving: vLLM's profile-run tokens
 
@@ -242,15 +243,15 @@ class Plan:
             raise ConfigError("plan.hi", f"must be >= plan.lo ({self.lo}), got {self.hi}")
         if self.step < 0:
             raise ConfigError("plan.step", f"must be >= 0 (0: the axis's default), got {self.step}")
+        if self.over not in PARALLEL_KNOBS:
+            raise ConfigError("plan.over", f"one of {', '.join(PARALLEL_KNOBS)} (the parallel.* degree searched), "
+                              f"got {self.over!r}")
         if self.axis == PlanAxis.world_size and self.step:
             raise ConfigError("plan.step", f"plan.axis=world_size searches powers of two: leave it 0, got {self.step}")
         if not 0 <= self.margin < 1:
             raise ConfigError("plan.margin", f"must be in [0, 1) (a share of the card's memory), got {self.margin}")
         _at_least("plan.block_size", self.block_size, 1)
         _at_least("plan.max_num_batched_tokens", self.max_num_batched_tokens, 2)
-
-
-PARALLEL_KNOBS = ("dp_shard", "dp_replicate", "tp")  # parallel.*'s degrees (a row's columns of the same names)
 
 
 @dataclass(frozen=True)
@@ -260,10 +261,19 @@ class Parallel:
     dp_replicate: int = 1  # data-parallel replicas: DDP, or HSDP with dp_shard (replicas of a sharded model)
     tp: int = 1  # tensor parallel (DTensor parallelize_module, the model's own plan)
     reshard_after_forward: bool = True  # FSDP2: free the gathered layer after its forward (ZeRO-3), else keep it (ZeRO-2)
+    nodes: int = 1  # the nodes the job's GPUs are on, as many on each (at most gpu.gpus_per_node)
+    # NCCL's own memory on each GPU per communicator the job uses; None: estimated (config/nccl.py)
+    nccl_bytes_per_communicator: int | None = None
 
     def __post_init__(self):
-        for key in PARALLEL_KNOBS:
+        for key in (*PARALLEL_KNOBS, "nodes"):
             _at_least(f"parallel.{key}", getattr(self, key), 1)
+        if self.world_size % self.nodes:
+            raise ConfigError("parallel.nodes", f"{self.nodes} nodes cannot hold the job's {self.world_size} GPU(s) "
+                              "as many on each")
+        if self.nccl_bytes_per_communicator is not None and self.nccl_bytes_per_communicator < 0:
+            raise ConfigError("parallel.nccl_bytes_per_communicator",
+                              f"must be >= 0 (bytes), got {self.nccl_bytes_per_communicator}")
         if self.dp_replicate > 1 and self.tp > 1 and self.dp_shard == 1:  # as torchtitan refuses it
             raise ConfigError("parallel.dp_replicate", "DDP does not take tensor-parallel (DTensor) parameters: "
                               "replicate a tensor-parallel job with HSDP (parallel.dp_shard > 1)")
@@ -320,6 +330,12 @@ class Point:
             raise ConfigError("timeout_s", f"must be > 0, got {self.timeout_s}")
         if self.gpu.memory_bytes <= 0:
             raise ConfigError("gpu.memory_bytes", f"must be > 0, got {self.gpu.memory_bytes}")
+        per_node = self.parallel.world_size // self.parallel.nodes
+        if per_node > self.gpu.gpus_per_node:
+            need = -(-self.parallel.world_size // self.gpu.gpus_per_node)
+            raise ConfigError("parallel.nodes", f"the job's {self.parallel.world_size} GPUs on {self.parallel.nodes} "
+                              f"node(s) are {per_node} a node, and a {self.gpu.name} node holds "
+                              f"{self.gpu.gpus_per_node} (gpu.gpus_per_node): set parallel.nodes={need} or more")
         if self.parallel.world_size > 1:
             key = self.parallel.key
             if self.backend == Backend.cuda:

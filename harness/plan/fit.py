@@ -10,6 +10,7 @@ from harness.allocator.model import Device
 from harness.allocator.replay import ReplayRow, Replays
 from harness.allocator.settings import AllocSettings
 from harness.config import cards as catalog
+from harness.config import nccl
 from harness.config.point import Card
 from harness.probe.sim import reserved
 from harness.record import trace_store
@@ -39,6 +40,12 @@ def _fits_on(row: dict, c: Card) -> bool:
     return _fits_by_trace(row, c)
 
 
+def on_rank(row: dict, card: Card, margin: float = 0.0) -> Card:
+    """`card` as the row's GPU sees it with `margin` kept free: NCCL's memory, where the job spans
+    several GPUs, outside PyTorch too."""
+    return nccl.on_card(card, nccl.of_row(row)).with_margin(margin)
+
+
 def fits(row: dict, card: Card, margin: float = 0.0) -> bool | None:
     """Whether the run of `row` fits `card` with `margin` kept free: the allocator model's verdict
     (a replay of the run's trace on the card where the peaks alone do not settle it); None when
@@ -48,7 +55,7 @@ def fits(row: dict, card: Card, margin: float = 0.0) -> bool | None:
         return card.key in recorded
     if _peaks(row) is None:
         return None
-    return _fits_on(row, card.with_margin(margin))
+    return _fits_on(row, on_rank(row, card, margin))
 
 
 def edge(row: dict, card: Card, margin: float = 0.0) -> str | None:
@@ -62,7 +69,7 @@ def edge(row: dict, card: Card, margin: float = 0.0) -> str | None:
     recorded = recorded_edge(row, card.key) if not margin else None
     if recorded is not None:
         return recorded
-    return reserved.edge(lambda c: _fits_on(row, c), _peaks(row)[0], card.with_margin(margin))
+    return reserved.edge(lambda c: _fits_on(row, c), _peaks(row)[0], on_rank(row, card, margin))
 
 
 @functools.lru_cache(maxsize=4)
@@ -94,11 +101,12 @@ def cache_flushes(row: dict, card: Card, margin: float = 0.0) -> int | None:
     res = row.get("peak_reserved_bytes")
     if _missing(res):
         return None
-    if int(res) <= card.room(margin):
+    rank = on_rank(row, card, margin)
+    if int(res) <= rank.room():
         return 0
     if _missing(row.get("trace_path")):
         return None
-    return _replay(row, card.with_margin(margin)).num_alloc_retries
+    return _replay(row, rank).num_alloc_retries
 
 
 def headroom_bytes(row: dict, card: Card, margin: float = 0.0) -> int | None:
@@ -106,7 +114,7 @@ def headroom_bytes(row: dict, card: Card, margin: float = 0.0) -> int | None:
     peak = row.get("peak_reserved_bytes")
     if _missing(peak):
         peak = row.get("peak_allocated_bytes")
-    return None if _missing(peak) else card.room(margin) - int(peak)
+    return None if _missing(peak) else on_rank(row, card, margin).room() - int(peak)
 
 
 def fit_table(df: pd.DataFrame, margin: float = 0.0) -> pd.DataFrame:

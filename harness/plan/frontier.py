@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from harness.config import cards as catalog
 from harness.config.models import hf_config, max_positions
-from harness.config.point import Card, PlanAxis
+from harness.config.point import PARALLEL_KNOBS, Card
 from harness.config.validate import validate
 from harness.errors import ConfigError
 from harness.launch.runner import run_point
@@ -44,6 +44,10 @@ def axis_values(cfg) -> list[int]:
     plan = cfg.plan
     if plan.axis == "world_size":  # powers of two, the counts jobs are sharded over
         hi = plan.hi or DEFAULT_HI["world_size"]
+        if plan.over == "tp" and not plan.hi and cfg.workload.name != "custom":
+            # tensor parallel splits the heads: no further than the key/value heads go
+            hf = hf_config(cfg.model)
+            hi = min(hi, getattr(hf, "num_key_value_heads", None) or getattr(hf, "num_attention_heads", None) or hi)
         values = [2**k for k in range(hi.bit_length()) if plan.lo <= 2**k <= hi]
         if not values:
             raise ConfigError("plan.hi", f"no power of two between plan.lo={plan.lo} and plan.hi={hi}")
@@ -81,17 +85,20 @@ class Planner:
         for p in points:
             cfg = self._compose(p)
             validate(cfg)
-            axis = PlanAxis(cfg.plan.axis).key
-            rest = [o for o in p if o.split("=", 1)[0].lstrip("+~") != axis]
+            axis = searched_key(cfg)
+            # a search over GPU counts places them on nodes itself
+            mine = (axis, "parallel.nodes") if cfg.plan.axis == "world_size" else (axis,)
+            rest = [o for o in p if o.split("=", 1)[0].lstrip("+~") not in mine]
             if tuple(rest) in seen:
                 continue
             seen.add(tuple(rest))
             values = axis_values(cfg)
             for v in (values[0], values[-1]):
+                at = [f"{axis}={v}", *(_nodes(cfg, v) if cfg.plan.axis == "world_size" else [])]
                 try:
-                    validate(self._compose([*rest, f"{axis}={v}"]))
+                    validate(self._compose([*rest, *at]))
                 except ConfigError as e:
-                    raise ConfigError(e.key, f"{e.message} (plan point: {' '.join(rest)} {axis}={v})")
+                    raise ConfigError(e.key, f"{e.message} (plan point: {' '.join([*rest, *at])})")
             groups.append(Group(rest, cfg, values))
         return groups
 
@@ -133,14 +140,15 @@ class Planner:
         fewer = axis == "world_size"
         value_at = sorted(g.values, reverse=True) if fewer else g.values
         searched = list(range(len(value_at))) if fewer else g.values
-        override = PlanAxis(axis).key
+        override = searched_key(cfg)
+        others = _world(cfg) // int(cfg.parallel[plan.over]) if fewer else 1  # GPUs per searched degree
 
         def value(x: int | None) -> int | None:  # the axis's value at what the search holds
             return value_at[x] if fewer and x is not None else x
 
         def probe(x: int) -> search.Probe:
             v = value(x)
-            row = self.run([*g.overrides, f"{override}={v}"])
+            row = self.run([*g.overrides, f"{override}={v}", *(_nodes(cfg, v) if fewer else [])])
             rows_by_value[v] = row
             peak = row.get("peak_reserved_bytes") or row["peak_allocated_bytes"]
             self.say(f"{' '.join(g.overrides)} {axis}={v}: {peak / GiB:.2f} GiB reserved "
@@ -160,10 +168,12 @@ class Planner:
             # world_size: `largest` is the fewest GPUs that fit, `first_oom` the count below it
             largest, first_oom = value(f.largest), value(f.first_oom)
             row = rows_by_value.get(largest) if largest is not None else None
+            if fewer:  # GPUs, not the searched degree
+                largest, first_oom = (None if v is None else v * others for v in (largest, first_oom))
             rec = {**ident, "card": key, "card_memory_bytes": card.memory_bytes, "status": "ok",
                    "error": None, "largest": largest, "first_oom": first_oom,
                    "monotone": f.monotone, "probes": len(s.probes), "grid_points": len(g.values),
-                   "lo": g.values[0], "hi": g.values[-1], "step": 0 if fewer else _step(g.values),
+                   "lo": g.values[0] * others, "hi": g.values[-1] * others, "step": 0 if fewer else _step(g.values),
                    "peak_reserved_bytes": row.get("peak_reserved_bytes") if row else None,
                    "peak_allocated_bytes": row.get("peak_allocated_bytes") if row else None,
                    "headroom_bytes": fit.headroom_bytes(row, card, plan.margin) if row else None,
@@ -196,6 +206,25 @@ class Planner:
                 "profile_run_id": row["run_id"]}
 
 
+def searched_key(cfg) -> str:
+    """The override a plan's search sets (plan.axis, or the parallel.* degree plan.over)."""
+    return f"parallel.{cfg.plan.over}" if cfg.plan.axis == "world_size" else str(cfg.plan.axis)
+
+
+def _world(cfg) -> int:
+    return int(cfg.parallel.dp_shard) * int(cfg.parallel.dp_replicate) * int(cfg.parallel.tp)
+
+
+def _nodes(cfg, degree: int) -> list[str]:
+    """The nodes a world-size probe's GPUs go on (plan.over at `degree`): the fewest that hold
+    them as many on each, each no fuller than the point's card's gpus_per_node."""
+    world = _world(cfg) // int(cfg.parallel[cfg.plan.over]) * degree
+    nodes = -(-world // int(cfg.gpu.gpus_per_node))
+    while world % nodes:
+        nodes += 1
+    return [f"parallel.nodes={nodes}"]
+
+
 def _together(probe, values: list[int]) -> list:
     if len(values) == 1:
         return [probe(values[0])]
@@ -214,7 +243,11 @@ def _group_columns(cfg, axis: str) -> dict:
             "checkpointing": bool(cfg.checkpointing), "optimizer": cfg.optimizer.name,
             "allocator_conf": cfg.allocator.conf, "leak": cfg.workload.leak, "axis": axis,
             "batch_size": cfg.batch_size if axis != "batch_size" else None,
-            "world_size": None if axis == "world_size" else int(cfg.parallel.dp_shard),
+            "world_size": None if axis == "world_size" else _world(cfg),
+            # world_size: the degree searched, and the others the group keeps ("tp=2")
+            "over": cfg.plan.over if axis == "world_size" else None,
+            "kept": " ".join(f"{k}={int(cfg.parallel[k])}" for k in PARALLEL_KNOBS
+                             if k != cfg.plan.over and int(cfg.parallel[k]) > 1) if axis == "world_size" else None,
             "seq_len": cfg.seq_len if axis != "seq_len" else None, "margin": float(cfg.plan.margin)}
     if custom:
         cols["workload_args"] = json.dumps(dict(cfg.workload.args or {}), sort_keys=True, default=str)

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import harness
+from harness.config import nccl
 from harness.config.point import Point, WorkloadName
 from harness.record import provenance
 
@@ -23,8 +24,10 @@ COLUMNS = (
     "run_id", "sweep", "status", "error", "backend", "device_name", "gpu", "gpu_memory_bytes",
     "gpu_non_pytorch_bytes", "emulated_gpu", "model", "n_params", "workload", "leak", "batch_size", "seq_len",
     "precision", "optimizer", "optimizer_impl", "checkpointing", "allocator_conf",
-    "world_size", "dp_shard", "dp_replicate", "tp", "reshard_after_forward", "rank",
+    "world_size", "dp_shard", "dp_replicate", "tp", "reshard_after_forward", "nodes", "rank",
     *(f"{what}_bytes_per_step" for what in TRAFFIC),
+    # NCCL's memory on each GPU, outside PyTorch (config/nccl.py): its communicators, bytes, spread, source
+    "nccl_communicators", "nccl_bytes", "nccl_spread_bytes", "nccl_source",
     "peak_allocated_bytes", "peak_reserved_bytes", "peak_requested_bytes", "steady_peak_allocated_bytes",
     "steady_peak_reserved_bytes", "steady_peak_requested_bytes", "peak_tensor_bytes", "params_bytes",
     "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes", "workspace_bytes",
@@ -98,7 +101,8 @@ def base_record(point: Point) -> dict:
         batch_size=point.batch_size, seq_len=point.seq_len, precision=str(point.precision),
         optimizer=str(point.optimizer.name), optimizer_impl=str(point.optimizer.impl),
         checkpointing=point.checkpointing, allocator_conf=point.allocator.conf,
-        **dataclasses.asdict(point.parallel), world_size=point.parallel.world_size, rank=0,
+        **{k: v for k, v in dataclasses.asdict(point.parallel).items() if k != "nccl_bytes_per_communicator"},
+        world_size=point.parallel.world_size, rank=0, **nccl.columns(nccl.per_rank(point.parallel)),
         harness_version=harness.__version__, overrides=point.overrides, job_id=point.job_id,
     )
     if w.name == WorkloadName.custom:

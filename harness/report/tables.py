@@ -137,8 +137,11 @@ def group_label(r) -> str:
         fixed = f"seq {int(r.seq_len)}"
     elif r.axis == "seq_len":
         fixed = f"batch {int(r.batch_size)}"
-    else:  # world_size
-        fixed = f"batch {int(r.batch_size)} per GPU, seq {int(r.seq_len)}"
+    else:  # world_size: the degree searched (rows from before plan.over: FSDP2's), the others kept
+        over, kept = getattr(r, "over", None), getattr(r, "kept", None)
+        spread = f"parallel.{over if isinstance(over, str) else 'dp_shard'}"
+        spread += f" x {kept}" if isinstance(kept, str) and kept else ""
+        fixed = f"batch {int(r.batch_size)} per GPU, seq {int(r.seq_len)}, over {spread}"
     alloc = f", {r.allocator_conf}" if r.allocator_conf else ""
     return f"{r.model} {r.workload} {r.precision}{' ckpt' if r.checkpointing else ''}, {fixed}{alloc}"
 

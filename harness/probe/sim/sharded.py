@@ -159,6 +159,9 @@ _TRAFFIC = {"all_gather_into_tensor": ("all_gather", "output_tensor", 0),
             "reduce_scatter_single": ("reduce_scatter", "input", 1),
             "all_reduce": ("all_reduce", "tensor", 0)}
 
+# DTensor's collectives (tensor parallel: a partial sum made whole, a shard gathered or scattered)
+_FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter"}
+
 
 @contextlib.contextmanager
 def collectives_own_buffers(tracker):
@@ -166,7 +169,7 @@ def collectives_own_buffers(tracker):
     not the caching allocator's (gloo's copies, on real CPU ranks, are counted nowhere either). The
     tracker counts them as it counts host memory: not at all. The bytes each collective moves are
     added up per step in `tracker.traffic` ({(all_gather | reduce_scatter | all_reduce, step): bytes}),
-    tensor parallel's functional all-reduces among them."""
+    tensor parallel's functional collectives (DTensor's) among them."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
@@ -188,14 +191,15 @@ def collectives_own_buffers(tracker):
                 tracker.inside_collective -= 1
         return call
 
-    def functional(fn):  # its output is a tensor of the caching allocator's, tracked as any
+    def functional(what, fn):  # its output is a tensor of the caching allocator's, tracked as any
         def call(tensor, *args, **kwargs):
-            count("all_reduce", tensor)
-            return fn(tensor, *args, **kwargs)
+            out = fn(tensor, *args, **kwargs)
+            count(what, out if what == "all_gather" else tensor)  # as _TRAFFIC counts
+            return out
         return call
 
     with _patched([*((dist, name, inside(name, getattr(dist, name))) for name in _COLLECTIVES),
-                   (funcol, "all_reduce", functional(funcol.all_reduce))]):
+                   *((funcol, name, functional(what, getattr(funcol, name))) for name, what in _FUNCTIONAL.items())]):
         yield
 
 

@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
 
 from harness.allocator.settings import AllocSettings
+from harness.config import nccl
 from harness.config.point import Leak, Point, WorkloadName
 from harness.probe.jobs import (
     apply_checkpointing,
@@ -66,7 +67,9 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh) -> tuple[dict
     region = (lambda: cu.autocast_region(autocast_mode)) if autocast_mode else contextlib.nullcontext
     tracker = StorageTracker(emulate_cublas_workspace=emulate_cuda)
     tracker.auto_backward = True
-    live = LiveAllocator(tracker, AllocSettings.from_conf(point.allocator.conf), point.gpu)
+    # the card as this rank sees it: NCCL's memory (config/nccl.py) outside PyTorch from the start
+    card = nccl.on_card(point.gpu, nccl.per_rank(point.parallel))
+    live = LiveAllocator(tracker, AllocSettings.from_conf(point.allocator.conf), card)
     cycle = point.workload.leak == Leak.cycle
     torch.manual_seed(0)
     # unpacked_sequences: transformers models read position_ids values (see cuda_emulation);
