@@ -27,7 +27,7 @@ spec = json.loads(sys.argv[2])
 point = train_point(model=spec["model"], batch_size=spec["batch_size"], seq_len=spec["seq_len"],
                     checkpointing=spec.get("checkpointing", False))
 if spec.get("dp_shard", 1) > 1:
-    point = point.replace(parallel=Parallel(dp_shard=spec["dp_shard"]))
+    point = point.replace(parallel=Parallel(dp_shard=spec["dp_shard"], nodes=-(-spec["dp_shard"] // point.gpu.gpus_per_node)))
 if spec["workload"] == "infer":
     point = point.replace(workload=Workload(name="infer", new_tokens=16))
 t0 = time.perf_counter()

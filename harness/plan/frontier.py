@@ -151,7 +151,8 @@ class Planner:
             row = self.run([*g.overrides, f"{override}={v}", *(_nodes(cfg, v) if fewer else [])])
             rows_by_value[v] = row
             peak = row.get("peak_reserved_bytes") or row["peak_allocated_bytes"]
-            self.say(f"{' '.join(g.overrides)} {axis}={v}: {peak / GiB:.2f} GiB reserved "
+            gpus = f" ({v * others} GPUs)" if fewer else ""
+            self.say(f"{' '.join(g.overrides)} {override}={v}{gpus}: {peak / GiB:.2f} GiB reserved "
                      f"(probe {len(rows_by_value)})")
             return search.Probe(x, int(peak), {k: bool(fit.fits(row, c, plan.margin)) for k, c in by_key.items()})
 
