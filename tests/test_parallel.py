@@ -163,6 +163,11 @@ def test_a_card_that_holds_the_rank_but_not_nccls_memory_beside_it_is_an_oom(tmp
     assert (estimated["status"], estimated["nccl_bytes"], estimated["nccl_spread_bytes"]) == \
         ("oom", nccl.ESTIMATE_BYTES, nccl.SPREAD_BYTES)
     assert estimated["nccl_source"] == nccl.ESTIMATE_SOURCE
+    import pandas as pd
+
+    from harness.report import words
+
+    assert "1 communicator(s): 0.50 GiB (up to 1.00 GiB)" in words.nccl_note(pd.DataFrame([estimated]))
     # on the catalog's cards too: each card's room is less NCCL's memory (the row's own headroom)
     from harness.config import cards as catalog
     from harness.plan import fit

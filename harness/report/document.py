@@ -19,7 +19,7 @@ import pandas as pd
 
 from harness.config import cards as catalog
 from harness.config.compose import parallelism
-from harness.report import console, figures, tables
+from harness.report import console, figures, tables, words
 
 FIG_DIR = "report_files"
 FIG_KEYS = "keys.json"  # in FIG_DIR: each figure's key (_figure_key), so a later report can reuse it
@@ -122,7 +122,7 @@ def build(df: pd.DataFrame, fit_long: pd.DataFrame, judged: pd.DataFrame, fr: pd
         sections.append(Section("Cards x count", "Per job (its batch per GPU) and card, the fewest GPUs of the "
                                 "sweep's counts that the job fits spread over, and how (FSDP2, DDP, HSDP, TP); "
                                 "\"-\": none of them"
-                                f"{'; ' + same if same else ''}.", table))
+                                f"{'; ' + same if same else ''}. {words.nccl_note(df)}", table))
     table, same = tables.fold_constant(tables.fits_table(df, fit_long), columns=tables.FITS_IDENTITY_COLUMNS)
     sections.append(Section("Fit table", f"Every run on every card of the catalog{'; ' + same if same else ''}.",
                             table))

@@ -122,6 +122,20 @@ def sharding(c: dict) -> str:
             f"({c['batch_per_step']} a step){how}{traffic}")
 
 
+def nccl_note(df) -> str:
+    """What each spread job's GPUs leave to NCCL, per communicator count, and on whose word."""
+    if "nccl_bytes" not in df:
+        return ""
+    seen = df[df["nccl_communicators"].fillna(0) > 0].drop_duplicates(["nccl_communicators", "nccl_bytes"])
+    said = [f"{int(r.nccl_communicators)} communicator(s): {gib(r.nccl_bytes)}"
+            + (f" (up to {gib(r.nccl_bytes + r.nccl_spread_bytes)})" if r.nccl_spread_bytes else "")
+            for r in seen.sort_values("nccl_communicators").itertuples(index=False)]
+    if not said:
+        return ""
+    sources = "; ".join(sorted({str(s) for s in seen["nccl_source"].dropna()}))
+    return f"Each GPU's room leaves NCCL its own memory, outside PyTorch: {_and(said)} ({sources})."
+
+
 _MOVES = {"all_gather": "all-gathers", "reduce_scatter": "reduce-scatters", "all_reduce": "all-reduces"}  # TRAFFIC
 
 
