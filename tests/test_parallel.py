@@ -68,14 +68,16 @@ def test_a_ddp_rank_holds_the_whole_model_and_a_bucket_copy_of_its_gradients():
 
 def test_a_tensor_parallel_rank_holds_its_slices_and_whole_norms():
     """TP over 2: each projection, the embedding and the head split in two (the tiny model's dims
-    divide), the norms whole on every rank; the activations between layers all-reduced."""
+    divide), the norms whole on every rank; the activations between layers all-reduced, the head's
+    logits gathered whole (colwise_gather_output)."""
     one, _ = run_point(_over())
     m, tracker = run_point(_over(tp=2))
     hidden, layers = 64, 2
     norms = (2 * layers + 1) * hidden * 4  # fp32: two per layer and the final one
     assert m["params_bytes"] == pytest.approx((one["params_bytes"] - norms) / 2 + norms, rel=0.01)
     assert m["optimizer_bytes"] == 2 * m["params_bytes"]
-    assert m["all_reduce_bytes_per_step"] > 0 and m["all_gather_bytes_per_step"] == 0
+    vocab, batch, seq = 512, 2, 32
+    assert m["all_reduce_bytes_per_step"] > 0 and m["all_gather_bytes_per_step"] == batch * seq * vocab * 4
 
 
 def test_tensor_parallel_that_does_not_divide_the_heads_is_refused_by_name(tmp_path):
