@@ -186,7 +186,7 @@ def verdicts(df: pd.DataFrame, missing: Sequence[dict] = ()) -> pd.DataFrame:
                 reserved = int(_val(other.get("peak_reserved_bytes")) or 0)
                 found.setdefault(key, (rank, {"run_id": other.get("run_id"), "changes": changes, "edge": where,
                                               "peak_reserved_bytes": reserved,
-                                              "headroom_bytes": _room(other, card) - reserved}))
+                                              "headroom_bytes": nccl.on_rows_rank(card, other).room() - reserved}))
         remedies = [r for _rank, r in sorted(found.values(), key=lambda x: (x[0], repr(x[1]["changes"])))[:3]]
         entry = {"run_id": job.get("run_id"), "card": card.key.removeprefix(_OWN), "kind": job.get("kind"),
                  "remedies": remedies, "card_needed": None, "card_count": None, "card_headroom_bytes": None,
@@ -202,11 +202,6 @@ def verdicts(df: pd.DataFrame, missing: Sequence[dict] = ()) -> pd.DataFrame:
             entry.update(verdict="card problem", **_card_needed([job, *spread_out], cards))
         out.append(entry)
     return pd.DataFrame(out, columns=VERDICT_COLUMNS, dtype=object)  # None stays None (not NaN)
-
-
-def _room(row, card: Card) -> int:
-    """What `card` leaves PyTorch on one of the row's GPUs (NCCL's memory outside it too)."""
-    return nccl.on_card(card, nccl.of_row(row)).room()
 
 
 def _own_card(job) -> Card:
@@ -225,6 +220,6 @@ def _card_needed(runs: list[dict], cards: dict[str, Card]) -> dict:
         return {}
     sure = [(run, c) for run, c in fitting if _edge(run, c.key) != "tight"]
     run, smallest = min(sure or fitting, key=lambda rc: (spread(rc[0])[0] * rc[1].memory_bytes, spread(rc[0])[0]))
-    headroom = _room(run, smallest) - int(run.get("peak_reserved_bytes") or 0)
+    headroom = nccl.on_rows_rank(smallest, run).room() - int(run.get("peak_reserved_bytes") or 0)
     return {"card_needed": smallest.key, "card_count": spread(run)[0], "card_headroom_bytes": headroom,
             "card_headroom_pct": 100 * headroom / smallest.memory_bytes, "card_edge": _edge(run, smallest.key)}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from harness.config.point import PARALLEL_KNOBS, Card, Parallel
+from harness.config.point import Card, Parallel
 
 MiB = 2**20
 # Per communicator: 0.5 GiB, known to within +0.5 GiB (the low end of a card is its high end).
@@ -40,8 +40,8 @@ class NcclMemory:
 
 
 def communicators(parallel: Parallel) -> int:
-    """The NCCL communicators each rank makes: one per mesh dimension over more than one GPU."""
-    return sum(getattr(parallel, k) > 1 for k in PARALLEL_KNOBS)
+    """The NCCL communicators each rank makes: one per dimension of the job's mesh."""
+    return len(parallel.mesh_shape[0])
 
 
 def per_rank(parallel: Parallel) -> NcclMemory:
@@ -68,6 +68,16 @@ def columns(nccl: NcclMemory) -> dict:
     """The row's columns for it."""
     return {"nccl_communicators": nccl.communicators, "nccl_bytes": nccl.bytes,
             "nccl_spread_bytes": nccl.spread_bytes, "nccl_source": nccl.source or None}
+
+
+def on_rank(card: Card, parallel: Parallel) -> Card:
+    """`card` as one GPU of a job spread as `parallel` says sees it."""
+    return on_card(card, per_rank(parallel))
+
+
+def on_rows_rank(card: Card, row) -> Card:
+    """`card` as one GPU of a row's job saw it (the NCCL memory the row recorded)."""
+    return on_card(card, of_row(row))
 
 
 def on_card(card: Card, nccl: NcclMemory) -> Card:

@@ -220,6 +220,8 @@ class Card:
 
 
 PARALLEL_KNOBS = ("dp_shard", "dp_replicate", "tp")  # parallel.*'s degrees (a row's columns of the same names)
+# The job's mesh dimensions, outermost first (torchtitan's order): replicas, shards, tensor parallel
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 
 
 @dataclass(frozen=True)
@@ -283,6 +285,13 @@ class Parallel:
         return self.dp_shard * self.dp_replicate * self.tp
 
     @property
+    def mesh_shape(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """The names and sizes of the job's device mesh: its dimensions of more than one GPU (one
+        process group each)."""
+        dims = [(name, getattr(self, name)) for name in MESH_DIMS if getattr(self, name) > 1]
+        return tuple(n for n, _ in dims), tuple(s for _, s in dims)
+
+    @property
     def key(self) -> str:
         """The knob that spreads the job (the first of more than one GPU), for errors that name one."""
         return next((f"parallel.{k}" for k in PARALLEL_KNOBS if getattr(self, k) > 1), "parallel.dp_shard")
@@ -291,6 +300,14 @@ class Parallel:
     def dtensors(self) -> bool:
         """Whether the parameters are DTensors (FSDP2's shards, tensor parallel's slices); DDP's are not."""
         return self.dp_shard > 1 or self.tp > 1
+
+
+def fewest_nodes(gpus: int, gpus_per_node: int) -> int:
+    """The fewest nodes that hold `gpus` as many on each, no more than `gpus_per_node` a node."""
+    nodes = -(-gpus // gpus_per_node)
+    while gpus % nodes:
+        nodes += 1
+    return nodes
 
 
 @dataclass(frozen=True)

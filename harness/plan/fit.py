@@ -43,7 +43,7 @@ def _fits_on(row: dict, c: Card) -> bool:
 def on_rank(row: dict, card: Card, margin: float = 0.0) -> Card:
     """`card` as the row's GPU sees it with `margin` kept free: NCCL's memory, where the job spans
     several GPUs, outside PyTorch too."""
-    return nccl.on_card(card, nccl.of_row(row)).with_margin(margin)
+    return nccl.on_rows_rank(card, row).with_margin(margin)
 
 
 def fits(row: dict, card: Card, margin: float = 0.0) -> bool | None:

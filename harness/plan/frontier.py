@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from harness.config import cards as catalog
 from harness.config.models import hf_config, max_positions
-from harness.config.point import PARALLEL_KNOBS, Card
+from harness.config.point import PARALLEL_KNOBS, Card, Point, fewest_nodes
 from harness.config.validate import validate
 from harness.errors import ConfigError
 from harness.launch.runner import run_point
@@ -36,6 +36,7 @@ class ProbeFailed(RuntimeError):
 class Group:
     overrides: list[str]  # the grid point without the searched axis
     cfg: DictConfig  # its composed config
+    point: Point  # the same, validated
     values: list[int]  # the axis values searched
 
 
@@ -84,7 +85,7 @@ class Planner:
         seen, groups = set(), []
         for p in points:
             cfg = self._compose(p)
-            validate(cfg)
+            point = validate(cfg)
             axis = searched_key(cfg)
             # a search over GPU counts places them on nodes itself
             mine = (axis, "parallel.nodes") if cfg.plan.axis == "world_size" else (axis,)
@@ -94,12 +95,12 @@ class Planner:
             seen.add(tuple(rest))
             values = axis_values(cfg)
             for v in (values[0], values[-1]):
-                at = [f"{axis}={v}", *(_nodes(cfg, v) if cfg.plan.axis == "world_size" else [])]
+                at = [f"{axis}={v}", *(_nodes(point, v) if cfg.plan.axis == "world_size" else [])]
                 try:
                     validate(self._compose([*rest, *at]))
                 except ConfigError as e:
                     raise ConfigError(e.key, f"{e.message} (plan point: {' '.join([*rest, *at])})")
-            groups.append(Group(rest, cfg, values))
+            groups.append(Group(rest, cfg, point, values))
         return groups
 
     def run(self, overrides: list[str]) -> dict:
@@ -141,14 +142,14 @@ class Planner:
         value_at = sorted(g.values, reverse=True) if fewer else g.values
         searched = list(range(len(value_at))) if fewer else g.values
         override = searched_key(cfg)
-        others = _world(cfg) // int(cfg.parallel[plan.over]) if fewer else 1  # GPUs per searched degree
+        others = _kept_gpus(g.point) if fewer else 1
 
         def value(x: int | None) -> int | None:  # the axis's value at what the search holds
             return value_at[x] if fewer and x is not None else x
 
         def probe(x: int) -> search.Probe:
             v = value(x)
-            row = self.run([*g.overrides, f"{override}={v}", *(_nodes(cfg, v) if fewer else [])])
+            row = self.run([*g.overrides, f"{override}={v}", *(_nodes(g.point, v) if fewer else [])])
             rows_by_value[v] = row
             peak = row.get("peak_reserved_bytes") or row["peak_allocated_bytes"]
             gpus = f" ({v * others} GPUs)" if fewer else ""
@@ -156,7 +157,7 @@ class Planner:
                      f"(probe {len(rows_by_value)})")
             return search.Probe(x, int(peak), {k: bool(fit.fits(row, c, plan.margin)) for k, c in by_key.items()})
 
-        ident = _group_columns(cfg, axis)
+        ident = _group_columns(cfg, g.point, axis)
         try:
             s = search.search(probe, {k: c.room(plan.margin) for k, c in by_key.items()}, searched, self.width,
                               lambda vs: _together(probe, vs))
@@ -212,18 +213,14 @@ def searched_key(cfg) -> str:
     return f"parallel.{cfg.plan.over}" if cfg.plan.axis == "world_size" else str(cfg.plan.axis)
 
 
-def _world(cfg) -> int:
-    return int(cfg.parallel.dp_shard) * int(cfg.parallel.dp_replicate) * int(cfg.parallel.tp)
+def _kept_gpus(point: Point) -> int:
+    """A world-size plan's GPUs per unit of the degree it searches (plan.over): the others' product."""
+    return point.parallel.world_size // getattr(point.parallel, point.plan.over)
 
 
-def _nodes(cfg, degree: int) -> list[str]:
-    """The nodes a world-size probe's GPUs go on (plan.over at `degree`): the fewest that hold
-    them as many on each, each no fuller than the point's card's gpus_per_node."""
-    world = _world(cfg) // int(cfg.parallel[cfg.plan.over]) * degree
-    nodes = -(-world // int(cfg.gpu.gpus_per_node))
-    while world % nodes:
-        nodes += 1
-    return [f"parallel.nodes={nodes}"]
+def _nodes(point: Point, degree: int) -> list[str]:
+    """The nodes a world-size probe's GPUs go on (plan.over at `degree`), on the point's card."""
+    return [f"parallel.nodes={fewest_nodes(_kept_gpus(point) * degree, point.gpu.gpus_per_node)}"]
 
 
 def _together(probe, values: list[int]) -> list:
@@ -237,18 +234,18 @@ def _step(values: list[int]) -> int:
     return values[1] - values[0] if len(values) > 1 else 1
 
 
-def _group_columns(cfg, axis: str) -> dict:
+def _group_columns(cfg, point: Point, axis: str) -> dict:
     custom = cfg.workload.name == "custom"  # a user's job: named by its build function
     cols = {"model": cfg.workload.target if custom else cfg.model.name, "workload": cfg.workload.name,
             "precision": cfg.precision,
             "checkpointing": bool(cfg.checkpointing), "optimizer": cfg.optimizer.name,
             "allocator_conf": cfg.allocator.conf, "leak": cfg.workload.leak, "axis": axis,
             "batch_size": cfg.batch_size if axis != "batch_size" else None,
-            "world_size": None if axis == "world_size" else _world(cfg),
+            "world_size": None if axis == "world_size" else point.parallel.world_size,
             # world_size: the degree searched, and the others the group keeps ("tp=2")
-            "over": cfg.plan.over if axis == "world_size" else None,
-            "kept": " ".join(f"{k}={int(cfg.parallel[k])}" for k in PARALLEL_KNOBS
-                             if k != cfg.plan.over and int(cfg.parallel[k]) > 1) if axis == "world_size" else None,
+            "over": point.plan.over if axis == "world_size" else None,
+            "kept": " ".join(f"{k}={getattr(point.parallel, k)}" for k in PARALLEL_KNOBS
+                             if k != point.plan.over and getattr(point.parallel, k) > 1) if axis == "world_size" else None,
             "seq_len": cfg.seq_len if axis != "seq_len" else None, "margin": float(cfg.plan.margin)}
     if custom:
         cols["workload_args"] = json.dumps(dict(cfg.workload.args or {}), sort_keys=True, default=str)

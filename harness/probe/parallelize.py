@@ -17,15 +17,6 @@ import torch
 
 from harness.config.point import Parallel
 
-# The mesh's dimensions, outermost first (torchtitan's order): replicas, shards, tensor parallel
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
-
-
-def mesh_shape(parallel: Parallel) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """The names and sizes of the job's mesh: its dimensions of more than one GPU."""
-    dims = [(name, getattr(parallel, name)) for name in MESH_DIMS if getattr(parallel, name) > 1]
-    return tuple(n for n, _ in dims), tuple(s for _, s in dims)
-
 
 def parallelize(model: torch.nn.Module, mesh, parallel: Parallel) -> torch.nn.Module:
     """`model` (built on the meta device) as this rank holds it, on the mesh's device; the module

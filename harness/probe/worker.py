@@ -5,7 +5,6 @@ Reads run_dir/point.json, writes run_dir/result.json (always, on failure too) an
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 import time
@@ -62,14 +61,14 @@ def _run_sim(point: Point, run_dir: Path) -> dict:
     rec.update(m)
     rec["peak_tensor_bytes"] = m["peak_allocated_bytes"]  # storages rounded to 512 B (the tracker)
     gpu = point.gpu
-    # Each card as one of the job's GPUs sees it: NCCL's memory beside the CUDA context's
-    on_rank = functools.partial(nccl.on_card, nccl=nccl.per_rank(point.parallel))
     rec.update(status="ok", device_name=f"virtual {gpu.device_name}", trace_path=str(trace_path),
                torch_version=torch.__version__, transformers_version=transformers.__version__)
     settings = AllocSettings.from_conf(point.allocator.conf)
     snapshot = run_dir / "snapshot.pickle" if point.snapshot else None
-    rec.update(reserved.analyse(trace_store.replay_rows(df), settings, on_rank(gpu),
-                                [on_rank(c) for c in catalog.cards()], torch.__version__, snapshot))
+    # Each card as one of the job's GPUs sees it: NCCL's memory beside the CUDA context's
+    rec.update(reserved.analyse(trace_store.replay_rows(df), settings, nccl.on_rank(gpu, point.parallel),
+                                [nccl.on_rank(c, point.parallel) for c in catalog.cards()], torch.__version__,
+                                snapshot))
     rec["wall_s"] = time.perf_counter() - t0
     return rec
 

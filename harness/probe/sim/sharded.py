@@ -24,13 +24,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from harness.config.point import Parallel
-from harness.probe.parallelize import mesh_shape
 from harness.record.row import TRAFFIC
 
 
 @contextlib.contextmanager
 def process_group(parallel: Parallel) -> Iterator[object | None]:
-    """This rank's device mesh inside (probe.parallelize.mesh_shape): of the process group the
+    """This rank's device mesh inside (Parallel.mesh_shape): of the process group the
     process is in, where it is one of the job's world size (real ranks: gloo on CPU tensors, NCCL),
     else of rank 0 of a fake group joined for the trace. None, and nothing joined, on one GPU.
     Made before the trace's FakeTensorMode: the mesh's setup reads values."""
@@ -46,7 +45,7 @@ def process_group(parallel: Parallel) -> Iterator[object | None]:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=parallel.world_size)
     elif dist.get_world_size() != parallel.world_size:
         raise ValueError(f"this process's group has {dist.get_world_size()} ranks, the job {parallel.world_size}")
-    names, sizes = mesh_shape(parallel)
+    names, sizes = parallel.mesh_shape
     try:
         with fake_group_workarounds() if joined else contextlib.nullcontext():
             yield init_device_mesh("cpu", sizes, mesh_dim_names=names)

@@ -68,7 +68,7 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh) -> tuple[dict
     tracker = StorageTracker(emulate_cublas_workspace=emulate_cuda)
     tracker.auto_backward = True
     # the card as this rank sees it: NCCL's memory (config/nccl.py) outside PyTorch from the start
-    card = nccl.on_card(point.gpu, nccl.per_rank(point.parallel))
+    card = nccl.on_rank(point.gpu, point.parallel)
     live = LiveAllocator(tracker, AllocSettings.from_conf(point.allocator.conf), card)
     cycle = point.workload.leak == Leak.cycle
     torch.manual_seed(0)
