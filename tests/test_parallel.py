@@ -199,6 +199,19 @@ def test_a_job_over_more_gpus_than_its_nodes_hold_is_refused_naming_parallel_nod
         assert e.value.key == "parallel.nodes"
 
 
+def test_the_nodes_a_refusal_suggests_hold_the_job():
+    """14 GPUs, 4 a node: 4 nodes cannot hold them as many on each; the refusal says 7, which can."""
+    from harness.config.compose import compose
+    from harness.config.validate import validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(compose(["model=tiny", "parallel.dp_shard=14", "gpu.gpus_per_node=4"]))
+    suggested = e.value.message.rsplit("parallel.nodes=", 1)[1]
+    assert suggested == "7"
+    assert validate(compose(["model=tiny", "parallel.dp_shard=14", "gpu.gpus_per_node=4",
+                             f"parallel.nodes={suggested}"])).parallel.nodes == 7
+
+
 @pytest.mark.slow
 def test_a_plan_over_tensor_parallel_counts_finds_the_fewest_gpus_per_card(tmp_path):
     """plan.axis=world_size plan.over=tp searches tensor-parallel degrees (up to the model's key/value

@@ -349,10 +349,10 @@ class Point:
             raise ConfigError("gpu.memory_bytes", f"must be > 0, got {self.gpu.memory_bytes}")
         per_node = self.parallel.world_size // self.parallel.nodes
         if per_node > self.gpu.gpus_per_node:
-            need = -(-self.parallel.world_size // self.gpu.gpus_per_node)
+            need = fewest_nodes(self.parallel.world_size, self.gpu.gpus_per_node)
             raise ConfigError("parallel.nodes", f"the job's {self.parallel.world_size} GPUs on {self.parallel.nodes} "
                               f"node(s) are {per_node} a node, and a {self.gpu.name} node holds "
-                              f"{self.gpu.gpus_per_node} (gpu.gpus_per_node): set parallel.nodes={need} or more")
+                              f"{self.gpu.gpus_per_node} (gpu.gpus_per_node): set parallel.nodes={need}")
         if self.parallel.world_size > 1:
             key = self.parallel.key
             if self.backend == Backend.cuda:
