@@ -20,8 +20,9 @@ from harness.config.compose import CONF_DIR, as_dict, user_card_and_free_text, w
 from harness.config.validate import validate
 from harness.errors import EXIT_OK, EXIT_USAGE, ConfigError
 from harness.launch import local
-from harness.launch.gpus import check_cards, resolve_backend
+from harness.launch.gpus import check_cards, resolve_backend, visible_devices
 from harness.launch.point import to_point
+from harness.launch.ranks import check_here
 from harness.record import results
 
 USAGE = """usage: python -m harness <verb> [overrides]
@@ -101,6 +102,9 @@ def _launch(verb: str, flags: list[str], overrides: list[str], asked: list[str] 
         backend = resolve_backend(base.backend, cluster)
         if backend == "cuda" and not cluster:
             _gpu_launch(cards)
+        if backend in ("cuda", "cpu") and not cluster:  # a job over several GPUs: its ranks run here
+            check_here([p.replace(backend=backend) for p in prepared.built.values()],
+                       visible_devices() if backend == "cuda" else [])
         if verb == "sweep" and local.chosen(base):
             local.workers(base.hydra.launcher.get("workers"))  # checked before anything is written
     except ConfigError as e:

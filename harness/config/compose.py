@@ -51,19 +51,34 @@ def slurm_minutes(timeout_s) -> int:
     return math.ceil(float(timeout_s) / 60) + 5
 
 
-def slurm_gres(backend, gres):
-    """The card's gres for a point on the card; none for the virtual GPU."""
-    return None if backend == "sim" else gres
+def slurm_gres(backend, gres, per_node=1):
+    """The card's gres for a point on the card, `per_node` GPUs a node (the count it names replaced);
+    none off the card (the virtual GPU, CPU ranks)."""
+    if backend in ("sim", "cpu") or not gres:
+        return None
+    parts = str(gres).split(":")
+    return ":".join([*(parts[:-1] if parts[-1].isdigit() else parts), str(per_node)])
 
 
-def slurm_gpus(backend, gres):
-    """One GPU by --gpus-per-node where the card names no gres (which carries its own count)."""
-    return None if backend == "sim" or gres else 1
+def slurm_gpus(backend, gres, per_node=1):
+    """`per_node` GPUs by --gpus-per-node where the card names no gres (which carries the count)."""
+    return None if backend in ("sim", "cpu") or gres else int(per_node)
+
+
+def slurm_ranks_per_node(backend, dp_shard, dp_replicate, tp, nodes):
+    """The Slurm tasks a node runs: a job over several GPUs run for real is one task per rank; on
+    the virtual GPU one rank is traced, in one task."""
+    return 1 if backend == "sim" else int(dp_shard) * int(dp_replicate) * int(tp) // int(nodes)
+
+
+def slurm_nodes(backend, nodes):
+    return 1 if backend == "sim" else int(nodes)
 
 
 _RESOLVERS: dict[str, Callable[..., Any]] = {
     "harness_parallelism": parallelism, "harness_slurm_minutes": slurm_minutes,
     "harness_slurm_gres": slurm_gres, "harness_slurm_gpus": slurm_gpus,
+    "harness_slurm_ranks_per_node": slurm_ranks_per_node, "harness_slurm_nodes": slurm_nodes,
 }
 
 

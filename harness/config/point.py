@@ -62,9 +62,12 @@ class OptimizerImpl(StrEnum):
 
 
 class Backend(StrEnum):
-    auto = "auto"
-    sim = "sim"
-    cuda = "cuda"
+    auto = "auto"  # cuda where a GPU is visible, else sim
+    sim = "sim"  # the virtual GPU
+    cuda = "cuda"  # the real card(s)
+    # The job run for real on this machine's CPU tensors (its ranks as processes, gloo between them),
+    # tracked and replayed as the virtual GPU's trace is: CPU kernels, so a check, not a card's figure
+    cpu = "cpu"
 
 
 class PlanAxis(StrEnum):
@@ -353,11 +356,11 @@ class Point:
             raise ConfigError("parallel.nodes", f"the job's {self.parallel.world_size} GPUs on {self.parallel.nodes} "
                               f"node(s) are {per_node} a node, and a {self.gpu.name} node holds "
                               f"{self.gpu.gpus_per_node} (gpu.gpus_per_node): set parallel.nodes={need}")
+        if self.backend == Backend.cpu and self.precision.is_amp:
+            raise ConfigError("precision", f"backend=cpu runs the CPU's kernels and {self.precision} is CUDA's "
+                              "autocast: run it on the virtual GPU (backend=sim) or the card (backend=cuda)")
         if self.parallel.world_size > 1:
             key = self.parallel.key
-            if self.backend == Backend.cuda:
-                raise ConfigError(key, "a job over several GPUs runs on the virtual GPU only so far "
-                                  "(backend=sim): one rank traced, its peaks per GPU")
             if self.workload.name != WorkloadName.train:
                 raise ConfigError(key, "a job over several GPUs is modelled for workload=train (a preset) "
                                   f"so far, not workload={self.workload.name}")

@@ -94,11 +94,12 @@ def describe(devices: list[str]) -> list[tuple[str, int]]:
 
 
 def resolve_backend(backend: str, cluster: bool = False) -> str:
-    """auto -> cuda when a GPU is visible, sim (the virtual GPU) otherwise; cuda without a GPU is a
+    """auto -> cuda when a GPU is visible, sim (the virtual GPU) otherwise (sim and cpu as they are);
+    cuda without a GPU is a
     config error, not a sweep of error rows. Launching to a cluster, the GPUs are the nodes': auto is
     cuda there, and the launching machine needs none."""
-    if backend == "sim":
-        return "sim"
+    if backend in ("sim", "cpu"):
+        return backend
     if cluster:
         return "cuda"
     if visible_devices():

@@ -7,6 +7,7 @@ host OOM killer takes only that process) and lets a timeout become a row instead
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -18,7 +19,9 @@ import time
 from pathlib import Path
 
 from harness.config.point import Backend, Point
-from harness.launch import gpus, zygote
+from harness.launch import gpus, ranks, zygote
+from harness.launch.exits import NO_ZYGOTE, TIMED_OUT, VANISHED, describe_exit, leave_job_warning
+from harness.probe.rank import runs_as_ranks
 from harness.record.results import find_done
 from harness.record.row import POINT_FILE, RESULT_FILE, base_record, run_id, write_row
 
@@ -45,6 +48,8 @@ def run_point(point: Point, run_dir: Path, results_dir: Path | None = None,
             rec["reused_from"] = str(done)
             return write_row(run_dir, rec)
     (run_dir / POINT_FILE).write_text(json.dumps(point.to_dict(), indent=1, default=str))
+    if runs_as_ranks(point):
+        return _run_ranks(point, run_dir)
     log = run_dir / "worker.log"
     if point.backend == Backend.cuda:
         device, lock = _take_gpu()
@@ -53,12 +58,12 @@ def run_point(point: Point, run_dir: Path, results_dir: Path | None = None,
             rc = _run_subprocess(run_dir, log, point.timeout_s, gpus.worker_env(device, point.allocator.conf))
     else:
         t0 = time.perf_counter()
-        rc = _run_forked(run_dir, point.timeout_s) if _zygote_enabled() else _NO_ZYGOTE
-        if rc is _NO_ZYGOTE:
+        rc = _run_forked(run_dir, point.timeout_s) if _zygote_enabled() else NO_ZYGOTE
+        if rc is NO_ZYGOTE:
             rc = _run_subprocess(run_dir, log, point.timeout_s)
     if STOPPING.is_set():
         raise Stopped(str(run_dir))
-    if rc is _TIMED_OUT:
+    if rc is TIMED_OUT:
         rec = base_record(point)
         rec.update(status="timeout", wall_s=time.perf_counter() - t0,
                    error=f"point did not finish within timeout_s={point.timeout_s} s")
@@ -67,11 +72,28 @@ def run_point(point: Point, run_dir: Path, results_dir: Path | None = None,
     if rc == 0 and result.exists():
         return json.loads(result.read_text())
     rec = base_record(point)
-    rec.update(status="error", wall_s=time.perf_counter() - t0, error=_describe_exit(rc, log))
+    rec.update(status="error", wall_s=time.perf_counter() - t0, error=describe_exit(rc, log))
     return write_row(run_dir, rec)
 
 
-_TIMED_OUT, _NO_ZYGOTE, _VANISHED = object(), object(), object()
+def _run_ranks(point: Point, run_dir: Path) -> dict:
+    """A job over several GPUs run for real: its ranks here, or this Slurm task's rank of it; the
+    point's row (on Slurm, rank 0 writes it: another rank returns its own row, and writes none)."""
+    t0 = time.perf_counter()
+    if ranks.in_slurm_job():
+        rank, rec = ranks.run_task(point, run_dir)
+        if rank != 0:
+            return rec
+    elif point.backend == Backend.cuda:
+        devices, held = _take_gpus(point.parallel.world_size)
+        with held:
+            rec = ranks.run_here(point, run_dir, devices)
+    else:
+        rec = ranks.run_here(point, run_dir, None)
+    if STOPPING.is_set():
+        raise Stopped(str(run_dir))
+    rec["wall_s"] = time.perf_counter() - t0
+    return write_row(run_dir, rec)
 
 
 def _zygote_enabled() -> bool:
@@ -84,44 +106,59 @@ def _zygote_enabled() -> bool:
 GPU_DEVICES_ENV = "HARNESS_GPU_DEVICES"
 
 
+def _devices() -> list[str]:
+    listed = os.environ.get(GPU_DEVICES_ENV)
+    return [d for d in listed.split(",") if d] if listed else gpus.visible_devices()
+
+
 def _take_gpu():
     """A card of our own for a cuda point (waits while every card runs another point)."""
-    listed = os.environ.get(GPU_DEVICES_ENV)
-    devices = [d for d in listed.split(",") if d] if listed else gpus.visible_devices()
-    return gpus.take(devices)
+    return gpus.take(_devices())
+
+
+# One job over several cards takes them one by one: two such jobs taking at once could each hold
+# some and wait for the other's; one at a time, the holder only waits on points that give theirs back.
+_TAKING_MANY = threading.Lock()
+
+
+def _take_gpus(n: int) -> tuple[list[str], contextlib.ExitStack]:
+    """`n` cards of our own for the ranks of one job, and what gives them back."""
+    held = contextlib.ExitStack()
+    devices = []
+    with _TAKING_MANY, contextlib.ExitStack() as undo:
+        undo.push(held)  # given back if taking the rest fails
+        for _ in range(n):
+            device, lock = gpus.take([d for d in _devices() if d not in devices])
+            held.enter_context(lock)
+            devices.append(device)
+        undo.pop_all()
+    return devices, held
 
 
 def _run_subprocess(run_dir: Path, log: Path, timeout_s: float, env: dict | None = None):
     """A fresh interpreter for the point (cuda points: with their card and allocator settings in
-    `env`, which CUDA reads once at start): exit code, or _TIMED_OUT."""
+    `env`, which CUDA reads once at start): exit code, or TIMED_OUT."""
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "harness.probe.worker", str(run_dir)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_leave_job_warning)
+                                stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=leave_job_warning)
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-            return _TIMED_OUT
+            return TIMED_OUT
         except BaseException:  # this process stopped (Ctrl-C; submitit at a Slurm time limit): so is the point
             proc.kill()
             proc.wait()
             raise
 
 
-def _leave_job_warning() -> None:
-    """In the point's process, before exec: Slurm sends its time-limit warning (SIGUSR2, submitit's
-    signal) to every process of a job. It is for submitit in the job's own process, which stops the
-    job and records the timeout; the point must not die of it first (its row would say `error`)."""
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-
-
 def _run_forked(run_dir: Path, timeout_s: float):
     """The point in a child forked from the zygote (torch already imported): its exit code,
-    _TIMED_OUT, or _NO_ZYGOTE when none could be had."""
+    TIMED_OUT, or NO_ZYGOTE when none could be had."""
     conn = zygote.connect()
     if conn is None:
-        return _NO_ZYGOTE
+        return NO_ZYGOTE
     deadline = time.monotonic() + timeout_s
     with conn:
         conn.sendall(f"{run_dir}\n".encode())
@@ -135,23 +172,11 @@ def _run_forked(run_dir: Path, timeout_s: float):
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-                return _TIMED_OUT
+                return TIMED_OUT
             line = reader.readline().decode().split()
             if not line:  # the child died without answering: killed (the host's OOM killer?)
-                return _VANISHED
+                return VANISHED
             if line[0] == "pid":
                 pid = int(line[1])
             elif line[0] == "rc":
                 return int(line[1])
-
-
-def _describe_exit(rc, log: Path) -> str:
-    if rc is _VANISHED:  # a forked child's status goes to the zygote, not to us
-        return (f"worker died without a result, killed by a signal (the host's OOM killer sends "
-                f"SIGKILL); see {log}")
-    if rc < 0:
-        name = signal.Signals(-rc).name
-        hint = " (the host's OOM killer sends SIGKILL)" if -rc == signal.SIGKILL else ""
-        return f"worker killed by {name}{hint}; see {log}"
-    tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
-    return f"worker exited with code {rc}: {tail[0] if tail else 'no output'}; see {log}"

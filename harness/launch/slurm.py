@@ -89,6 +89,8 @@ def ended_row(point: Point, job_id: str | None, state: str, log_path: str | None
 
 def _outcome(job) -> str:
     """What submitit recorded for a finished job (its result pickle), in one line; '' if nothing."""
+    if job.num_tasks > 1:  # a job of several ranks: task 0 is rank 0, which writes the point's row
+        job = job.task(0)
     try:
         res = job.result()
     except Exception as e:  # no result at all (killed): submitit says so with Slurm's state

@@ -18,6 +18,17 @@ import torch
 from harness.config.point import Parallel
 
 
+def device_mesh(parallel: Parallel, device_type: str):
+    """The job's device mesh (Parallel.mesh_shape) over the process group this process is in; None on
+    one GPU."""
+    if parallel.world_size == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names, sizes = parallel.mesh_shape
+    return init_device_mesh(device_type, sizes, mesh_dim_names=names)
+
+
 def parallelize(model: torch.nn.Module, mesh, parallel: Parallel) -> torch.nn.Module:
     """`model` (built on the meta device) as this rank holds it, on the mesh's device; the module
     to step (DDP's wrapper, or the model)."""

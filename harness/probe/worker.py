@@ -5,6 +5,7 @@ Reads run_dir/point.json, writes run_dir/result.json (always, on failure too) an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -14,16 +15,18 @@ from pathlib import Path
 from harness.allocator.settings import AllocSettings
 from harness.config import cards as catalog
 from harness.config import nccl
-from harness.config.point import Point, WorkloadName
+from harness.config.point import Backend, Point, WorkloadName
+from harness.probe import rank
 from harness.probe.cuda import run as cuda
 from harness.probe.jobs import UserCodeError
-from harness.probe.sim import reserved, shortcut
+from harness.probe.sim import reserved, shortcut, trace
 from harness.probe.sim.fake_code import where
 from harness.probe.sim.trace import collector
 from harness.probe.sim.virtual_cuda import READS_CARD
 from harness.record import provenance, trace_store
 from harness.record.provenance import USER_CODE
-from harness.record.row import POINT_FILE, base_record, write_row
+from harness.record.ranks import RANK_RESULT_FILE
+from harness.record.row import POINT_FILE, RESULT_FILE, base_record, write_row
 
 
 def run_sim(point: Point, run_dir: Path) -> dict:
@@ -35,9 +38,6 @@ def run_sim(point: Point, run_dir: Path) -> dict:
 
 
 def _run_sim(point: Point, run_dir: Path) -> dict:
-    import torch
-    import transformers
-
     t0 = time.perf_counter()
     # A trace that read the card is kept for that card and allocator setting only.
     tid, own = trace_store.trace_id(point), trace_store.trace_id(point, reads_card=True)
@@ -52,21 +52,54 @@ def _run_sim(point: Point, run_dir: Path) -> dict:
         rec["trace_reused"] = reused
     else:
         traced = shortcut.trace(point)  # a preset synthesized from a few layers where that is exact
-        m = {k: v for k, v in traced.measurements.items() if k in rec}
-        if point.workload.name == WorkloadName.custom:  # what the job loaded to build and step
-            m[USER_CODE] = provenance.as_column(provenance.user_modules())
+        m = _measured(point, traced.measurements, rec)
         df = trace_store.to_frame(traced.events)
         df.to_parquet(trace_path, index=False)
         trace_store.save_cached(cache, own if traced.findings.get(READS_CARD) else tid, trace_path, m)
-    rec.update(m)
-    rec["peak_tensor_bytes"] = m["peak_allocated_bytes"]  # storages rounded to 512 B (the tracker)
-    gpu = point.gpu
-    rec.update(status="ok", device_name=f"virtual {gpu.device_name}", trace_path=str(trace_path),
-               torch_version=torch.__version__, transformers_version=transformers.__version__)
+    rec.update(m, device_name=f"virtual {point.gpu.device_name}")
+    return _replayed(point, rec, df, run_dir, t0)
+
+
+def run_cpu(point: Point, run_dir: Path) -> dict:
+    """The job run for real on this machine's CPU tensors (this rank's, gloo between ranks), every
+    storage tracked as the virtual GPU tracks it, then replayed as a trace is: what the code
+    allocates with the CPU's kernels, a check of the virtual GPU's trace and of a launch over ranks.
+    Never cached: each rank's trace is its own."""
+    with collector(on=False):
+        return _run_cpu(point, run_dir)
+
+
+def _run_cpu(point: Point, run_dir: Path) -> dict:
+    t0 = time.perf_counter()
+    m, tracker = trace.run_point(point, emulate_cuda=False, fake=False)
+    rec = base_record(point)
+    rec.update(_measured(point, m, rec), device_name=f"CPU tensors, replayed on {point.gpu.device_name}")
+    df = trace_store.to_frame(tracker.events)
+    df.to_parquet(run_dir / trace_store.TRACE_FILE, index=False)
+    return _replayed(point, rec, df, run_dir, t0)
+
+
+def _measured(point: Point, m: dict, rec: dict) -> dict:
+    """A trace's measurements that are row columns (and, for a user's job, what it loaded)."""
+    out = {k: v for k, v in m.items() if k in rec}
+    if point.workload.name == WorkloadName.custom:
+        out[USER_CODE] = provenance.as_column(provenance.user_modules())
+    return out
+
+
+def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
+    """The row of a traced point: the trace replayed through the allocator model on its card and
+    every catalog card."""
+    import torch
+    import transformers
+
+    rec["peak_tensor_bytes"] = rec["peak_allocated_bytes"]  # storages rounded to 512 B (the tracker)
+    rec.update(status="ok", trace_path=str(run_dir / trace_store.TRACE_FILE), torch_version=torch.__version__,
+               transformers_version=transformers.__version__)
     settings = AllocSettings.from_conf(point.allocator.conf)
     snapshot = run_dir / "snapshot.pickle" if point.snapshot else None
     # Each card as one of the job's GPUs sees it: NCCL's memory beside the CUDA context's
-    rec.update(reserved.analyse(trace_store.replay_rows(df), settings, nccl.on_rank(gpu, point.parallel),
+    rec.update(reserved.analyse(trace_store.replay_rows(df), settings, nccl.on_rank(point.gpu, point.parallel),
                                 [nccl.on_rank(c, point.parallel) for c in catalog.cards()], torch.__version__,
                                 snapshot))
     rec["wall_s"] = time.perf_counter() - t0
@@ -86,8 +119,9 @@ def run_cuda(point: Point, run_dir: Path) -> dict:
         # Measured reserved within a card's room settles it; between allocated and reserved only a
         # replay could tell, and a cuda run has no trace: counted as not fitting. The card it ran
         # on held it, flushing its cache where it retried.
-        def fits_on(c):
-            return bool(reserved.fits_by_numbers(c, rec["peak_reserved_bytes"], rec["peak_allocated_bytes"]))
+        def fits_on(c):  # as one of the job's GPUs (NCCL's memory: in the measured figure on its own card)
+            return bool(reserved.fits_by_numbers(nccl.on_rank(c, point.parallel), rec["peak_reserved_bytes"],
+                                                 rec["peak_allocated_bytes"]))
 
         def edge(c):
             if c.name == point.gpu.name:
@@ -101,17 +135,28 @@ def run_cuda(point: Point, run_dir: Path) -> dict:
     return rec
 
 
+_RUN = {Backend.cuda: run_cuda, Backend.cpu: run_cpu, Backend.sim: run_sim}
+
+
 def main(run_dir: Path) -> int:
+    """The point's row in run_dir; a rank's (launch.ranks) in its rank's file, written before the
+    process group is left (leaving may wait on peers that will never come)."""
     point = Point.from_dict(json.loads((run_dir / POINT_FILE).read_text()))
-    try:
-        rec = run_cuda(point, run_dir) if point.backend == "cuda" else run_sim(point, run_dir)
-    except Exception as e:
-        rec = base_record(point)
-        # the user's file and line first, where the error came through their code
-        at = where(e) if point.workload.name == WorkloadName.custom and not isinstance(e, UserCodeError) else None
-        rec.update(status="error", error=f"{at + ': ' if at else ''}{type(e).__name__}: {e}")
-        (run_dir / "traceback.txt").write_text(traceback.format_exc())
-    write_row(run_dir, rec)
+    as_rank = rank.runs_as_ranks(point)
+    with contextlib.ExitStack() as group:
+        try:
+            if as_rank:
+                group.enter_context(rank.joined(point))
+            rec = _RUN[point.backend](point, run_dir)
+        except Exception as e:
+            rec = base_record(point)
+            # the user's file and line first, where the error came through their code
+            at = where(e) if point.workload.name == WorkloadName.custom and not isinstance(e, UserCodeError) else None
+            rec.update(status="error", error=f"{at + ': ' if at else ''}{type(e).__name__}: {e}")
+            (run_dir / "traceback.txt").write_text(traceback.format_exc())
+        if as_rank:
+            rec["rank"] = rank.this_rank()
+        write_row(run_dir, rec, RANK_RESULT_FILE if as_rank else RESULT_FILE)
     return 0
 
 

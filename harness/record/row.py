@@ -25,6 +25,8 @@ COLUMNS = (
     "gpu_non_pytorch_bytes", "emulated_gpu", "model", "n_params", "workload", "leak", "batch_size", "seq_len",
     "precision", "optimizer", "optimizer_impl", "checkpointing", "allocator_conf",
     "world_size", "dp_shard", "dp_replicate", "tp", "reshard_after_forward", "nodes", "rank",
+    # a job run as its ranks (backend cuda or cpu over several GPUs): each rank's peaks, in rank order
+    "rank_peak_allocated_bytes", "rank_peak_reserved_bytes",
     *(f"{what}_bytes_per_step" for what in TRAFFIC),
     # NCCL's memory on each GPU, outside PyTorch (config/nccl.py): its communicators, bytes, spread, source
     "nccl_communicators", "nccl_bytes", "nccl_spread_bytes", "nccl_source",
@@ -126,8 +128,11 @@ def config_error_row(data: dict, error: str, job_id: str | None = None) -> dict:
     return rec
 
 
-def write_row(run_dir: Path, rec: dict) -> dict:
-    """`rec` as run_dir/result.json; returns it."""
+def write_row(run_dir: Path, rec: dict, name: str = RESULT_FILE) -> dict:
+    """`rec` as run_dir/result.json (or `name`); returns it. Written whole, then renamed: a reader
+    polling for it (a rank's peers) never reads half of it."""
     run_dir.mkdir(parents=True, exist_ok=True)  # a row for a point that never started has no dir yet
-    (run_dir / RESULT_FILE).write_text(json.dumps(rec, indent=1, default=str))
+    part = run_dir / f".{name}.part"
+    part.write_text(json.dumps(rec, indent=1, default=str))
+    part.replace(run_dir / name)
     return rec

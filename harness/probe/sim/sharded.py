@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from harness.config.point import Parallel
+from harness.probe.parallelize import device_mesh
 from harness.record.row import TRAFFIC
 
 
@@ -37,7 +38,6 @@ def process_group(parallel: Parallel) -> Iterator[object | None]:
         yield None
         return
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     joined = not dist.is_initialized()
@@ -45,10 +45,9 @@ def process_group(parallel: Parallel) -> Iterator[object | None]:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=parallel.world_size)
     elif dist.get_world_size() != parallel.world_size:
         raise ValueError(f"this process's group has {dist.get_world_size()} ranks, the job {parallel.world_size}")
-    names, sizes = parallel.mesh_shape
     try:
         with fake_group_workarounds() if joined else contextlib.nullcontext():
-            yield init_device_mesh("cpu", sizes, mesh_dim_names=names)
+            yield device_mesh(parallel, "cpu")
     finally:
         if joined:
             dist.destroy_process_group()

@@ -1,0 +1,62 @@
+"""A point run as a job of N ranks: each rank's row in run_dir/rank<r>/, and the point's row made of
+them. The worst rank decides: the first rank that did not finish ok (an OOM before an error before a
+timeout, before a rank that left no row: one killed once another had failed), else the rank that
+reserved the most; a card holds the job only where it holds every rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.probe.sim.reserved import EDGES, edge_columns
+from harness.record.row import recorded_edge
+
+RANK_RESULT_FILE = "rank_result.json"  # a rank's row: not result.json, for a sweep's rows are its points'
+STOPPED = "stopped_for_rank"  # a rank row's key: the rank whose failure stopped this one
+
+# A failed rank's status, in the order that decides which rank's row is the point's: what a rank
+# ran into itself before what stopping the others left.
+_FIRST = ("oom", "error", "timeout")
+
+
+def rank_dir(run_dir: Path, rank: int) -> Path:
+    return run_dir / f"rank{rank}"
+
+
+def merge(base: dict, rows: dict[int, dict | None], missing: dict[int, str]) -> dict:
+    """The point's row from its ranks' rows (`base`: the point's base_record; `rows`: rank -> its
+    row, None where it wrote none; `missing`: why such a rank left none). Per-rank peaks ride along
+    as lists, in rank order."""
+    world_size = int(base["world_size"])
+    failed = [(r, row) for r, row in rows.items() if row is not None and row.get("status") != "ok"]
+    # a rank stopped for another's failure never decides before that one
+    failed.sort(key=lambda rr: (rr[1].get(STOPPED) is not None,
+                                _FIRST.index(rr[1]["status"]) if rr[1]["status"] in _FIRST else len(_FIRST), rr[0]))
+    if failed:
+        rank, row = failed[0]
+        out = {k: v for k, v in row.items() if k != STOPPED}
+        out["error"] = _on_rank(rank, world_size, row.get("error"))
+    elif any(rows.get(r) is None for r in range(world_size)):
+        rank = min(r for r in range(world_size) if rows.get(r) is None)
+        out = dict(next((row for row in rows.values() if row is not None), base))
+        out.update(status="error", error=_on_rank(rank, world_size, missing.get(rank, "left no row")),
+                   fits_cards=[], tight_cards=[], retry_cards=[])
+    else:
+        done: dict[int, dict] = {r: row for r, row in rows.items() if row is not None}
+        rank = max(done, key=lambda r: (int(done[r].get("peak_reserved_bytes") or 0), -r))
+        out = dict(done[rank])
+        out.update(_worst_edges(list(done.values())))
+    out["rank"] = rank
+    for col in ("peak_allocated_bytes", "peak_reserved_bytes"):
+        out[f"rank_{col}"] = [None if rows.get(r) is None else rows[r].get(col) for r in range(world_size)]
+    return out
+
+
+def _on_rank(rank: int, world_size: int, error: str | None) -> str:
+    return f"rank {rank} of {world_size}: {error}" if error else f"rank {rank} of {world_size}"
+
+
+def _worst_edges(rows: list[dict]) -> dict:
+    """Each card's edge as the rank that is worst off on it sees it."""
+    edges = {key: max((recorded_edge(row, key) or "oom" for row in rows), key=EDGES.index)
+             for key in rows[0].get("fits_cards") or []}  # a card rank 0 does not fit holds no rank's job
+    return edge_columns(edges)
