@@ -166,3 +166,19 @@ def test_a_job_ended_in_its_time_limits_warning_window_is_a_timeout_whatever_it_
     assert row["status"] == "timeout" and row["error"].startswith("Slurm job 66 reached its time limit")
     row = ended_row(point, "67", "CANCELLED by 0", None, "", in_last_minutes=False)
     assert row["status"] == "error" and row["error"] == "Slurm job 67 ended CANCELLED by 0 before its point wrote a row"
+
+
+def test_a_job_over_two_ranks_runs_as_two_tasks_of_one_slurm_job_and_rank_0_writes_its_row(slurm, tmp_path):
+    """backend=cpu over 2 ranks (gloo): one Slurm job of 2 tasks on the node, each a rank with
+    submitit's rank and peers; the sweep's row is the point's, each rank's peaks in it."""
+    r = run_cli("sweep", "sweeps=smoke", "seq_len=32", "batch_size=2", "backend=cpu", "parallel.dp_shard=2",
+                "hydra/launcher=harness_slurm", "hydra.launcher.cpus_per_task=1", f"results_dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    df = _rows(_sweep_dir(tmp_path, "smoke"))
+    assert list(df["status"]) == ["ok"] and len(df["rank_peak_reserved_bytes"].iloc[0]) == 2
+    job = str(df["job_id"].iloc[0])
+    steps = subprocess.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,NTasks"], capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert f"{job}.0|2" in steps  # the job's one step ran 2 tasks
+    run = next(_sweep_dir(tmp_path, "smoke").glob("runs/*"))
+    assert {json.loads(p.read_text())["rank"] for p in run.glob("rank*/rank_result.json")} == {0, 1}

@@ -26,7 +26,7 @@ from harness.config.point import Backend, Point
 from harness.errors import ConfigError
 from harness.launch import gpus
 from harness.launch.exits import describe_exit, leave_job_warning
-from harness.record.ranks import RANK_RESULT_FILE, STOPPED, merge, rank_dir
+from harness.record.ranks import DIED, RANK_RESULT_FILE, STOPPED, merge, rank_dir
 from harness.record.row import POINT_FILE, base_record, write_row
 
 GRACE_S = 10.0  # after a rank failed: its peers' time to end on their own before they are stopped
@@ -138,7 +138,8 @@ def supervise(procs: dict[int, subprocess.Popen], point: Point, run_dir: Path, d
                 if rc is not None:
                     del running[r]
                     if read_row(run_dir, r) is None:  # it died before writing one (a crash, a kill)
-                        _rank_row(point, run_dir, r, "error", describe_exit(rc, rank_dir(run_dir, r) / "worker.log"))
+                        _rank_row(point, run_dir, r, "error", describe_exit(rc, rank_dir(run_dir, r) / "worker.log"),
+                                  died=True)
             failed = first_failed(run_dir, world)
             now = time.monotonic()
             if failed is not None and failed_at is None:
@@ -156,7 +157,7 @@ def supervise(procs: dict[int, subprocess.Popen], point: Point, run_dir: Path, d
 
 
 def first_failed(run_dir: Path, world_size: int) -> int | None:
-    """The lowest rank whose row says it failed by itself (not stopped for another's failure)."""
+    """The lowest rank whose row says it failed (and was not stopped for another's failure)."""
     for r in range(world_size):
         row = read_row(run_dir, r)
         if row is not None and row.get("status") != "ok" and row.get(STOPPED) is None:
@@ -179,9 +180,11 @@ def merged(point: Point, run_dir: Path, missing: str) -> dict:
     return merge(base_record(point), rows, {r: missing for r in range(world) if rows[r] is None})
 
 
-def _rank_row(point: Point, run_dir: Path, rank: int, status: str, error: str, stopped_for: int | None = None):
+def _rank_row(point: Point, run_dir: Path, rank: int, status: str, error: str, stopped_for: int | None = None,
+              died: bool = False):
     rec = base_record(point)
-    rec.update(status=status, error=error, rank=rank, **({STOPPED: stopped_for} if stopped_for is not None else {}))
+    rec.update(status=status, error=error, rank=rank, **({STOPPED: stopped_for} if stopped_for is not None else {}),
+               **({DIED: True} if died else {}))
     write_row(rank_dir(run_dir, rank), rec, RANK_RESULT_FILE)
 
 

@@ -1,7 +1,11 @@
 """A point run as a job of N ranks: each rank's row in run_dir/rank<r>/, and the point's row made of
-them. The worst rank decides: the first rank that did not finish ok (an OOM before an error before a
-timeout, before a rank that left no row: one killed once another had failed), else the rank that
-reserved the most; a card holds the job only where it holds every rank."""
+them. The worst rank decides: the rank that failed first, else the rank that reserved the most; a
+card holds the job only where it holds every rank.
+
+Which rank failed first is told by what each failure is: an OOM is the rank's own; a process that
+died without a row (killed, crashed) comes next, since its peers then fail too ("connection reset by
+peer" in their collectives); then an error, a timeout, a rank stopped for another's failure, and a
+rank that left no row at all; among equals, the lowest rank."""
 
 from __future__ import annotations
 
@@ -12,10 +16,7 @@ from harness.record.row import recorded_edge
 
 RANK_RESULT_FILE = "rank_result.json"  # a rank's row: not result.json, for a sweep's rows are its points'
 STOPPED = "stopped_for_rank"  # a rank row's key: the rank whose failure stopped this one
-
-# A failed rank's status, in the order that decides which rank's row is the point's: what a rank
-# ran into itself before what stopping the others left.
-_FIRST = ("oom", "error", "timeout")
+DIED = "worker_died"  # a rank row's key: its process ended without writing it (the supervisor did)
 
 
 def rank_dir(run_dir: Path, rank: int) -> Path:
@@ -28,12 +29,10 @@ def merge(base: dict, rows: dict[int, dict | None], missing: dict[int, str]) -> 
     as lists, in rank order."""
     world_size = int(base["world_size"])
     failed = [(r, row) for r, row in rows.items() if row is not None and row.get("status") != "ok"]
-    # a rank stopped for another's failure never decides before that one
-    failed.sort(key=lambda rr: (rr[1].get(STOPPED) is not None,
-                                _FIRST.index(rr[1]["status"]) if rr[1]["status"] in _FIRST else len(_FIRST), rr[0]))
+    failed.sort(key=lambda rr: (_cause_order(rr[1]), rr[0]))
     if failed:
         rank, row = failed[0]
-        out = {k: v for k, v in row.items() if k != STOPPED}
+        out = {k: v for k, v in row.items() if k not in (STOPPED, DIED)}
         out["error"] = _on_rank(rank, world_size, row.get("error"))
     elif any(rows.get(r) is None for r in range(world_size)):
         rank = min(r for r in range(world_size) if rows.get(r) is None)
@@ -49,6 +48,15 @@ def merge(base: dict, rows: dict[int, dict | None], missing: dict[int, str]) -> 
     for col in ("peak_allocated_bytes", "peak_reserved_bytes"):
         out[f"rank_{col}"] = [None if rows.get(r) is None else rows[r].get(col) for r in range(world_size)]
     return out
+
+
+def _cause_order(row: dict) -> int:
+    """How likely a failed rank's row is the cause of the others' (0: surely its own)."""
+    if row.get(STOPPED) is not None:
+        return 4
+    if row.get(DIED):
+        return 1
+    return {"oom": 0, "error": 2, "timeout": 3}.get(row["status"], 2)
 
 
 def _on_rank(rank: int, world_size: int, error: str | None) -> str:

@@ -24,15 +24,20 @@ from harness.probe.jobs import (
     prepare_optimizer,
     watching,
 )
+from harness.probe.parallelize import device_mesh
 
 
 def storage_bytes(tensors) -> int:
     """Bytes the allocator gives these tensors' storages (each rounded as the allocator rounds a
     request), a storage shared by several tensors (tied weights) counted once."""
+    from torch.distributed.tensor import DTensor
+
     seen, total = set(), 0
     for t in tensors:
         if t is None:
             continue
+        if isinstance(t, DTensor):  # a shard or slice (FSDP2, tensor parallel): this rank's part
+            t = t.to_local()
         s = t.untyped_storage()
         if s.data_ptr() in seen:
             continue
@@ -43,7 +48,7 @@ def storage_bytes(tensors) -> int:
 
 def _state_bytes(optimizer) -> int:
     return storage_bytes(v for state in optimizer.state.values() for v in state.values()
-                         if isinstance(v, torch.Tensor) and v.is_cuda)
+                         if isinstance(v, torch.Tensor) and v.device.type == "cuda")
 
 
 def measure(point: Point) -> dict:
@@ -81,7 +86,8 @@ def _run(point: Point, watch: CudaWatch, facts: dict) -> None:
     made without a device land on it, and amp_* is CUDA's own autocast."""
     custom = point.workload.name == WorkloadName.custom
     build = build_function(point)
-    k = knobs(point)
+    # Over several GPUs (this process one rank of the job, probe.rank): the model spread on the mesh
+    k = knobs(point, device_mesh(point.parallel, "cuda"))
     amp = k.autocast_dtype
     region = (lambda: torch.autocast("cuda", dtype=amp)) if amp is not None else contextlib.nullcontext
     cycle = point.workload.leak == Leak.cycle
