@@ -126,3 +126,26 @@ def test_a_side_streams_blocks_are_reused_as_on_the_virtual_gpu(tmp_path):
     assert virtual.returncode == 0, virtual.stderr
     print("\n[gpu-check] side stream: " + json.dumps(side_stream_readings(real.stdout)))
     assert side_stream_readings(real.stdout) == side_stream_readings(virtual.stdout)
+
+
+def _two_gpus() -> bool:
+    return len(gpus.visible_devices()) >= 2
+
+
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs: NCCL puts no two ranks on one device")
+def test_a_job_over_two_gpus_runs_as_two_nccl_ranks_and_the_virtual_gpu_predicts_each(tmp_path):
+    """FSDP2 over 2 cards: one row, rank 0's or the larger's, with each rank's peaks; the virtual
+    GPU's rank (one process, a fake group) within 2.5% of each real rank's allocated peak."""
+    args = ["run", "model=tiny", "batch_size=2", "seq_len=64", "parallel.dp_shard=2", "workload.steps=4"]
+    r = run_cli(*args, "backend=cuda", f"results_dir={tmp_path / 'cuda'}")
+    assert r.returncode == 0, r.stderr
+    real = _rows(tmp_path / "cuda").iloc[0].to_dict()
+    _figures("fsdp2 over 2 gpus", real)
+    assert real["status"] == "ok" and len(real["rank_peak_allocated_bytes"]) == 2
+    assert real["measured_non_pytorch_bytes"] > 0  # the context and NCCL's communicator
+    r = run_cli(*args, "backend=sim", f"results_dir={tmp_path / 'sim'}")
+    sim = _rows(tmp_path / "sim").iloc[0].to_dict()
+    print(f"[gpu-check] fsdp2 over 2: sim allocated {sim['peak_allocated_bytes']}, "
+          f"real {list(real['rank_peak_allocated_bytes'])}")
+    for measured in real["rank_peak_allocated_bytes"]:
+        assert abs(sim["peak_allocated_bytes"] - measured) <= 0.025 * measured

@@ -28,7 +28,7 @@ def main(overrides: list[str]) -> int:
         return EXIT_USAGE
     try:
         base = compose(split_overrides(overrides)[0])
-        if base.backend == "cuda":
+        if base.backend in ("cuda", "cpu"):
             raise ConfigError("backend", "plans search on the virtual GPU: use backend=sim (or auto)")
         # auto too: a plan's probes never take a GPU
         overrides = [*(o for o in overrides if o.split("=", 1)[0] != "backend"), "backend=sim"]
