@@ -147,7 +147,7 @@ def main(run_dir: Path) -> int:
         try:
             if as_rank:
                 group.enter_context(rank.joined(point))
-            rec = _RUN[point.backend](point, run_dir)
+            rec = _RUN.get(point.backend, run_sim)(point, run_dir)  # auto, resolved by the launcher: sim
         except Exception as e:
             rec = base_record(point)
             # the user's file and line first, where the error came through their code
