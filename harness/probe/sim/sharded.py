@@ -71,9 +71,13 @@ def fake_group_workarounds() -> Iterator[None]:
       waits for its result where it is first used, so its input lives until then; under
       FakeTensorMode torch takes itself to be compiling and waits at once: not here.
     - FSDP2 over a tensor-parallel mesh joins two meshes into one (DeviceMesh._concatenate), which
-      builds its rank map from real tensors: outside FakeTensorMode, as before the trace."""
+      builds its rank map from real tensors: outside FakeTensorMode, as before the trace.
+    - FSDP2 cuts each parameter into one view per rank to keep its own (and read the first's size):
+      here each view is made when read (_Chunks), not 64 fake views a parameter over 64 ranks.
+      Views own no storage: what is allocated is the same."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
+    import torch.distributed.fsdp._fully_shard._fsdp_param as fsdp_param
     import torch.nn.parallel.distributed as ddp
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -108,8 +112,31 @@ def fake_group_workarounds() -> Iterator[None]:
     with _patched([(DDP, "__init__", init), (DDP, "_pre_forward", pre_forward_with_real_indices),
                    (ddp, "_verify_param_shape_across_processes", verify_with_real_shapes),
                    (funcol, "_are_we_tracing", lambda: False),
-                   (DeviceMesh, "_concatenate", staticmethod(concatenate_on_values))]):
+                   (DeviceMesh, "_concatenate", staticmethod(concatenate_on_values)),
+                   (fsdp_param, "_chunk_with_empty", _Chunks)]):
         yield
+
+
+class _Chunks:
+    """FSDP2's `_chunk_with_empty(tensor, n, dim)`: torch.chunk's pieces along `dim` (each
+    ceil(size / n) long, the last shorter, none past the end), padded to `n` with empty tensors;
+    each made when indexed."""
+
+    def __init__(self, tensor: torch.Tensor, n: int, dim: int):
+        self.tensor, self.n, self.dim = tensor, n, dim
+        self.size = tensor.size(dim)
+        self.step = -(-self.size // n)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        start = (i % self.n) * self.step
+        if start < self.size:
+            return self.tensor.narrow(self.dim, start, min(self.step, self.size - start))
+        return self.tensor.narrow(self.dim, 0, 0) if i % self.n == 0 else self[0].new_empty(0)
 
 
 @contextlib.contextmanager
