@@ -55,15 +55,23 @@ def test_one_fake_rank_allocates_what_each_gloo_rank_allocates(parallel, precisi
 
 def test_a_ddp_rank_holds_the_whole_model_and_a_bucket_copy_of_its_gradients():
     """DDP: parameters and AdamW's state whole on each rank; its gradient buckets (a flat copy of
-    every gradient, gradient_as_bucket_view=False) stay allocated between steps, and are what each
-    step all-reduces."""
+    every gradient, gradient_as_bucket_view=False) stay allocated between steps, are what each
+    step all-reduces, and are gradients (made at wrapping and rebuilt at the second forward: never
+    the setup's parameters nor the forward's activations)."""
     one, _ = run_point(_over())
-    m, _ = run_point(_over(dp_replicate=2))
+    m, tracker = run_point(_over(dp_replicate=2))
     assert (m["params_bytes"], m["optimizer_bytes"]) == (one["params_bytes"], one["optimizer_bytes"])
     buckets = m["all_reduce_bytes_per_step"]
     assert buckets == one["n_params"] * 4  # fp32: every gradient once
     assert [a - b for a, b in zip(m["step_allocated_bytes"], one["step_allocated_bytes"])] == [round_request(buckets)] * 3
     assert m["all_gather_bytes_per_step"] == m["reduce_scatter_bytes_per_step"] == 0
+    kinds: dict = {}
+    for e in tracker.journal():
+        if e.action in ("alloc", "retag"):
+            kinds[e.key] = (e.kind, e.size if e.action == "alloc" else kinds[e.key][1])
+        elif e.action == "free":
+            kinds.pop(e.key, None)
+    assert [size for kind, size in kinds.values() if kind == "gradient"] == [buckets]  # grads were set to None
 
 
 def test_a_tensor_parallel_rank_holds_its_slices_and_whole_norms():

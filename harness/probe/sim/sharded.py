@@ -224,7 +224,30 @@ def collectives_own_buffers(tracker):
         return call
 
     with _patched([*((dist, name, inside(name, getattr(dist, name))) for name in _COLLECTIVES),
-                   *((funcol, name, functional(what, getattr(funcol, name))) for name, what in _FUNCTIONAL.items())]):
+                   *((funcol, name, functional(what, getattr(funcol, name))) for name, what in _FUNCTIONAL.items())]), \
+            ddp_buckets_are_gradients(tracker):
+        yield
+
+
+@contextlib.contextmanager
+def ddp_buckets_are_gradients(tracker):
+    """DDP's gradient buckets (a flat copy of every gradient, made when DDP wraps the model and
+    again when its first step's order rebuilds them, at the second forward) are gradients, not the
+    setup's parameters or the forward's activations: what DDP makes there is tagged so (with the
+    small tensors it broadcasts meanwhile, freed at once)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def as_gradients(fn):
+        def call(*args, **kwargs):
+            before, tracker.kind_override = tracker.kind_override, "gradient"
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                tracker.kind_override = before
+        return call
+
+    with _patched([(DDP, "__init__", as_gradients(DDP.__init__)),
+                   (DDP, "_pre_forward", as_gradients(DDP._pre_forward))]):
         yield
 
 

@@ -163,6 +163,7 @@ class StorageTracker(TorchDispatchMode):
         self._host: set[int] = set()  # keys of storages a real run keeps in host memory (not counted)
         self._resized_away: set[int] = set()  # keys of tracked storages resized to nothing (resized)
         self.inside_collective = 0  # > 0 while a torch.distributed collective runs
+        self.kind_override: str | None = None  # the kind of what is made meanwhile, whatever the phase
         self.traffic: dict[tuple[str, int], int] = {}  # (collective, step) -> bytes (sharded.collectives_own_buffers)
         self.real_is_host = False  # a plain script on fake tensors: its real tensors are host tensors
         self.placement: str | None = None  # where the running call's outputs live (cuda_script)
@@ -314,6 +315,8 @@ class StorageTracker(TorchDispatchMode):
         return entry[1] if entry else 0
 
     def _default_kind(self) -> str:
+        if self.kind_override is not None:
+            return self.kind_override
         phase = self._phase()
         if phase == "setup":
             return "parameter"
