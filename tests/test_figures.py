@@ -75,6 +75,19 @@ def test_peak_vs_batch_reads_as_a_picture():
     assert "a, b, c" in labels  # three cards a few per cent apart share one line and one label
 
 
+def test_a_panel_of_jobs_over_several_gpus_draws_each_card_less_what_nccl_takes():
+    card = Card(name="d", memory_bytes=40 * GiB, non_pytorch_bytes=512 << 20, key="d")
+    sharded = _rows(2).assign(nccl_communicators=1, nccl_bytes=GiB // 2, nccl_spread_bytes=GiB // 2)
+
+    def line_at(df):
+        ax = figures.peak_vs_batch(df, [card]).axes[0]
+        return [ln.get_ydata()[0] for ln in ax.get_lines() if ln.get_linestyle() == "--"]
+    assert line_at(sharded) == [card.room() / GiB - 0.5] and line_at(_rows(2)) == [card.room() / GiB]
+    mixed = pd.concat([_rows(2), sharded.assign(precision="fp16")])
+    ax = figures.peak_vs_batch(mixed, [card]).axes[0]
+    assert any("NCCL" in t.get_text() for t in ax.texts)  # one GPU's room, and the note
+
+
 def test_the_timeline_says_what_it_leaves_out_and_every_line_differs():
     df = _rows(n_variants=24)
     fig = figures.step_timeline(df, limit=20)

@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.ticker import MaxNLocator, NullLocator
 
+from harness.config import nccl
 from harness.config.point import Card
 from harness.report import words
 from harness.report.tables import group_label
@@ -72,8 +73,15 @@ def peak_vs_batch(df: pd.DataFrame, cards: list[Card]) -> plt.Figure | None:
             ax.plot(v["batch_size"], res, marker="o", label=variant, ms=4, **_style(i))
             ax.plot(v["batch_size"], v["peak_allocated_bytes"] / GiB, ":", color=_style(i)["color"], lw=1)
             top = max(top, float(res.max()))
-        near = _cards_near(cards, top)
-        smallest = min(cards, key=lambda c: c.memory_bytes)
+        # Each card's room as a GPU of the panel's jobs sees it: NCCL's memory too, over several GPUs
+        seen = {nccl.of_row(r) for r in g.to_dict("records")}
+        panel_cards = [nccl.on_card(c, next(iter(seen))) for c in cards] if len(seen) == 1 else cards
+        if len(seen) > 1:
+            most = max(n.bytes + n.spread_bytes for n in seen)
+            ax.text(0.02, 0.98, f"card lines: one GPU's room; a GPU of a job over several leaves NCCL up to "
+                    f"{most / GiB:.1f} GiB more", transform=ax.transAxes, fontsize=7, color="0.3", va="top")
+        near = _cards_near(panel_cards, top)
+        smallest = min(panel_cards, key=lambda c: c.memory_bytes)
         ax.set_ylim(0, max([top, *(c.room() / GiB for c in near)]) * 1.08)
         if smallest.room() / GiB > top * 3:  # no line drawn
             ax.text(0.98, 0.02, f"every card holds these runs (smallest: {smallest.key}, "
