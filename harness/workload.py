@@ -41,14 +41,15 @@ class Knobs:
     checkpointing: bool  # applied per block when Job.blocks names the block class
     args: dict[str, Any] = field(default_factory=dict)  # your own keys: +workload.args.<key>=...
     # parallel.*: the device mesh of this rank's process group (a fake one on the virtual GPU), for
-    # the job to shard its model over; None on one GPU.
+    # the job to shard its model over (a job over several GPUs that never reads it is refused: it
+    # would run whole on each); None on one GPU.
     mesh: Any = None
     # The knobs your build function looked at: checkpointing=true on a job that neither names its
     # blocks nor reads the knob would change nothing, and is refused rather than recorded.
     read: set[str] = field(default_factory=set, repr=False, compare=False)
 
     def __getattribute__(self, name: str):
-        if name == "checkpointing":
+        if name in ("checkpointing", "mesh"):
             object.__getattribute__(self, "read").add(name)
         return object.__getattribute__(self, name)
 

@@ -89,6 +89,30 @@ def test_one_fake_rank_traces_what_each_gloo_rank_allocates(precision, checkpoin
         assert after_steps == m["step_allocated_bytes"]
 
 
+@pytest.mark.slow
+def test_a_users_job_sharding_itself_over_the_mesh_it_is_handed_traces_as_each_gloo_rank_allocates():
+    """A job of your own given Knobs.mesh applies FSDP2 itself (tests/jobs/fsdp_job.py, its model
+    made whole first, as such a job does): the fake rank 0 allocates what each real rank does."""
+    from tests.test_workload import custom_point
+
+    point = custom_point("tests.jobs.fsdp_job:build", batch_size=2, seq_len=32).replace(parallel=Parallel(dp_shard=2))
+    m, tracker = run_point(point, emulate_cuda=False, fake=True)
+    allocs, freed, retags = _lives(tracker.journal())
+    assert m["params_bytes"] < run_point(point.replace(parallel=Parallel()), emulate_cuda=False)[0]["params_bytes"]
+    for rank, (after_steps, (real_allocs, real_freed, real_retags)) in _real_ranks(point).items():
+        assert (real_allocs, real_retags) == (allocs, retags), f"rank {rank}"
+        assert real_freed.keys() == freed.keys() and after_steps == m["step_allocated_bytes"], f"rank {rank}"
+
+
+def test_a_users_job_over_several_gpus_that_never_reads_the_mesh_is_refused():
+    from harness.probe.jobs import UserCodeError
+    from tests.test_workload import custom_point
+
+    point = custom_point("tests.jobs.hf_llama:build", batch_size=2, seq_len=32).replace(parallel=Parallel(dp_shard=2))
+    with pytest.raises(UserCodeError, match="Knobs.mesh"):
+        run_point(point)
+
+
 def test_a_sharded_rank_holds_its_share_of_the_parameters_and_optimizer_state():
     """8 ranks: each holds an eighth (padded) of the parameters and of AdamW's two moments; the
     layers gathered for compute come and go on FSDP2's own streams."""

@@ -361,9 +361,9 @@ class Point:
                               "autocast: run it on the virtual GPU (backend=sim) or the card (backend=cuda)")
         if self.parallel.world_size > 1:
             key = self.parallel.key
-            if self.workload.name != WorkloadName.train:
-                raise ConfigError(key, "a job over several GPUs is modelled for workload=train (a preset) "
-                                  f"so far, not workload={self.workload.name}")
+            if self.workload.name == WorkloadName.infer:
+                raise ConfigError(key, "a job over several GPUs is modelled for training (workload=train, or a job "
+                                  "of your own given the mesh) so far, not workload=infer")
             if self.optimizer.name == OptimizerName.adafactor and self.parallel.dtensors:  # as torch 2.13's DTensor does
                 raise ConfigError("optimizer.name", "torch.optim.Adafactor does not run on DTensor parameters (FSDP2, TP) "
                                   "(DTensor refuses its in-place pow_ on a partial norm): use adamw or sgd")

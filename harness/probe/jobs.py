@@ -72,6 +72,16 @@ def parameters(job: Job) -> list:
     return list(job.model.parameters()) if job.model is not None else []
 
 
+def check_spread(k: Knobs, point: Point) -> None:
+    """A job of your own over several GPUs spreads itself over the mesh it is handed (it read
+    Knobs.mesh), or each GPU would run it whole and the row would claim a sharding that did not
+    happen. (The presets are spread by probe.parallelize.)"""
+    if point.parallel.world_size > 1 and point.workload.name == WorkloadName.custom and "mesh" not in k.read:
+        raise UserCodeError(f"the job is spread over {point.parallel.world_size} GPUs ({point.parallel.key}) but never "
+                            "reads Knobs.mesh: it would run whole on every GPU (shard it over k.mesh, e.g. "
+                            "torch.distributed.fsdp.fully_shard(model, mesh=k.mesh))")
+
+
 def apply_checkpointing(job: Job, k: Knobs, point: Point) -> None:
     """checkpointing=true: each of the job's blocks checkpointed; a user's job that names no blocks
     must apply it itself (it read Knobs.checkpointing), or the row would claim what did not happen.

@@ -16,6 +16,7 @@ from harness.probe.jobs import (
     apply_checkpointing,
     build_function,
     check_job,
+    check_spread,
     job_name,
     job_step,
     knobs,
@@ -95,6 +96,7 @@ def _run(point: Point, watch: CudaWatch, facts: dict) -> None:
     with torch.device("cuda"), watching(watch):
         job = build(k)
         n_steps = check_job(job, point)
+        check_spread(k, point)
         apply_checkpointing(job, k, point)
         params = parameters(job)
         opt = job.optimizer

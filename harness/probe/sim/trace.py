@@ -23,6 +23,7 @@ from harness.probe.jobs import (
     apply_checkpointing,
     build_function,
     check_job,
+    check_spread,
     job_name,
     job_step,
     knobs,
@@ -88,6 +89,7 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh) -> tuple[dict
         except VALUE_READS as e:
             raise explain(e, "while building the job") from e
         n_steps = check_job(job, point)
+        check_spread(k, point)
         params = parameters(job)
         for t in (*params, *(job.model.buffers() if job.model is not None else ())):
             tracker.track(t, "parameter")
