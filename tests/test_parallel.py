@@ -31,7 +31,10 @@ def _over(precision="fp32", checkpointing=False, **parallel):
     (dict(tp=2), "bf16", True),
     (dict(dp_replicate=2, dp_shard=2), "bf16", False),  # HSDP: 2 replicas of 2 shards
     (dict(dp_shard=2, tp=2), "bf16", True),  # FSDP2 over tensor parallel (2-D)
-], ids=["ddp-fp32", "ddp-bf16-ckpt", "tp-fp32", "tp-bf16-ckpt", "hsdp-bf16", "fsdp-tp-bf16-ckpt"])
+    (dict(tp=2, sequence_parallel=True), "fp32", False),
+    (dict(tp=2, sequence_parallel=True), "bf16", True),
+], ids=["ddp-fp32", "ddp-bf16-ckpt", "tp-fp32", "tp-bf16-ckpt", "hsdp-bf16", "fsdp-tp-bf16-ckpt", "sp-fp32",
+        "sp-bf16-ckpt"])
 def test_one_fake_rank_allocates_what_each_gloo_rank_allocates(parallel, precision, checkpointing):
     """Every storage each real rank allocated (size, kind, phase, step, module, stream), in order,
     and its changes of kind, are the fake rank's; so is what each step leaves allocated. A free may
@@ -234,3 +237,32 @@ def test_a_plan_over_tensor_parallel_counts_finds_the_fewest_gpus_per_card(tmp_p
     assert (row["over"], row["lo"], row["hi"], row["largest"]) == ("tp", 1, 2, 1)  # tiny: 2 kv heads; fits one
     rows = pd.read_parquet(path.parent / "results.parquet")
     assert set(zip(rows["tp"], rows["nodes"])) == {(1, 1), (2, 2)}  # a node of one GPU each
+
+
+def test_sequence_parallel_splits_the_residual_stream_and_trades_all_reduces_for_gathers_and_scatters():
+    """TP 2 with sequence parallel: the activations between layers are each rank's half of the
+    sequence (less kept for backward), the layers' all-reduces become an all-gather in and a
+    reduce-scatter out, and the layers still repeat (the point is synthesized from a few)."""
+    tp, _ = run_point(_over(precision="bf16", tp=2))
+    sp, _ = run_point(_over(precision="bf16", tp=2, sequence_parallel=True))
+    assert sp["activations_bytes"] < tp["activations_bytes"]
+    assert tp["all_reduce_bytes_per_step"] > 0 and sp["all_reduce_bytes_per_step"] < tp["all_reduce_bytes_per_step"] / 10
+    assert sp["reduce_scatter_bytes_per_step"] > 0 and sp["all_gather_bytes_per_step"] > tp["all_gather_bytes_per_step"]
+    with pytest.raises(ConfigError) as e:
+        Parallel(sequence_parallel=True)
+    assert e.value.key == "parallel.sequence_parallel"
+
+
+def test_sequence_parallel_that_fits_the_card_is_a_remedy_named_by_its_knob():
+    import pandas as pd
+
+    from harness.analysis.verdict import layout, verdicts
+    from tests.test_verdict import _row
+
+    def tp8(**kw):
+        return _row(world_size=8, tp=8, batch_size=1, **kw)
+    df = pd.DataFrame([tp8(run_id="tp"), tp8(run_id="sp", sequence_parallel=True, status="ok", fits_cards=["t4"])])
+    (remedy,) = verdicts(df).set_index("run_id").loc["tp"]["remedies"]
+    (change,) = remedy["changes"]
+    assert (change["key"], change["layout"]) == ("parallel.sequence_parallel", "TP+SP")
+    assert layout(dict(dp_shard=4, tp=2, sequence_parallel=True)) == "FSDP2 4 x TP+SP 2"

@@ -266,6 +266,10 @@ class Parallel:
     dp_replicate: int = 1  # data-parallel replicas: DDP, or HSDP with dp_shard (replicas of a sharded model)
     tp: int = 1  # tensor parallel (DTensor parallelize_module, the model's own plan)
     reshard_after_forward: bool = True  # FSDP2: free the gathered layer after its forward (ZeRO-3), else keep it (ZeRO-2)
+    # tensor parallel with sequence parallel (torchtitan's Llama plan): the norms and the residual
+    # stream between layers split over the sequence, all-gathered into attention and the MLP and
+    # reduce-scattered out of them
+    sequence_parallel: bool = False
     nodes: int = 1  # the nodes the job's GPUs are on, as many on each (at most gpu.gpus_per_node)
     # NCCL's own memory on each GPU per communicator the job uses; None: estimated (config/nccl.py)
     nccl_bytes_per_communicator: int | None = None
@@ -279,6 +283,9 @@ class Parallel:
         if self.nccl_bytes_per_communicator is not None and self.nccl_bytes_per_communicator < 0:
             raise ConfigError("parallel.nccl_bytes_per_communicator",
                               f"must be >= 0 (bytes), got {self.nccl_bytes_per_communicator}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("parallel.sequence_parallel", "splits the sequence over tensor-parallel ranks: "
+                              "set parallel.tp > 1 (or leave it false)")
         if self.dp_replicate > 1 and self.tp > 1 and self.dp_shard == 1:  # as torchtitan refuses it
             raise ConfigError("parallel.dp_replicate", "DDP does not take tensor-parallel (DTensor) parameters: "
                               "replicate a tensor-parallel job with HSDP (parallel.dp_shard > 1)")

@@ -33,7 +33,7 @@ def parallelize(model: torch.nn.Module, mesh, parallel: Parallel) -> torch.nn.Mo
     """`model` (built on the meta device) as this rank holds it, on the mesh's device; the module
     to step (DDP's wrapper, or the model)."""
     if parallel.tp > 1:
-        tensor_parallel(model, mesh["tp"])
+        tensor_parallel(model, mesh["tp"], parallel.sequence_parallel)
     if parallel.dp_shard > 1:
         dims = ("dp_replicate", "dp_shard") if parallel.dp_replicate > 1 else ("dp_shard",)
         shard(model, mesh[dims], parallel.reshard_after_forward)
@@ -68,21 +68,56 @@ def shard(model: torch.nn.Module, mesh, reshard_after_forward: bool) -> None:
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
 
-def tensor_parallel(model: torch.nn.Module, mesh) -> None:
+def tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool = False) -> None:
     """The model's own tensor-parallel plan, as transformers applies it (the model's `_tp_plan`; for
     Llama, Qwen2 and Mistral: q/k/v, gate and up split by columns, o and down by rows, the embedding
-    by vocabulary rows, the head by columns and gathered); norms replicated."""
+    by vocabulary rows, the head by columns and gathered); norms replicated. With
+    `sequence_parallel`, torchtitan's plan for Llama: the norms and the residual stream split over
+    the sequence (sequence_parallel_plan)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
     plan = getattr(model, "_tp_plan", None)
     if not plan:
         raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (transformers' _tp_plan)")
-    parallelize_module(model, mesh, {name: _style(style, name) for name, style in plan.items()})
+    styles = {name: _style(style, name, sequence_parallel) for name, style in plan.items()}
+    if sequence_parallel:
+        styles.update(sequence_parallel_plan(model))
+    parallelize_module(model, mesh, styles)
     # The rest (the norms) replicated as DTensors on the mesh: plain tensors beside DTensors fail
     # torch.optim's foreach step ("mixed torch.Tensor and DTensor"), on any device.
     for module in [m for m in model.modules() if any(not isinstance(p, DTensor) for p in m.parameters(recurse=False))]:
         replicate(module, mesh)
+
+
+def sequence_parallel_plan(model: torch.nn.Module) -> dict:
+    """What sequence parallel adds to the plan, by module name, as torchtitan's Llama plan has it:
+    the embedding split by vocabulary rows and reduce-scattered to the rank's slice of the sequence;
+    the residual stream between layers, and the norms on it (SequenceParallel), slices; attention and
+    the MLP all-gather their input (their row-split outputs reduce-scatter back: _style); the final
+    norm on slices, all-gathered into the head. The stream stays a DTensor: the model-level code
+    (rotary embedding, mask) reads its whole sequence length from it."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    layers = decoder_layers(model)
+    prefix = next(name for name, m in model.named_modules() if m is layers[0]).rsplit(".", 1)[0]
+    base = prefix.rsplit(".", 1)[0]
+    for owner, part in [(layers[0], p) for p in ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")] \
+            + [(model.get_submodule(base), p) for p in ("embed_tokens", "norm")]:
+        if not hasattr(owner, part):
+            raise ValueError(f"sequence parallel knows Llama-style models; {type(owner).__name__} has no {part}")
+    styles: dict = {f"{base}.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                            use_local_output=False),
+                    f"{base}.norm": SequenceParallel(use_local_output=True)}
+    for i in range(len(layers)):
+        at = f"{prefix}.{i}"
+        styles[f"{at}.input_layernorm"] = SequenceParallel()
+        styles[f"{at}.post_attention_layernorm"] = SequenceParallel()
+        styles[f"{at}.self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                       desired_input_kwarg_layouts={"hidden_states": Replicate()})
+        styles[f"{at}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return styles
 
 
 def replicate(module: torch.nn.Module, mesh) -> None:
@@ -100,15 +135,21 @@ def replicate(module: torch.nn.Module, mesh) -> None:
     distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
-def _style(name: str, module: str):
-    """torch's parallel style for one of transformers' plan words."""
-    from torch.distributed.tensor import Replicate
+def _style(name: str, module: str, sequence_parallel: bool = False):
+    """torch's parallel style for one of transformers' plan words; with sequence parallel, a layer's
+    row-split output is reduce-scattered to sequence slices and the head takes slices in."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    styles: dict[str, Callable[[], object]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
-              "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
-              "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
-              "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate())}
+    into_layers = sequence_parallel and ".layers." in f".{module}"
+    head_in = Shard(1) if sequence_parallel else Replicate()
+    styles: dict[str, Callable[[], object]] = {
+        "colwise": ColwiseParallel,
+        "rowwise": (lambda: RowwiseParallel(output_layouts=Shard(1), use_local_output=False)) if into_layers
+        else RowwiseParallel,
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "colwise_rep": lambda: ColwiseParallel(input_layouts=head_in, output_layouts=Replicate()),
+        "colwise_gather_output": lambda: ColwiseParallel(input_layouts=head_in, output_layouts=Replicate())}
     if name not in styles:
         raise ValueError(f"tensor-parallel style '{name}' ({module}) is not one the harness applies "
                          f"({', '.join(styles)})")
