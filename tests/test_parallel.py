@@ -31,10 +31,8 @@ def _over(precision="fp32", checkpointing=False, **parallel):
     (dict(tp=2), "bf16", True),
     (dict(dp_replicate=2, dp_shard=2), "bf16", False),  # HSDP: 2 replicas of 2 shards
     (dict(dp_shard=2, tp=2), "bf16", True),  # FSDP2 over tensor parallel (2-D)
-    (dict(tp=2, sequence_parallel=True), "fp32", False),
-    (dict(tp=2, sequence_parallel=True), "bf16", True),
-], ids=["ddp-fp32", "ddp-bf16-ckpt", "tp-fp32", "tp-bf16-ckpt", "hsdp-bf16", "fsdp-tp-bf16-ckpt", "sp-fp32",
-        "sp-bf16-ckpt"])
+    (dict(tp=2, sequence_parallel=True), "bf16", True),  # the precisions and plain TP: above
+], ids=["ddp-fp32", "ddp-bf16-ckpt", "tp-fp32", "tp-bf16-ckpt", "hsdp-bf16", "fsdp-tp-bf16-ckpt", "sp-bf16-ckpt"])
 def test_one_fake_rank_allocates_what_each_gloo_rank_allocates(parallel, precision, checkpointing):
     """Every storage each real rank allocated (size, kind, phase, step, module, stream), in order,
     and its changes of kind, are the fake rank's; so is what each step leaves allocated. A free may
