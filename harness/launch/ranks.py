@@ -94,9 +94,11 @@ def run_task(point: Point, run_dir: Path) -> tuple[int, dict]:
 
     job = TorchDistributedEnvironment()
     world = point.parallel.world_size
-    if job.world_size != world:
-        raise ConfigError(point.parallel.key, f"the Slurm job has {job.world_size} tasks and the point {world} ranks "
-                          "(hydra.launcher.nodes x tasks_per_node)")
+    if job.world_size != world:  # hydra.launcher's nodes or tasks_per_node set by hand
+        rec = base_record(point)
+        rec.update(status="error", error=f"the Slurm job has {job.world_size} tasks and the point's job {world} ranks "
+                   "(hydra.launcher.nodes x tasks_per_node: leave them to parallel.*)")
+        return job.rank, rec
     device = None
     if point.backend == Backend.cuda:  # the node's GPUs, one per task in local-rank order
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
