@@ -13,8 +13,8 @@ from harness.probe.sim.trace import run_point
 from tests.conftest import run_cli, train_point
 
 
-def _sharded(world: int = 2, **kw) -> Point:
-    return train_point(batch_size=2, seq_len=32, **kw).replace(parallel=Parallel(dp_shard=world))
+def _sharded(world: int = 2, param_dtype: str | None = None, **kw) -> Point:
+    return train_point(batch_size=2, seq_len=32, **kw).replace(parallel=Parallel(dp_shard=world, param_dtype=param_dtype))
 
 
 def _free_port() -> int:
@@ -71,13 +71,16 @@ def _real_ranks(point: Point) -> dict[int, tuple]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision,checkpointing", [("fp32", False), ("bf16", True)])  # each precision, each way
-def test_one_fake_rank_traces_what_each_gloo_rank_allocates(precision, checkpointing):
+@pytest.mark.parametrize("precision,checkpointing,param_dtype", [
+    ("fp32", False, None), ("bf16", True, None),  # each precision, each way
+    ("fp32", True, "bf16"),  # torchtitan's: fp32 shards, gathered and computed in bf16 (FSDP2's MixedPrecisionPolicy)
+])
+def test_one_fake_rank_traces_what_each_gloo_rank_allocates(precision, checkpointing, param_dtype):
     """FSDP2 over 2 ranks: the fake trace of rank 0 equals, entry for entry, what each rank of the
     same job on real CPU tensors in two gloo processes allocated (shards padded alike: rank 1 too;
     what gloo allocates inside a collective is its own, as NCCL's is), but for the timing of gloo's
     worker thread."""
-    point = _sharded(precision=precision, checkpointing=checkpointing)
+    point = _sharded(precision=precision, checkpointing=checkpointing, param_dtype=param_dtype)
     m, tracker = run_point(point, emulate_cuda=False, fake=True)
     allocs, freed, retags = _lives(tracker.journal())
     for rank, (after_steps, (real_allocs, real_freed, real_retags)) in _real_ranks(point).items():
@@ -111,6 +114,22 @@ def test_a_users_job_over_several_gpus_that_never_reads_the_mesh_is_refused():
     point = custom_point("tests.jobs.hf_llama:build", batch_size=2, seq_len=32).replace(parallel=Parallel(dp_shard=2))
     with pytest.raises(UserCodeError, match="Knobs.mesh"):
         run_point(point)
+
+
+def test_fsdp2_mixed_precision_gathers_in_its_dtype_reduces_in_fp32_and_needs_fp32_shards():
+    """parallel.param_dtype=bf16 (torchtitan's MixedPrecisionPolicy): the fp32 shards and AdamW's
+    state as before, half the bytes all-gathered, the gradients reduce-scattered in fp32."""
+    plain, _ = run_point(_sharded(precision="fp32"))
+    mixed, _ = run_point(_sharded(precision="fp32", param_dtype="bf16"))
+    assert (mixed["params_bytes"], mixed["optimizer_bytes"]) == (plain["params_bytes"], plain["optimizer_bytes"])
+    assert mixed["all_gather_bytes_per_step"] * 2 == plain["all_gather_bytes_per_step"]
+    assert mixed["reduce_scatter_bytes_per_step"] == plain["reduce_scatter_bytes_per_step"]
+    assert mixed["activations_bytes"] < plain["activations_bytes"]
+    for bad in (lambda: Parallel(param_dtype="bf16"), lambda: Parallel(dp_shard=2, param_dtype="fp8"),
+                lambda: _sharded(precision="bf16", param_dtype="bf16")):
+        with pytest.raises(ConfigError) as e:
+            bad()
+        assert e.value.key == "parallel.param_dtype"
 
 
 def test_a_sharded_rank_holds_its_share_of_the_parameters_and_optimizer_state():

@@ -270,6 +270,9 @@ class Parallel:
     # stream between layers split over the sequence, all-gathered into attention and the MLP and
     # reduce-scattered out of them
     sequence_parallel: bool = False
+    # FSDP2's MixedPrecisionPolicy, as torchtitan trains: fp32 shards kept (precision=fp32), each layer
+    # all-gathered and computed in this dtype, gradients reduce-scattered in fp32; None: no policy
+    param_dtype: str | None = None
     nodes: int = 1  # the nodes the job's GPUs are on, as many on each (at most gpu.gpus_per_node)
     # NCCL's own memory on each GPU per communicator the job uses; None: estimated (config/nccl.py)
     nccl_bytes_per_communicator: int | None = None
@@ -283,6 +286,11 @@ class Parallel:
         if self.nccl_bytes_per_communicator is not None and self.nccl_bytes_per_communicator < 0:
             raise ConfigError("parallel.nccl_bytes_per_communicator",
                               f"must be >= 0 (bytes), got {self.nccl_bytes_per_communicator}")
+        if self.param_dtype is not None:
+            if self.param_dtype not in ("bf16", "fp16"):
+                raise ConfigError("parallel.param_dtype", f"'{self.param_dtype}' is not one of bf16, fp16 (or null)")
+            if self.dp_shard == 1:
+                raise ConfigError("parallel.param_dtype", "is FSDP2's mixed precision: set parallel.dp_shard > 1")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel", "splits the sequence over tensor-parallel ranks: "
                               "set parallel.tp > 1 (or leave it false)")
@@ -363,6 +371,10 @@ class Point:
             raise ConfigError("parallel.nodes", f"the job's {self.parallel.world_size} GPUs on {self.parallel.nodes} "
                               f"node(s) are {per_node} a node, and a {self.gpu.name} node holds "
                               f"{self.gpu.gpus_per_node} (gpu.gpus_per_node): set parallel.nodes={need}")
+        if self.parallel.param_dtype is not None and self.precision != Precision.fp32:
+            raise ConfigError("parallel.param_dtype", f"casts fp32 master weights for compute: precision=fp32, not "
+                              f"{self.precision} (FSDP2 keeps the shards in fp32, gathers them in "
+                              f"{self.parallel.param_dtype})")
         if self.backend == Backend.cpu and self.precision.is_amp:
             raise ConfigError("precision", f"backend=cpu runs the CPU's kernels and {self.precision} is CUDA's "
                               "autocast: run it on the virtual GPU (backend=sim) or the card (backend=cuda)")

@@ -36,7 +36,7 @@ def parallelize(model: torch.nn.Module, mesh, parallel: Parallel) -> torch.nn.Mo
         tensor_parallel(model, mesh["tp"], parallel.sequence_parallel)
     if parallel.dp_shard > 1:
         dims = ("dp_replicate", "dp_shard") if parallel.dp_replicate > 1 else ("dp_shard",)
-        shard(model, mesh[dims], parallel.reshard_after_forward)
+        shard(model, mesh[dims], parallel.reshard_after_forward, parallel.param_dtype)
     materialize(model, mesh.device_type, keep_identity=parallel.dp_shard > 1)
     if parallel.dp_replicate > 1 and parallel.dp_shard == 1:
         return torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group())
@@ -58,14 +58,18 @@ def materialize(model: torch.nn.Module, device: str, keep_identity: bool) -> Non
             module._buffers[name] = torch.empty_like(b, device=device)
 
 
-def shard(model: torch.nn.Module, mesh, reshard_after_forward: bool) -> None:
+def shard(model: torch.nn.Module, mesh, reshard_after_forward: bool, param_dtype: str | None = None) -> None:
     """FSDP2 as torchtitan applies it: each decoder layer its own group, then the root (embedding,
-    final norm and head). On a 2-D mesh (replicas, shards): HSDP."""
-    from torch.distributed.fsdp import fully_shard
+    final norm and head). On a 2-D mesh (replicas, shards): HSDP. With `param_dtype`, torchtitan's
+    MixedPrecisionPolicy: gathered and computed in that dtype, gradients reduced in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    policy = MixedPrecisionPolicy(param_dtype=dtypes[param_dtype], reduce_dtype=torch.float32) if param_dtype \
+        else MixedPrecisionPolicy()
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
 
 
 def tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool = False) -> None:
