@@ -242,6 +242,15 @@ def test_a_plan_over_tensor_parallel_counts_finds_the_fewest_gpus_per_card(tmp_p
     assert set(zip(rows["tp"], rows["nodes"])) == {(1, 1), (2, 2)}  # a node of one GPU each
 
 
+@pytest.mark.parametrize("model,degrees", [("13b", [1, 2, 4, 8]), ("qwen2.5-7b", [1, 2, 4]), ("7b", [1, 2, 4, 8, 16, 32])])
+def test_a_plan_over_tensor_parallel_tries_only_degrees_that_divide_every_head_count(model, degrees):
+    """13B's 40 heads: up to 8 (16 and 32 would be refused); Qwen2.5-7B's 28 query, 4 key/value heads: 4."""
+    from harness.config.compose import compose
+    from harness.plan.frontier import axis_values
+
+    assert axis_values(compose([f"model={model}", "plan.axis=world_size", "plan.over=tp"])) == degrees
+
+
 def test_sequence_parallel_splits_the_residual_stream_and_trades_all_reduces_for_gathers_and_scatters():
     """TP 2 with sequence parallel: the activations between layers are each rank's half of the
     sequence (less kept for backward), the layers' all-reduces become an all-gather in and a

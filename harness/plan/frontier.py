@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import sys
 import threading
@@ -46,9 +47,12 @@ def axis_values(cfg) -> list[int]:
     if plan.axis == "world_size":  # powers of two, the counts jobs are sharded over
         hi = plan.hi or DEFAULT_HI["world_size"]
         if plan.over == "tp" and not plan.hi and cfg.workload.name != "custom":
-            # tensor parallel splits the heads: no further than the key/value heads go
+            # tensor parallel splits the heads, query and key/value alike: the largest power of two
+            # dividing both (13B's 40 heads: 8, not 32)
             hf = hf_config(cfg.model)
-            hi = min(hi, getattr(hf, "num_key_value_heads", None) or getattr(hf, "num_attention_heads", None) or hi)
+            heads = math.gcd(*(int(getattr(hf, k, None) or 0) for k in ("num_attention_heads", "num_key_value_heads")))
+            if heads:
+                hi = min(hi, heads & -heads)
         values = [2**k for k in range(hi.bit_length()) if plan.lo <= 2**k <= hi]
         if not values:
             raise ConfigError("plan.hi", f"no power of two between plan.lo={plan.lo} and plan.hi={hi}")
