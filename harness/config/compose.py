@@ -38,12 +38,17 @@ def _available_host_bytes() -> int | None:
     return None
 
 
+def cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def parallelism() -> int:
     """Points to run at once: one per core, fewer if host memory is short."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    n = cores()
     avail = _available_host_bytes()
-    by_memory = cores if avail is None else avail // _HOST_BYTES_PER_POINT
-    return max(1, min(cores, by_memory))
+    by_memory = n if avail is None else avail // _HOST_BYTES_PER_POINT
+    return max(1, min(n, by_memory))
 
 
 def slurm_minutes(timeout_s) -> int:

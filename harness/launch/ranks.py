@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from harness.config.compose import cores
 from harness.config.point import Backend, Point
 from harness.errors import ConfigError
 from harness.launch import gpus
@@ -46,8 +47,7 @@ def process_env(point: Point, device: str | None, base: dict, local_world_size: 
     if point.backend == Backend.cuda:
         assert device is not None
         return gpus.worker_env(device, point.allocator.conf, base)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return {**base, "OMP_NUM_THREADS": str(max(1, cores // local_world_size))}
+    return {**base, "OMP_NUM_THREADS": str(max(1, cores() // local_world_size))}
 
 
 def check_here(points: list[Point], devices: list[str]) -> None:
@@ -133,6 +133,7 @@ def supervise(procs: dict[int, subprocess.Popen], point: Point, run_dir: Path, d
     world = point.parallel.world_size
     running = dict(procs)
     failed_at: float | None = None
+    seen: dict[int, dict] = {}  # the rows written so far (each once, whole): read again never
     try:
         while running:
             for r, p in list(running.items()):
@@ -142,7 +143,7 @@ def supervise(procs: dict[int, subprocess.Popen], point: Point, run_dir: Path, d
                     if read_row(run_dir, r) is None:  # it died before writing one (a crash, a kill)
                         _rank_row(point, run_dir, r, "error", describe_exit(rc, rank_dir(run_dir, r) / "worker.log"),
                                   died=True)
-            failed = first_failed(run_dir, world)
+            failed = first_failed(run_dir, world, seen)
             now = time.monotonic()
             if failed is not None and failed_at is None:
                 failed_at = now
@@ -158,11 +159,15 @@ def supervise(procs: dict[int, subprocess.Popen], point: Point, run_dir: Path, d
         raise
 
 
-def first_failed(run_dir: Path, world_size: int) -> int | None:
-    """The lowest rank whose row says it failed (and was not stopped for another's failure)."""
+def first_failed(run_dir: Path, world_size: int, seen: dict[int, dict]) -> int | None:
+    """The lowest rank whose row says it failed (and was not stopped for another's failure); `seen`:
+    the rows read before, added to (only the ranks without one are looked for on disk)."""
     for r in range(world_size):
-        row = read_row(run_dir, r)
-        if row is not None and row.get("status") != "ok" and row.get(STOPPED) is None:
+        row = seen.get(r) or read_row(run_dir, r)
+        if row is None:
+            continue
+        seen[r] = row
+        if row.get("status") != "ok" and row.get(STOPPED) is None:
             return r
     return None
 

@@ -124,14 +124,16 @@ _TAKING_MANY = threading.Lock()
 def _take_gpus(n: int) -> tuple[list[str], contextlib.ExitStack]:
     """`n` cards of our own for the ranks of one job, and what gives them back."""
     held = contextlib.ExitStack()
-    devices = []
-    with _TAKING_MANY, contextlib.ExitStack() as undo:
-        undo.push(held)  # given back if taking the rest fails
-        for _ in range(n):
-            device, lock = gpus.take([d for d in _devices() if d not in devices])
-            held.enter_context(lock)
-            devices.append(device)
-        undo.pop_all()
+    devices: list[str] = []
+    with _TAKING_MANY:
+        try:
+            for _ in range(n):
+                device, lock = gpus.take([d for d in _devices() if d not in devices])
+                held.enter_context(lock)
+                devices.append(device)
+        except BaseException:  # the cards taken so far go back
+            held.close()
+            raise
     return devices, held
 
 
