@@ -39,6 +39,9 @@ class Knobs:
     seq_len: int
     precision: str  # fp32 | bf16 | fp16 | amp_bf16 | amp_fp16
     checkpointing: bool  # applied per block when Job.blocks names the block class
+    # what checkpointing keeps: full (the block's input) | op (torchtitan's per-op policy); a job that
+    # checkpoints itself passes it to checkpoint_blocks or reads it, or checkpointing_policy=op is refused
+    checkpointing_policy: str = "full"
     args: dict[str, Any] = field(default_factory=dict)  # your own keys: +workload.args.<key>=...
     # parallel.*: the device mesh of this rank's process group (a fake one on the virtual GPU), for
     # the job to shard its model over (a job over several GPUs that never reads it is refused: it
@@ -49,7 +52,7 @@ class Knobs:
     read: set[str] = field(default_factory=set, repr=False, compare=False)
 
     def __getattribute__(self, name: str):
-        if name in ("checkpointing", "mesh"):
+        if name in ("checkpointing", "checkpointing_policy", "mesh"):
             object.__getattribute__(self, "read").add(name)
         return object.__getattribute__(self, name)
 
@@ -117,15 +120,17 @@ def phase(name: str) -> None:
         _watch.set_phase(name)
 
 
-def checkpoint_blocks(model: torch.nn.Module, block_cls) -> int:
-    """Activation checkpointing (non-reentrant) around every submodule of class `block_cls`;
-    returns how many were wrapped."""
+def checkpoint_blocks(model: torch.nn.Module, block_cls, policy: str = "full") -> int:
+    """Activation checkpointing (non-reentrant) around every submodule of class `block_cls`, keeping
+    what `policy` keeps (Knobs.checkpointing_policy); returns how many were wrapped."""
     from torch.utils.checkpoint import checkpoint
 
-    n = 0
+    from harness.probe.checkpointing import checkpoint_kwargs
+
+    n, kwargs = 0, checkpoint_kwargs(policy)
     for module in model.modules():
         if isinstance(module, block_cls):
-            module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+            module.forward = functools.partial(checkpoint, module.forward, **kwargs)
             n += 1
     return n
 

@@ -22,7 +22,8 @@ from tests.conftest import REPO
 
 ALLOCATORS = sorted(p.stem for p in (REPO / "harness" / "conf" / "allocator").glob("*.yaml"))
 PRESET_KNOBS = {
-    "precision": list(Precision), "checkpointing": [False, True], "optimizer": list(OptimizerName),
+    # checkpointing "op": checkpointing=true with checkpointing_policy=op
+    "precision": list(Precision), "checkpointing": [False, True, "op"], "optimizer": list(OptimizerName),
     "impl": list(OptimizerImpl), "workload": [WorkloadName.train, WorkloadName.infer],
     "allocator": ALLOCATORS, "leak": list(Leak),
 }
@@ -31,7 +32,8 @@ JOB_KNOBS = {k: PRESET_KNOBS[k] for k in ("precision", "checkpointing", "impl", 
 
 
 def _overrides(cell: dict) -> list[str]:
-    out = [f"precision={cell['precision']}", f"checkpointing={str(cell['checkpointing']).lower()}",
+    out = [f"precision={cell['precision']}", f"checkpointing={str(bool(cell['checkpointing'])).lower()}",
+           f"checkpointing_policy={'op' if cell['checkpointing'] == 'op' else 'full'}",
            f"optimizer.impl={cell['impl']}", f"allocator={cell['allocator']}"]
     if "target" in cell:
         return ["workload=custom", f"workload.target={cell['target']}", "batch_size=2", "seq_len=32",
@@ -58,7 +60,8 @@ def _refusal(cell: dict) -> str | None:
     base = _base()
     try:
         dataclasses.replace(
-            base, precision=cell["precision"], checkpointing=cell["checkpointing"],
+            base, precision=cell["precision"], checkpointing=bool(cell["checkpointing"]),
+            checkpointing_policy="op" if cell["checkpointing"] == "op" else "full",
             optimizer=dataclasses.replace(base.optimizer, name=cell["optimizer"], impl=cell["impl"]),
             workload=dataclasses.replace(base.workload, name=cell["workload"], leak=cell["leak"]),
             allocator=dataclasses.replace(base.allocator, conf=_conf(cell["allocator"])))
@@ -132,3 +135,25 @@ def test_checkpointing_a_job_with_nothing_to_checkpoint_is_refused_with_the_reas
     with pytest.raises(UserCodeError, match="nothing would be checkpointed"):
         run_point(point)
     assert run_sim(point.replace(checkpointing=False), tmp_path)["status"] == "ok"
+
+
+def test_the_per_op_policy_without_checkpointing_is_refused_by_its_key():
+    with pytest.raises(ConfigError) as e:
+        to_point(compose(["model=tiny", "checkpointing_policy=op"]), [])
+    assert e.value.key == "checkpointing_policy"
+    assert to_point(compose(["model=tiny", "checkpointing=true", "checkpointing_policy=op"]), []).checkpointing
+
+
+@pytest.mark.parametrize("passes_it_on", [False, True])
+def test_a_job_that_checkpoints_itself_must_pass_the_per_op_policy_on(passes_it_on, tmp_path):
+    from harness.probe.jobs import UserCodeError
+    from harness.probe.sim.trace import run_point
+
+    overrides = ["workload=custom", "workload.target=tests.jobs.own_checkpointing:build", "checkpointing=true",
+                 "checkpointing_policy=op", f"+workload.args.passes_policy={passes_it_on}"]
+    point = to_point(compose(overrides), overrides, str(REPO))
+    if passes_it_on:
+        assert run_sim(point, tmp_path)["status"] == "ok"
+    else:
+        with pytest.raises(UserCodeError, match="Knobs.checkpointing_policy"):
+            run_point(point)

@@ -19,8 +19,9 @@ from tests.test_sharded import _lives, _real_ranks
 
 
 def _over(precision="fp32", checkpointing=False, **parallel):
-    return train_point(batch_size=2, seq_len=32, precision=precision,
-                       checkpointing=checkpointing).replace(parallel=Parallel(**parallel))
+    """The tiny job spread by `parallel`; checkpointing "op": with checkpointing_policy=op."""
+    return train_point(batch_size=2, seq_len=32, precision=precision, checkpointing=bool(checkpointing)).replace(
+        parallel=Parallel(**parallel), checkpointing_policy="op" if checkpointing == "op" else "full")
 
 
 _ORACLE = [
@@ -30,9 +31,10 @@ _ORACLE = [
     (dict(tp=2), "bf16", True),
     (dict(dp_replicate=2, dp_shard=2), "bf16", False),  # HSDP: 2 replicas of 2 shards
     (dict(dp_shard=2, tp=2), "bf16", True),  # FSDP2 over tensor parallel (2-D)
-    (dict(tp=2, sequence_parallel=True), "bf16", True),  # the precisions and plain TP: above
+    # the precisions and plain TP: above; the per-op policy keeps sequence parallel's reduce-scatters
+    (dict(tp=2, sequence_parallel=True), "bf16", "op"),
 ]
-_ORACLE_IDS = ["ddp-fp32", "ddp-bf16-ckpt", "tp-fp32", "tp-bf16-ckpt", "hsdp-bf16", "fsdp-tp-bf16-ckpt", "sp-bf16-ckpt"]
+_ORACLE_IDS = ["ddp-fp32", "ddp-bf16-ckpt", "tp-fp32", "tp-bf16-ckpt", "hsdp-bf16", "fsdp-tp-bf16-ckpt", "sp-bf16-op"]
 
 
 @pytest.mark.slow

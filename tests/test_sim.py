@@ -17,10 +17,12 @@ from tests.conftest import train_point
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", [False, True, "op"])
 def test_tiny_fake_trace_equals_real_cpu_execution_byte_for_byte(precision, checkpointing):
-    """Same steps, same tracker: fake tensors and real CPU tensors give the same trace and peak."""
-    point = train_point(precision=precision, checkpointing=checkpointing)
+    """Same steps, same tracker: fake tensors and real CPU tensors give the same trace and peak
+    (op: checkpointing_policy=op, what it keeps and recomputes alike)."""
+    point = train_point(precision=precision, checkpointing=bool(checkpointing))
+    point = point.replace(checkpointing_policy="op" if checkpointing == "op" else "full")
     fake, tf = run_point(point, emulate_cuda=False, fake=True)
     real, tr = run_point(point, emulate_cuda=False, fake=False)
     assert fake["peak_allocated_bytes"] == real["peak_allocated_bytes"]
@@ -193,6 +195,15 @@ def test_checkpointing_lowers_the_peak_and_peak_grows_with_batch_and_sequence():
     assert peak(batch_size=4, checkpointing=True) < base
     assert peak(batch_size=8) > base
     assert run_point(train_point(seq_len=512, batch_size=4))[0]["peak_allocated_bytes"] > base
+
+
+def test_the_per_op_policy_keeps_more_activations_than_full_checkpointing_and_fewer_than_none():
+    def activations(checkpointing, policy="full"):
+        m, _ = run_point(train_point(seq_len=256, batch_size=4, checkpointing=checkpointing)
+                         .replace(checkpointing_policy=policy))
+        return m["peak_breakdown"]["activation"]
+
+    assert activations(True) < activations(True, "op") < activations(False)
 
 
 def test_breakdown_at_the_peak_adds_up():

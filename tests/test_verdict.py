@@ -40,6 +40,29 @@ def test_a_remedy_that_fits_the_card_makes_it_a_code_problem():
     assert v["remedies"][0]["changes"][0]["cost"] == "more_smaller_steps"
 
 
+def test_checkpointing_with_more_recompute_is_a_remedy_for_the_per_op_policy_and_names_its_knob():
+    df = pd.DataFrame([_row(run_id="op", checkpointing=True, checkpointing_policy="op"),
+                       _row(run_id="full", checkpointing=True, checkpointing_policy="full", status="ok",
+                            fits_cards=["t4"]),
+                       _row(run_id="none", status="ok", fits_cards=["t4"])])  # takes checkpointing away
+    v = verdicts(df).set_index("run_id").loc["op"]
+    assert [r["run_id"] for r in v["remedies"]] == ["full"]
+    change = v["remedies"][0]["changes"][0]
+    assert (change["kind"], change["key"], change["was"], change["value"]) == (
+        "checkpointing", "checkpointing_policy", "op", "full")
+    assert words.change(change).startswith("checkpointing_policy=full")
+    # a row from before the policy (read back as NaN) checkpoints each layer whole
+    old = df.iloc[[0, 2]].copy()
+    old.loc[:, "checkpointing"] = True
+    old.loc[old["run_id"] == "none", "checkpointing_policy"] = float("nan")
+    assert [c["value"] for c in verdicts(old).set_index("run_id").loc["op"]["remedies"][0]["changes"]] == ["full"]
+    # a job without checkpointing: checkpointing with the per-op policy is a remedy, and says so
+    df = pd.DataFrame([_row(run_id="job"), _row(run_id="op", checkpointing=True, checkpointing_policy="op",
+                                                status="ok", fits_cards=["t4"])])
+    change = verdicts(df).set_index("run_id").loc["job"]["remedies"][0]["changes"][0]
+    assert (change["key"], change["value"], change["policy"]) == ("checkpointing", "True", "op")
+
+
 def test_inference_is_served_in_waves_not_accumulated():
     df = pd.DataFrame([_row(run_id="job", workload="infer"),
                        _row(run_id="fewer", workload="infer", batch_size=4, status="ok", fits_cards=["t4"])])

@@ -9,7 +9,7 @@ import pandas as pd
 ALLOCATED_TARGET = 0.01
 RESERVED_TARGET = 0.05
 
-_POINT = ("model", "workload", "precision", "checkpointing", "optimizer", "batch_size", "seq_len",
+_POINT = ("model", "workload", "precision", "checkpointing", "checkpointing_policy", "optimizer", "batch_size", "seq_len",
           "allocator_conf", "gpu")
 
 

@@ -22,7 +22,7 @@ import pandas as pd
 from harness.config import cards as catalog
 from harness.config import nccl
 from harness.config.point import PARALLEL_KNOBS, Card
-from harness.record.row import TRAFFIC, listed, recorded_edge
+from harness.record.row import TRAFFIC, checkpointing_of, listed, recorded_edge
 
 # What each kind of remedy costs (a code, worded by the report), and its rank: cheapest first.
 COSTS = {
@@ -98,8 +98,11 @@ def remedy_changes(job, other) -> list[dict]:
         # inference has no gradients to accumulate: it serves in waves
         out.append(_change("waves" if job.get("workload") == "infer" else "accumulation", "batch_size",
                            int(job["batch_size"]), int(other["batch_size"]), steps=steps))
-    if bool(other.get("checkpointing")) and not bool(job.get("checkpointing")):
-        out.append(_change("checkpointing", "checkpointing", False, True))
+    ckpt, ckpt2 = checkpointing_of(job), checkpointing_of(other)
+    if ckpt2 is not None and ckpt is None:
+        out.append(_change("checkpointing", "checkpointing", False, True, policy=ckpt2))
+    elif ckpt2 is not None and ckpt2 != ckpt:  # what checkpointing keeps (more recompute, or less)
+        out.append(_change("checkpointing", "checkpointing_policy", ckpt, ckpt2))
     if other.get("optimizer") != job.get("optimizer") or other.get("optimizer_impl") != job.get("optimizer_impl"):
         out.append(_change("optimizer", "optimizer", f"{job.get('optimizer')} ({job.get('optimizer_impl')})",
                            f"{other.get('optimizer')} ({other.get('optimizer_impl')})"))
@@ -156,7 +159,7 @@ def _comparable(job, other, ran: bool = True) -> bool:
     # A remedy only removes a mistake or changes a knob; it never introduces a leak, nor takes
     # checkpointing away (that would be a change no remedy lists)
     no_new_leak = leak_of(other) in ("none", leak_of(job))
-    keeps_checkpointing = bool(other.get("checkpointing")) or not bool(job.get("checkpointing"))
+    keeps_checkpointing = checkpointing_of(other) is not None or checkpointing_of(job) is None
     return same and divides and no_new_leak and keeps_checkpointing
 
 

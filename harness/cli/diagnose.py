@@ -99,13 +99,15 @@ def _runs(path: Path, as_json: bool) -> int:
                    rec.get("workload") == "train")
         out.append({"run_id": rec.get("run_id"), "model": rec.get("model"), "batch_size": rec.get("batch_size"),
                     "seq_len": rec.get("seq_len"), "precision": rec.get("precision"),
-                    "checkpointing": rec.get("checkpointing"), "allocator_conf": rec.get("allocator_conf"),
+                    "checkpointing": rec.get("checkpointing"),
+                    "checkpointing_policy": rec.get("checkpointing_policy"), "allocator_conf": rec.get("allocator_conf"),
                     "gpu": rec.get("gpu"), "status": rec.get("status"), "kind": k.kind, "why": words.kind_reason(k),
                     "shape": sh.shape, "shape_numbers": words.shape_numbers(sh)})
     if as_json:
         print(json.dumps(out if len(out) > 1 or path.is_dir() else out[0], indent=1, default=str))
         return EXIT_OK
     for r in out:
-        print(f"{r['model']} b{r['batch_size']} s{r['seq_len']} {r['precision']} ckpt={r['checkpointing']} "
+        print(f"{r['model']} b{r['batch_size']} s{r['seq_len']} {r['precision']} ckpt={r['checkpointing']}"
+              f"{' (op)' if r.get('checkpointing_policy') == 'op' else ''} "
               f"on {r['gpu']}: {r['kind']} ({r['why']}); shape {r['shape']} ({r['shape_numbers']})")
     return EXIT_OK

@@ -36,6 +36,14 @@ class Precision(StrEnum):
         return self.startswith("amp_")
 
 
+class CheckpointingPolicy(StrEnum):
+    """What checkpointing=true keeps of each block's forward for backward (torchtitan's names)."""
+    full = "full"  # only the block's input: the whole block is recomputed in backward
+    # torchtitan's selective per-op policy: every matmul's output but every second one, attention's
+    # outputs and tensor parallel's reduce-scatters are kept; the rest (norms, activations) recomputed
+    op = "op"
+
+
 class WorkloadName(StrEnum):
     train = "train"
     infer = "infer"
@@ -340,6 +348,7 @@ class Point:
     seq_len: int = 1024  # tokens per sequence (infer: the whole context)
     precision: Precision = Precision.bf16
     checkpointing: bool = False
+    checkpointing_policy: CheckpointingPolicy = CheckpointingPolicy.full
     parallel: Parallel = field(default_factory=Parallel)
     backend: Backend = Backend.auto
     results_dir: str = "results"
@@ -358,6 +367,11 @@ class Point:
         _at_least("seq_len", self.seq_len, 1)
         object.__setattr__(self, "precision", _choice("precision", Precision, self.precision))
         object.__setattr__(self, "backend", _choice("backend", Backend, self.backend))
+        object.__setattr__(self, "checkpointing_policy",
+                           _choice("checkpointing_policy", CheckpointingPolicy, self.checkpointing_policy))
+        if self.checkpointing_policy != CheckpointingPolicy.full and not self.checkpointing:
+            raise ConfigError("checkpointing_policy", f"{self.checkpointing_policy} chooses what checkpointing keeps: "
+                              "set checkpointing=true (or leave the policy full)")
         if self.workload.name == WorkloadName.infer and not 1 <= self.workload.new_tokens < self.seq_len:
             raise ConfigError("workload.new_tokens", f"must be in [1, seq_len) = [1, {self.seq_len}), "
                               f"got {self.workload.new_tokens}")

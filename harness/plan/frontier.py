@@ -242,7 +242,9 @@ def _group_columns(cfg, point: Point, axis: str) -> dict:
     custom = cfg.workload.name == "custom"  # a user's job: named by its build function
     cols = {"model": cfg.workload.target if custom else cfg.model.name, "workload": cfg.workload.name,
             "precision": cfg.precision,
-            "checkpointing": bool(cfg.checkpointing), "optimizer": cfg.optimizer.name,
+            "checkpointing": bool(cfg.checkpointing),
+            "checkpointing_policy": str(cfg.checkpointing_policy) if cfg.checkpointing else None,
+            "optimizer": cfg.optimizer.name,
             "allocator_conf": cfg.allocator.conf, "leak": cfg.workload.leak, "axis": axis,
             "batch_size": cfg.batch_size if axis != "batch_size" else None,
             "world_size": None if axis == "world_size" else point.parallel.world_size,

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from harness.config.point import TRAINING_STEPS_WHY, Point, WorkloadName
+from harness.config.point import TRAINING_STEPS_WHY, CheckpointingPolicy, Point, WorkloadName
 from harness.config.target import load_target
 from harness.probe import presets
 from harness.workload import Job, Knobs, checkpoint_blocks, watched_by
@@ -44,7 +44,8 @@ def build_function(point: Point):
 
 def knobs(point: Point, mesh=None) -> Knobs:
     return Knobs(batch_size=point.batch_size, seq_len=point.seq_len, precision=point.precision,
-                 checkpointing=bool(point.checkpointing), args=dict(point.workload.args or {}), mesh=mesh)
+                 checkpointing=bool(point.checkpointing), checkpointing_policy=str(point.checkpointing_policy),
+                 args=dict(point.workload.args or {}), mesh=mesh)
 
 
 def check_job(job, point: Point) -> int:
@@ -92,8 +93,12 @@ def apply_checkpointing(job: Job, k: Knobs, point: Point) -> None:
         if "checkpointing" not in k.read:
             raise UserCodeError("checkpointing=true, but the job neither names its blocks (Job(blocks=MyBlock)) "
                                 "nor reads Knobs.checkpointing: nothing would be checkpointed")
+        if point.checkpointing_policy != CheckpointingPolicy.full and "checkpointing_policy" not in k.read:
+            raise UserCodeError(f"checkpointing_policy={point.checkpointing_policy}, but the job checkpoints itself "
+                                "and never reads Knobs.checkpointing_policy: it would keep what it always keeps "
+                                "(pass it on: harness.workload.checkpoint_blocks(model, MyBlock, k.checkpointing_policy))")
         return
-    if job.blocks is not None and checkpoint_blocks(job.model, job.blocks) == 0:
+    if job.blocks is not None and checkpoint_blocks(job.model, job.blocks, point.checkpointing_policy) == 0:
         raise UserCodeError(f"checkpointing=true but the model has no {job.blocks} module to checkpoint")
 
 

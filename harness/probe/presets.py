@@ -14,6 +14,7 @@ import torch
 
 from harness.config.models import hf_config
 from harness.config.point import Leak, OptimizerName, Point, WorkloadName
+from harness.probe.checkpointing import checkpoint_kwargs
 from harness.probe.parallelize import parallelize
 from harness.workload import Job, Knobs, phase
 
@@ -30,7 +31,7 @@ def builder(point: Point) -> Callable[[Knobs], Job]:
             model = AutoModelForCausalLM.from_config(config, dtype=k.dtype)
         train = point.workload.name == WorkloadName.train
         if train and k.checkpointing:  # torch.utils.checkpoint re-enters the forward's autocast to recompute
-            enable_checkpointing(model)
+            enable_checkpointing(model, k.checkpointing_policy)
         if k.mesh is not None:  # parallel.*: what this rank holds (probe.parallelize)
             model = parallelize(model, k.mesh, point.parallel)
         # infer: the prompt; the rest of the context is decoded
@@ -66,9 +67,10 @@ def build_optimizer(name: str, params, opt_kwargs: dict, lr: float):
     raise ValueError(f"unknown optimizer {name}")
 
 
-def enable_checkpointing(model) -> None:
-    """Activation checkpointing per decoder layer (non-reentrant, as HF recommends)."""
-    kwargs: dict = {"use_reentrant": False}
+def enable_checkpointing(model, policy: str = "full") -> None:
+    """Activation checkpointing per decoder layer (non-reentrant, as HF recommends), keeping what
+    `policy` keeps (probe.checkpointing)."""
+    kwargs = checkpoint_kwargs(policy)
     if hasattr(model, "activation_checkpointing_enable"):  # the newer transformers name
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

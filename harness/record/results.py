@@ -38,7 +38,7 @@ def manifest_entry(point, overrides: list[str]) -> dict:
     fields a verdict compares (analysis.verdict) for a point that may never get a row."""
     rec = base_record(point)
     fields = {k: rec[k] for k in ("model", "workload", "seq_len", "batch_size", "precision", "checkpointing",
-                                  "optimizer", "optimizer_impl", "allocator_conf", "leak", "gpu",
+                                  "checkpointing_policy", "optimizer", "optimizer_impl", "allocator_conf", "leak", "gpu",
                                   "workload_target", "workload_args")}
     return {"run_id": run_id(point), "overrides": [o for o in overrides if not o.startswith("hydra")], **fields}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import harness
 from harness.config import nccl
-from harness.config.point import Point, WorkloadName
+from harness.config.point import CheckpointingPolicy, Point, WorkloadName
 from harness.record import provenance
 
 STATUSES = ("ok", "oom", "error", "timeout")
@@ -23,8 +23,9 @@ TRAFFIC = ("all_gather", "reduce_scatter", "all_reduce")
 COLUMNS = (
     "run_id", "sweep", "status", "error", "backend", "device_name", "gpu", "gpu_memory_bytes",
     "gpu_non_pytorch_bytes", "emulated_gpu", "model", "n_params", "workload", "leak", "batch_size", "seq_len",
-    "precision", "optimizer", "optimizer_impl", "checkpointing", "allocator_conf",
-    "world_size", "dp_shard", "dp_replicate", "tp", "reshard_after_forward", "sequence_parallel", "param_dtype",
+    "precision", "optimizer", "optimizer_impl", "checkpointing",
+    "checkpointing_policy",  # what checkpointing keeps (full | op); None without checkpointing
+    "allocator_conf", "world_size", "dp_shard", "dp_replicate", "tp", "reshard_after_forward", "sequence_parallel", "param_dtype",
     "nodes", "rank",
     # a job run as its ranks (backend cuda or cpu over several GPUs): each rank's peaks, in rank order
     "rank_peak_allocated_bytes", "rank_peak_reserved_bytes",
@@ -64,6 +65,16 @@ def recorded_edge(row, card_key: str) -> str | None:
     return "tight" if card_key in tight else "after_retry" if card_key in retry else "room"
 
 
+def checkpointing_of(row) -> str | None:
+    """What a row's checkpointing keeps: None (no checkpointing), "full" or "op" (rows from before
+    the policy: full)."""
+    on = row.get("checkpointing")
+    if on is None or on != on or not on:  # missing reads back as NaN
+        return None
+    policy = row.get("checkpointing_policy")
+    return policy if isinstance(policy, str) and policy else "full"
+
+
 def point_identity(point: Point) -> dict:
     """What defines a run: everything that can change its numbers or its status."""
     d = point.to_dict()
@@ -74,6 +85,9 @@ def point_identity(point: Point) -> dict:
         "model": d["model"], "workload": workload, "batch_size": point.batch_size,
         "seq_len": point.seq_len, "precision": point.precision, "optimizer": d["optimizer"],
         "checkpointing": point.checkpointing, "allocator_conf": point.allocator.conf,
+        # the default policy as before it was a knob
+        **({"checkpointing_policy": point.checkpointing_policy}
+           if point.checkpointing_policy != CheckpointingPolicy.full else {}),
         **({"parallel": d["parallel"]} if point.parallel.world_size > 1 else {}),  # one GPU: as before
         "backend": point.backend, "gpu": point.gpu.name, "gpu_memory_bytes": point.gpu.memory_bytes,
         # the libraries and harness's own code: another version traces another graph
@@ -104,6 +118,7 @@ def base_record(point: Point) -> dict:
         batch_size=point.batch_size, seq_len=point.seq_len, precision=str(point.precision),
         optimizer=str(point.optimizer.name), optimizer_impl=str(point.optimizer.impl),
         checkpointing=point.checkpointing, allocator_conf=point.allocator.conf,
+        checkpointing_policy=str(point.checkpointing_policy) if point.checkpointing else None,
         **{k: v for k, v in dataclasses.asdict(point.parallel).items() if k != "nccl_bytes_per_communicator"},
         world_size=point.parallel.world_size, rank=0, **nccl.columns(nccl.per_rank(point.parallel)),
         harness_version=harness.__version__, overrides=point.overrides, job_id=point.job_id,
@@ -122,7 +137,8 @@ def config_error_row(data: dict, error: str, job_id: str | None = None) -> dict:
     says of itself, and the error."""
     rec = dict.fromkeys(COLUMNS)
     data = {k: v for k, v in data.items() if k != "hydra"}
-    rec.update({k: data.get(k) for k in ("sweep", "backend", "batch_size", "seq_len", "precision", "checkpointing")})
+    rec.update({k: data.get(k) for k in ("sweep", "backend", "batch_size", "seq_len", "precision", "checkpointing",
+                                           "checkpointing_policy")})
     rec.update(run_id=hashlib.sha1(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12],
                status="error", error=error, job_id=job_id, model=(data.get("model") or {}).get("name"),
                workload=(data.get("workload") or {}).get("name"), gpu=(data.get("gpu") or {}).get("name"))

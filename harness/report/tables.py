@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from harness.analysis.verdict import layout, spread
+from harness.record.row import checkpointing_of
 from harness.report.words import job_args, job_label
 from harness.units import GiB
 
@@ -15,8 +16,10 @@ def gib(nbytes) -> str:
     return "-" if nbytes is None or pd.isna(nbytes) else f"{nbytes / GiB:.2f}"
 
 
-def _ckpt(v) -> str:
-    return "yes" if bool(v) else "no"
+def _ckpt(r) -> str:
+    """no | yes (each layer recomputed whole) | op (checkpointing_policy=op)."""
+    ckpt = checkpointing_of(r)
+    return "no" if ckpt is None else "yes" if ckpt == "full" else ckpt
 
 
 # A run on a card, by its edge (probe.sim.reserved.EDGES), with the headroom's share of the card.
@@ -53,7 +56,7 @@ FITS_IDENTITY_COLUMNS = 13  # model .. backend: folded into the title where one 
 def _shape_cells(r) -> list[str]:
     """model, workload, batch (per GPU), seq, precision, ckpt."""
     return [str(r["model"]), str(r["workload"]), str(r["batch_size"]), str(r["seq_len"]), str(r["precision"]),
-            _ckpt(r["checkpointing"])]
+            _ckpt(r)]
 
 
 def _knob_cells(r) -> list[str]:
@@ -143,7 +146,11 @@ def group_label(r) -> str:
         spread += f" x {kept}" if isinstance(kept, str) and kept else ""
         fixed = f"batch {int(r.batch_size)} per GPU, seq {int(r.seq_len)}, over {spread}"
     alloc = f", {r.allocator_conf}" if r.allocator_conf else ""
-    return f"{r.model} {r.workload} {r.precision}{' ckpt' if r.checkpointing else ''}, {fixed}{alloc}"
+    return f"{r.model} {r.workload} {r.precision}{_ckpt_suffix(r._asdict())}, {fixed}{alloc}"
+
+
+def _ckpt_suffix(r) -> str:
+    return {"no": "", "yes": " ckpt"}.get(_ckpt(r), f" ckpt={_ckpt(r)}")
 
 
 def frontier_table(fr: pd.DataFrame) -> Table:

@@ -9,7 +9,7 @@ from harness.analysis.kinds import KindReading, ShapeReading
 from harness.analysis.oom_text import OomReading
 from harness.analysis.verdict import leak_of
 from harness.config import alloc_conf
-from harness.record.row import TRAFFIC
+from harness.record.row import TRAFFIC, checkpointing_of
 from harness.units import gib
 
 # The cost codes of analysis.verdict.COSTS, as people read them.
@@ -27,6 +27,8 @@ COST_WORDS = {
 
 # The keys that tell two runs apart beyond the label's core (model, workload, batch, sequence,
 # precision, checkpointing): each joins the label wherever it varies among the runs shown.
+# checkpointing_policy's values (config.point.CheckpointingPolicy)
+CHECKPOINTING_WORDS = {"full": "each layer recomputed whole", "op": "torchtitan's per-op policy: matmuls and attention kept"}
 VARYING_KEYS = ("optimizer", "optimizer_impl", "workload_args", "allocator_conf", "leak", "gpu", "backend")
 
 
@@ -51,7 +53,8 @@ def job_label(row, varying=frozenset()) -> str:
 
 def variant_label(row, varying=frozenset()) -> str:
     """A run's label without its model, workload, batch and sequence (a figure's panel and axis)."""
-    parts = [f"{row['precision']} ckpt={'yes' if row.get('checkpointing') else 'no'}"]
+    ckpt = checkpointing_of(row)
+    parts = [f"{row['precision']} ckpt={'no' if ckpt is None else 'yes' if ckpt == 'full' else ckpt}"]
     if {"optimizer", "optimizer_impl"} & set(varying):
         parts.append(f"{row.get('optimizer')}/{row.get('optimizer_impl')}")
     if "workload_args" in varying and job_args(row):
@@ -107,7 +110,9 @@ def change(c: dict, torch_version: str | None = None) -> str:
     if kind == "waves":
         return f"{value} concurrent sequences x {c['steps']} waves"
     if kind == "checkpointing":
-        return "activation checkpointing"
+        if c["key"] == "checkpointing_policy":
+            return f"checkpointing_policy={value} ({CHECKPOINTING_WORDS[value]})"
+        return "activation checkpointing" + (" (its per-op policy)" if c.get("policy") == "op" else "")
     if kind == "sharding":
         return sharding(c)
     return f"{kind} {value}"  # optimizer, precision

@@ -181,7 +181,7 @@ def traced_steps(point: Point) -> int:
 def describe(point: Point) -> str:
     """The point as its trace_method names it: what shapes its trace."""
     return (f"{point.model.name} b{point.batch_size} s{point.seq_len} {point.precision.value}"
-            f"{' ckpt' if point.checkpointing else ''}")
+            f"{'' if not point.checkpointing else ' ckpt' if point.checkpointing_policy == 'full' else ' ckpt=op'}")
 
 
 def _layer_prefix(journal: list[TraceEvent], new: int) -> str:
