@@ -167,3 +167,14 @@ def test_hydras_callback_writes_the_report_once_and_the_cli_takes_its_code(tmp_p
     assert callbacks.finish() == 7 and calls == [tmp_path, tmp_path / "stopped"]
     callbacks.SweepReport().on_run_end(config=None)  # not armed (e.g. --cfg): nothing happens
     assert len(calls) == 2
+
+
+def test_a_plan_groups_label_says_which_checkpointing_it_keeps_from_a_frame_row_or_a_tuple():
+    from harness.report.tables import group_label
+
+    df = pd.DataFrame([{"axis": "batch_size", "seq_len": 1024, "batch_size": None, "model": "7b", "workload": "train",
+                        "precision": "bf16", "checkpointing": ckpt, "checkpointing_policy": policy,
+                        "allocator_conf": ""} for ckpt, policy in ((False, None), (True, "full"), (True, "op"))])
+    labels = [group_label(r) for _, r in df.iterrows()]
+    assert labels == [group_label(r) for r in df.itertuples(index=False)]
+    assert [label.split(",")[0] for label in labels] == ["7b train bf16", "7b train bf16 ckpt", "7b train bf16 ckpt=op"]

@@ -146,11 +146,13 @@ def group_label(r) -> str:
         spread += f" x {kept}" if isinstance(kept, str) and kept else ""
         fixed = f"batch {int(r.batch_size)} per GPU, seq {int(r.seq_len)}, over {spread}"
     alloc = f", {r.allocator_conf}" if r.allocator_conf else ""
-    return f"{r.model} {r.workload} {r.precision}{_ckpt_suffix(r._asdict())}, {fixed}{alloc}"
+    return f"{r.model} {r.workload} {r.precision}{_ckpt_suffix(r)}, {fixed}{alloc}"
 
 
 def _ckpt_suffix(r) -> str:
-    return {"no": "", "yes": " ckpt"}.get(_ckpt(r), f" ckpt={_ckpt(r)}")
+    """"", " ckpt" or " ckpt=op" for a row (a frame's row, or a namedtuple of itertuples)."""
+    ckpt = _ckpt(r._asdict() if isinstance(r, tuple) else r)
+    return {"no": "", "yes": " ckpt"}.get(ckpt, f" ckpt={ckpt}")
 
 
 def frontier_table(fr: pd.DataFrame) -> Table:
