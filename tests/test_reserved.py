@@ -57,6 +57,38 @@ def test_a_capacity_that_decides_every_cudamalloc_alike_reuses_a_replay_and_its_
     assert len(read) == len(lazy.done) == len(replays.done)
 
 
+@pytest.mark.parametrize("conf", ["", "roundup_power2_divisions:4", "max_split_size_mb:20", "expandable_segments:True"])
+def test_a_lean_replay_decides_every_capacity_as_the_full_replay_does(conf):
+    """An FSDP2 rank's trace (its own streams) on capacities from its allocated to past its reserved
+    peak: the lean replay's OOM, cache flushes and peaks are the full replay's."""
+    from harness.allocator.model import Device
+    from harness.config.point import Parallel
+    from harness.probe.sim.trace import run_point
+    from harness.record import trace_store
+    from tests.conftest import train_point
+
+    point = train_point(batch_size=4, seq_len=128).replace(parallel=Parallel(dp_shard=2))
+    rows = trace_store.replay_rows(trace_store.to_frame(run_point(point)[1].events))
+    settings = AllocSettings.from_conf(conf)
+    unlimited = replay_events(rows, settings)[0]
+    low, high = unlimited.peak_allocated_bytes, unlimited.peak_reserved_bytes + 4 * MiB
+    decided = set()
+    for capacity in range(low, high, max(1, (high - low) // 24)):
+        device = Device(capacity=capacity, total=1024 * MiB)
+        lean, full = (replay_events(rows, settings, device, lean=lean)[0] for lean in (True, False))
+
+        def decisions(r):
+            return [r.ooms[0]["event"] if r.ooms else None, r.num_alloc_retries, r.peak_reserved_bytes,
+                    r.peak_allocated_bytes, r.peak_requested_bytes, r.alike_from_bytes, r.alike_below_bytes,
+                    r.requests]
+
+        assert decisions(lean) == decisions(full), capacity
+        decided.add((bool(lean.ooms), lean.num_alloc_retries > 0))
+    assert len(decided) > 1
+    if not conf:
+        assert decided == {(True, True), (False, True), (False, False)}  # OOM, fits on retry, fits
+
+
 def test_an_oom_row_says_where_and_words_the_message():
     out = reserved.analyse(_small_then_large(), AllocSettings(), _card(120), [_card(120)], "2.6")
     assert out["status"] == "oom" and (out["oom_phase"], out["oom_step"]) == ("forward", 0)  # the 8th 16 MiB

@@ -91,13 +91,14 @@ class Pool:
         self.get_free_blocks_calls = 0  # the garbage collector's clock
 
     def insert(self, b: Block) -> None:
-        insort(self.free, b.key())
+        insort(self.free, (b.stream, b.size, b.addr))
         b.gc_base = self.get_free_blocks_calls
 
     def remove(self, b: Block) -> None:
-        i = bisect_left(self.free, b.key())
-        if i < len(self.free) and self.free[i] == b.key():
-            del self.free[i]
+        key, free = (b.stream, b.size, b.addr), self.free
+        i = bisect_left(free, key)
+        if i < len(free) and free[i] == key:
+            del free[i]
 
     def insert_unmapped(self, b: Block) -> None:
         insort(self.unmapped, (b.stream, b.addr))
@@ -280,6 +281,9 @@ class CachingAllocator:
         self.segments: dict[int, Block] = {}  # regular segments: base address -> first block
         self.expandable: dict[tuple[bool, int], ExpandableSegment] = {}
         self.stats = Stats.lean() if lean else Stats()
+        self.lean = lean
+        # round_size without roundup_power2_divisions: to kMinBlockSize multiples (the common case, inline)
+        self._plain_rounding = not any(d > 1 for d in self.settings.roundup_power2_divisions)
         self.total_allocated_memory = 0  # bytes obtained from the device (== reserved)
         # What each cudaMalloc asked the device to hold in all (reserved after it): the largest
         # granted and the smallest refused. Any capacity between them decides every one alike.
@@ -303,11 +307,14 @@ class CachingAllocator:
     def malloc(self, orig_size: int, stream: int = 0) -> Block:
         """Allocate like CUDACachingAllocator::malloc; raises OutOfMemory."""
         s = self.settings
-        size = round_size(orig_size, s.roundup_power2_divisions)
+        if self._plain_rounding:
+            size = -(-orig_size // K_MIN_BLOCK) * K_MIN_BLOCK if orig_size > K_MIN_BLOCK else K_MIN_BLOCK
+        else:
+            size = round_size(orig_size, s.roundup_power2_divisions)
         pool = self.small if size <= K_SMALL_SIZE else self.large
-        alloc_size = allocation_size(size)
         block = self._get_free_block(pool, stream, size)
         if block is None:
+            alloc_size = allocation_size(size)
             if self._gc_active():
                 self._garbage_collect()
             block = self._alloc_block(pool, stream, size, alloc_size)
@@ -327,14 +334,18 @@ class CachingAllocator:
         """free + free_block (a single stream: the free completes at once)."""
         addr, requested, stream = block.addr, block.requested, block.stream  # merging moves block.addr
         st = self.stats
-        st.allocation.add(-1, block.small)
-        st.active.add(-1, block.small)
         st.allocated_bytes.add(-block.size, block.small)
-        if block.size >= self.settings.max_split_size:
-            st.oversize_allocations.add(-1)
-        self._emit("free_requested", addr, requested, stream)
+        if not self.lean:
+            st.allocation.add(-1, block.small)
+            st.active.add(-1, block.small)
+            if block.size >= self.settings.max_split_size:
+                st.oversize_allocations.add(-1)
+        if self.on_event is None:
+            self._free_block(block)
+            return
+        self.on_event("free_requested", addr, requested, stream)
         self._free_block(block)
-        self._emit("free_completed", addr, requested, stream)
+        self.on_event("free_completed", addr, requested, stream)
 
     def empty_cache(self) -> None:
         self.release_cached_blocks()
@@ -376,23 +387,28 @@ class CachingAllocator:
 
     def _alloc_found_block(self, b: Block, pool: Pool, size: int, orig_size: int, split: bool) -> Block:
         st = self.stats
-        already_split = b.is_split()
+        already_split = b.prev is not None or b.next is not None
         if split:
             rest = self._split_off(b, size)
             pool.insert(rest)
-            if b.es is None:
+            if b.es is None and not self.lean:
                 if already_split:
                     st.inactive_split_bytes.add(-size, b.small)
                 else:
                     st.inactive_split_bytes.add(rest.size, b.small)
                     st.inactive_split.add(1, b.small)
-        elif already_split and b.es is None:
+        elif already_split and b.es is None and not self.lean:
             st.inactive_split_bytes.add(-b.size, b.small)
             st.inactive_split.add(-1, b.small)
         b.allocated = True
         b.requested = orig_size
-        self.count_allocated(b)
-        self._emit("alloc", b.addr, orig_size, b.stream)
+        if self.lean:  # count_allocated's two statistics a lean replay keeps
+            st.allocated_bytes.add(b.size, b.small)
+            st.requested_bytes.add(orig_size, b.small)
+        else:
+            self.count_allocated(b)
+        if self.on_event is not None:
+            self.on_event("alloc", b.addr, orig_size, b.stream)
         return b
 
     def count_allocated(self, b: Block) -> None:
@@ -448,11 +464,15 @@ class CachingAllocator:
         original, requested = b.size, b.requested
         delta = count = 0
         for cand in (b.prev, b.next):
-            subsumed = self._try_merge(b, cand, pool)
-            delta -= subsumed
-            count -= subsumed > 0
+            if cand is not None and not cand.allocated:
+                subsumed = self._try_merge(b, cand, pool)
+                delta -= subsumed
+                count -= subsumed > 0
         b.allocated = False
         pool.insert(b)
+        st.requested_bytes.add(-requested, b.small)
+        if self.lean:
+            return
         if b.is_split():
             delta += b.size
             count += 1
@@ -460,7 +480,6 @@ class CachingAllocator:
             st.inactive_split_bytes.add(delta, b.small)
             st.inactive_split.add(count, b.small)
         st.active_bytes.add(-original, b.small)
-        st.requested_bytes.add(-requested, b.small)
 
     # ---- memory from the device -------------------------------------------------------------
     def _device_has(self, nbytes: int) -> bool:
