@@ -333,7 +333,8 @@ def replay_events(events, settings: AllocSettings, device: Device | None = None,
 def _replay_lean(events, alloc: CachingAllocator, result: ReplayResult, stop_at_oom: bool) -> None:
     """replay_events' loop for a lean replay that reports no events: no window, no peaks to observe
     (the allocator's own statistics keep them), and the calls looked up once (~90k events a 70B rank)."""
-    malloc, free, live = alloc.malloc, alloc.free, {}
+    live: dict = {}
+    malloc, free = alloc.malloc, alloc.free
     pop = live.pop
     i = -1
     for i, (action, key, size, tag, stream) in enumerate(events):

@@ -151,7 +151,7 @@ def group_label(r) -> str:
 
 def _ckpt_suffix(r) -> str:
     """"", " ckpt" or " ckpt=op" for a row (a frame's row, or a namedtuple of itertuples)."""
-    ckpt = _ckpt(r._asdict() if isinstance(r, tuple) else r)
+    ckpt = _ckpt(r._asdict() if hasattr(r, "_asdict") else r)
     return {"no": "", "yes": " ckpt"}.get(ckpt, f" ckpt={ckpt}")
 
 
