@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.config import nccl
-from harness.config.point import Parallel
+from harness.config.point import Parallel, Workload
 from harness.errors import ConfigError
 from harness.probe.sim.trace import run_point
 from harness.probe.sim.tracker import round_request
@@ -31,10 +31,11 @@ _ORACLE = [
     (dict(tp=2), "bf16", True),
     (dict(dp_replicate=2, dp_shard=2), "bf16", False),  # HSDP: 2 replicas of 2 shards
     (dict(dp_shard=2, tp=2), "bf16", True),  # FSDP2 over tensor parallel (2-D)
-    # the precisions and plain TP: above; the per-op policy keeps sequence parallel's reduce-scatters
-    (dict(tp=2, sequence_parallel=True), "bf16", "op"),
+    # the precisions and plain TP: above; torchtitan's TP: sequence and loss parallel, the per-op
+    # policy (which keeps sequence parallel's reduce-scatters)
+    (dict(tp=2, sequence_parallel=True, loss_parallel=True), "bf16", "op"),
 ]
-_ORACLE_IDS = ["ddp-fp32", "ddp-bf16-ckpt", "tp-fp32", "tp-bf16-ckpt", "hsdp-bf16", "fsdp-tp-bf16-ckpt", "sp-bf16-op"]
+_ORACLE_IDS = ["ddp-fp32", "ddp-bf16-ckpt", "tp-fp32", "tp-bf16-ckpt", "hsdp-bf16", "fsdp-tp-bf16-ckpt", "sp-lp-bf16-op"]
 
 
 @pytest.mark.slow
@@ -280,3 +281,23 @@ def test_sequence_parallel_that_fits_the_card_is_a_remedy_named_by_its_knob():
     (change,) = remedy["changes"]
     assert (change["key"], change["layout"]) == ("parallel.sequence_parallel", "TP+SP")
     assert layout(dict(dp_shard=4, tp=2, sequence_parallel=True)) == "FSDP2 4 x TP+SP 2"
+    df = pd.DataFrame([tp8(run_id="sp", sequence_parallel=True),
+                       tp8(run_id="lp", sequence_parallel=True, loss_parallel=True, status="ok", fits_cards=["t4"])])
+    (change,) = verdicts(df).set_index("run_id").loc["sp"]["remedies"][0]["changes"]
+    assert (change["key"], change["layout"]) == ("parallel.loss_parallel", "TP+SP+LP")
+
+
+def test_loss_parallel_keeps_each_ranks_slice_of_the_logits_and_their_gradient():
+    """TP 2 with loss parallel: the head's logits (and the loss's fp32 copy and gradient of them)
+    are half the vocabulary on each rank, so the step's peak falls; the head's all-gather is gone."""
+    tp, _ = run_point(_over(precision="bf16", tp=2, sequence_parallel=True))
+    lp, _ = run_point(_over(precision="bf16", tp=2, sequence_parallel=True, loss_parallel=True))
+    assert lp["peak_allocated_bytes"] < tp["peak_allocated_bytes"]
+    assert lp["all_gather_bytes_per_step"] < tp["all_gather_bytes_per_step"]
+    with pytest.raises(ConfigError) as e:
+        Parallel(loss_parallel=True)  # no tensor parallel
+    assert e.value.key == "parallel.loss_parallel"
+    custom = _over(tp=2).replace(workload=Workload(name="custom", target="m:b"))
+    with pytest.raises(ConfigError) as e:
+        custom.replace(parallel=Parallel(tp=2, loss_parallel=True))  # a job of your own: its own plan
+    assert e.value.key == "parallel.loss_parallel"

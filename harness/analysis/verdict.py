@@ -77,8 +77,10 @@ def _sharding(job, other) -> dict | None:
     (world, reshard, how), (world2, reshard2, how2) = (*spread(job), layout(job)), (*spread(other), layout(other))
     if (world, reshard, how) == (world2, reshard2, how2):
         return None
-    knob = next((f"parallel.{k}" for k in PARALLEL_KNOBS if (_val(other.get(k)) or 1) != (_val(job.get(k)) or 1)),
-                "parallel.reshard_after_forward" if reshard != reshard2 else "parallel.sequence_parallel")
+    degree = next((f"parallel.{k}" for k in PARALLEL_KNOBS if (_val(other.get(k)) or 1) != (_val(job.get(k)) or 1)),
+                  None)
+    knob = degree or ("parallel.reshard_after_forward" if reshard != reshard2 else next(
+        f"parallel.{k}" for k in ("sequence_parallel", "loss_parallel") if bool(_val(other.get(k))) != bool(_val(job.get(k)))))
     traffic: dict = {f"{what}_bytes": int(_val(other.get(f"{what}_bytes_per_step")) or 0) for what in TRAFFIC}
     return _change("sharding", knob, world, world2, gpus=world2, reshard_after_forward=reshard2, layout=how2,
                    batch_per_gpu=int(other["batch_size"]), batch_per_step=global_batch(other), **traffic)
@@ -123,13 +125,14 @@ def spread(row) -> tuple[int, bool]:
 
 def layout(row) -> str:
     """How a row's job is spread over its GPUs: "FSDP2", "DDP", "HSDP 2x4" (replicas x shards),
-    "TP", "TP+SP" (sequence parallel), "FSDP2 4 x TP 2"; "" on one GPU."""
+    "TP", "TP+SP" (sequence parallel), "TP+LP" (loss parallel), "FSDP2 4 x TP 2"; "" on one GPU."""
     shard, replicate, tp = (int(_val(row.get(k)) or 1) for k in PARALLEL_KNOBS)
     data = ("" if shard == replicate == 1 else "DDP" if shard == 1 else "FSDP2" if replicate == 1
             else f"HSDP {replicate}x{shard}")
     if tp == 1:
         return data
-    tensor = "TP+SP" if _val(row.get("sequence_parallel")) else "TP"
+    tensor = "TP" + "".join(f"+{short}" for knob, short in (("sequence_parallel", "SP"), ("loss_parallel", "LP"))
+                            if _val(row.get(knob)))
     return f"{data} {replicate * shard} x {tensor} {tp}" if data else tensor
 
 

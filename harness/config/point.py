@@ -278,6 +278,10 @@ class Parallel:
     # stream between layers split over the sequence, all-gathered into attention and the MLP and
     # reduce-scattered out of them
     sequence_parallel: bool = False
+    # tensor parallel's loss parallel (torchtitan's): the head's logits stay split over the vocabulary
+    # on each rank and the cross-entropy is computed on the slices (torch's loss_parallel), instead
+    # of each rank gathering the whole logits
+    loss_parallel: bool = False
     # FSDP2's MixedPrecisionPolicy, as torchtitan trains: fp32 shards kept (precision=fp32), each layer
     # all-gathered and computed in this dtype, gradients reduce-scattered in fp32; None: no policy
     param_dtype: str | None = None
@@ -301,6 +305,9 @@ class Parallel:
                 raise ConfigError("parallel.param_dtype", "is FSDP2's mixed precision: set parallel.dp_shard > 1")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel", "splits the sequence over tensor-parallel ranks: "
+                              "set parallel.tp > 1 (or leave it false)")
+        if self.loss_parallel and self.tp == 1:
+            raise ConfigError("parallel.loss_parallel", "splits the head's logits over tensor-parallel ranks: "
                               "set parallel.tp > 1 (or leave it false)")
         if self.dp_replicate > 1 and self.tp > 1 and self.dp_shard == 1:  # as torchtitan refuses it
             raise ConfigError("parallel.dp_replicate", "DDP does not take tensor-parallel (DTensor) parameters: "
@@ -397,6 +404,9 @@ class Point:
             if self.workload.name == WorkloadName.infer:
                 raise ConfigError(key, "a job over several GPUs is modelled for training (workload=train, or a job "
                                   "of your own given the mesh) so far, not workload=infer")
+            if self.parallel.loss_parallel and self.workload.name == WorkloadName.custom:
+                raise ConfigError("parallel.loss_parallel", "splits the presets' head and loss: a job of your own "
+                                  "applies its own plan (torch.distributed.tensor.parallel.loss_parallel)")
             if self.optimizer.name == OptimizerName.adafactor and self.parallel.dtensors:  # as torch 2.13's DTensor does
                 raise ConfigError("optimizer.name", "torch.optim.Adafactor does not run on DTensor parameters (FSDP2, TP) "
                                   "(DTensor refuses its in-place pow_ on a partial norm): use adamw or sgd")

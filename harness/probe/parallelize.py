@@ -33,7 +33,7 @@ def parallelize(model: torch.nn.Module, mesh, parallel: Parallel) -> torch.nn.Mo
     """`model` (built on the meta device) as this rank holds it, on the mesh's device; the module
     to step (DDP's wrapper, or the model)."""
     if parallel.tp > 1:
-        tensor_parallel(model, mesh["tp"], parallel.sequence_parallel)
+        tensor_parallel(model, mesh["tp"], parallel.sequence_parallel, parallel.loss_parallel)
     if parallel.dp_shard > 1:
         dims = ("dp_replicate", "dp_shard") if parallel.dp_replicate > 1 else ("dp_shard",)
         shard(model, mesh[dims], parallel.reshard_after_forward, parallel.param_dtype)
@@ -72,19 +72,20 @@ def shard(model: torch.nn.Module, mesh, reshard_after_forward: bool, param_dtype
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
 
 
-def tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool = False) -> None:
+def tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
     """The model's own tensor-parallel plan, as transformers applies it (the model's `_tp_plan`; for
     Llama, Qwen2 and Mistral: q/k/v, gate and up split by columns, o and down by rows, the embedding
     by vocabulary rows, the head by columns and gathered); norms replicated. With
     `sequence_parallel`, torchtitan's plan for Llama: the norms and the residual stream split over
-    the sequence (sequence_parallel_plan)."""
+    the sequence (sequence_parallel_plan). With `loss_parallel`, the head's output stays split over
+    the vocabulary (a DTensor), for the loss to be computed under torch's loss_parallel()."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
     plan = getattr(model, "_tp_plan", None)
     if not plan:
         raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (transformers' _tp_plan)")
-    styles = {name: _style(style, name, sequence_parallel) for name, style in plan.items()}
+    styles = {name: _style(style, name, sequence_parallel, loss_parallel) for name, style in plan.items()}
     if sequence_parallel:
         styles.update(sequence_parallel_plan(model))
     parallelize_module(model, mesh, styles)
@@ -139,21 +140,24 @@ def replicate(module: torch.nn.Module, mesh) -> None:
     distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
-def _style(name: str, module: str, sequence_parallel: bool = False):
+def _style(name: str, module: str, sequence_parallel: bool = False, loss_parallel: bool = False):
     """torch's parallel style for one of transformers' plan words; with sequence parallel, a layer's
-    row-split output is reduce-scattered to sequence slices and the head takes slices in."""
+    row-split output is reduce-scattered to sequence slices and the head takes slices in; with loss
+    parallel, the head's output stays split over the vocabulary (Shard(-1), as torchtitan's plan)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     into_layers = sequence_parallel and ".layers." in f".{module}"
     head_in = Shard(1) if sequence_parallel else Replicate()
+    head_out = {"output_layouts": Shard(-1), "use_local_output": False} if loss_parallel \
+        else {"output_layouts": Replicate()}
     styles: dict[str, Callable[[], object]] = {
         "colwise": ColwiseParallel,
         "rowwise": (lambda: RowwiseParallel(output_layouts=Shard(1), use_local_output=False)) if into_layers
         else RowwiseParallel,
         "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
-        "colwise_rep": lambda: ColwiseParallel(input_layouts=head_in, output_layouts=Replicate()),
-        "colwise_gather_output": lambda: ColwiseParallel(input_layouts=head_in, output_layouts=Replicate())}
+        "colwise_rep": lambda: ColwiseParallel(input_layouts=head_in, **head_out),
+        "colwise_gather_output": lambda: ColwiseParallel(input_layouts=head_in, **head_out)}
     if name not in styles:
         raise ValueError(f"tensor-parallel style '{name}' ({module}) is not one the harness applies "
                          f"({', '.join(styles)})")

@@ -43,9 +43,19 @@ def builder(point: Point) -> Callable[[Knobs], Job]:
             return Job(model, None, input_ids, step=Decode(model, region), name=point.model.name, autocast=False,
                        steps=point.workload.new_tokens + 1, tokens_per_step=k.batch_size)
         optimizer = build_optimizer(point.optimizer.name, model.parameters(), {}, point.optimizer.lr)
-        return Job(model, optimizer, input_ids, step=TrainStep(region, point.workload.leak), name=point.model.name,
-                   autocast=False)
+        return Job(model, optimizer, input_ids, step=TrainStep(region, point.workload.leak, loss_region(point)),
+                   name=point.model.name, autocast=False)
     return build
+
+
+def loss_region(point: Point) -> Callable[[], contextlib.AbstractContextManager]:
+    """parallel.loss_parallel: torch's loss_parallel() around the forward's loss and the backward,
+    where the head's logits are split over the vocabulary (probe.parallelize); else nothing."""
+    if not point.parallel.loss_parallel:
+        return contextlib.nullcontext
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel
 
 
 def autocast(k: Knobs) -> Callable[[], contextlib.AbstractContextManager]:
@@ -92,31 +102,32 @@ class TrainStep:
     was meant); `cycle` leaves a reference cycle holding the step's outputs, which only the cyclic
     garbage collector frees. `history` is what the loop keeps (the graph leak's holder)."""
 
-    def __init__(self, region, leak: Leak):
-        self.region, self.leak = region, leak
+    def __init__(self, region, leak: Leak, loss_region=contextlib.nullcontext):
+        self.region, self.leak, self.loss_region = region, leak, loss_region
         self.history: list = []
 
     def __call__(self, model, optimizer, input_ids) -> None:
         model.train()
         phase("forward")
-        with self.region():
-            out = model(input_ids=input_ids, labels=input_ids, use_cache=False)
-        loss = out.loss
-        if self.leak == Leak.cycle:
-            state = _StepState()
-            state.self, state.outputs = state, out  # unreachable after this step, but a cycle
-            del state
-        del out
-        phase("backward")
-        loss.backward()
-        del loss
+        with self.loss_region():  # the loss and its backward on vocabulary slices (loss parallel)
+            with self.region():
+                out = model(input_ids=input_ids, labels=input_ids, use_cache=False)
+            loss = out.loss
+            if self.leak == Leak.cycle:
+                state = _StepState()
+                state.self, state.outputs = state, out  # unreachable after this step, but a cycle
+                del state
+            del out
+            phase("backward")
+            loss.backward()
+            del loss
         phase("optimizer")
         optimizer.step()
         phase("zero_grad")
         optimizer.zero_grad(set_to_none=True)
         if self.leak == Leak.graph:
             phase("forward")
-            with self.region():
+            with self.loss_region(), self.region():
                 self.history.append(model(input_ids=input_ids, labels=input_ids, use_cache=False).loss)
 
 

@@ -25,8 +25,8 @@ COLUMNS = (
     "gpu_non_pytorch_bytes", "emulated_gpu", "model", "n_params", "workload", "leak", "batch_size", "seq_len",
     "precision", "optimizer", "optimizer_impl", "checkpointing",
     "checkpointing_policy",  # what checkpointing keeps (full | op); None without checkpointing
-    "allocator_conf", "world_size", "dp_shard", "dp_replicate", "tp", "reshard_after_forward", "sequence_parallel", "param_dtype",
-    "nodes", "rank",
+    "allocator_conf", "world_size", "dp_shard", "dp_replicate", "tp", "reshard_after_forward", "sequence_parallel",
+    "loss_parallel", "param_dtype", "nodes", "rank",
     # a job run as its ranks (backend cuda or cpu over several GPUs): each rank's peaks, in rank order
     "rank_peak_allocated_bytes", "rank_peak_reserved_bytes",
     *(f"{what}_bytes_per_step" for what in TRAFFIC),
