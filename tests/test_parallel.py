@@ -254,6 +254,21 @@ def test_a_plan_over_tensor_parallel_tries_only_degrees_that_divide_every_head_c
     assert axis_values(compose([f"model={model}", "plan.axis=world_size", "plan.over=tp"])) == degrees
 
 
+@pytest.mark.parametrize("knob", ["sequence_parallel", "loss_parallel"])
+def test_a_plan_over_tensor_parallel_with_a_knob_that_needs_it_searches_from_two(knob, tmp_path):
+    """Sequence and loss parallel need tp > 1: a plan over tp with either searches 2 up (not refused
+    at tp 1), and its group says it keeps the knob."""
+    from harness.config.compose import compose
+    from harness.launch.point import to_point
+    from harness.plan.frontier import Planner, _group_columns, axis_values
+
+    overrides = ["model=13b", "plan.axis=world_size", "plan.over=tp", f"parallel.{knob}=true"]
+    assert axis_values(compose(overrides)) == [2, 4, 8]
+    (group,) = Planner(tmp_path, tmp_path, compose, to_point).groups([overrides])
+    assert group.values == [2, 4, 8] and getattr(group.point.parallel, knob)
+    assert _group_columns(group.cfg, group.point, "world_size")["kept"] == f"{knob}=true"
+
+
 def test_sequence_parallel_splits_the_residual_stream_and_trades_all_reduces_for_gathers_and_scatters():
     """TP 2 with sequence parallel: the activations between layers are each rank's half of the
     sequence (less kept for backward), the layers' all-reduces become an all-gather in and a

@@ -53,7 +53,9 @@ def axis_values(cfg) -> list[int]:
             heads = math.gcd(*(int(getattr(hf, k, None) or 0) for k in ("num_attention_heads", "num_key_value_heads")))
             if heads:
                 hi = min(hi, heads & -heads)
-        values = [2**k for k in range(hi.bit_length()) if plan.lo <= 2**k <= hi]
+        # sequence and loss parallel split over tensor-parallel ranks: a search over tp starts at 2
+        lo = max(plan.lo, 2) if plan.over == "tp" and _tp_only(cfg) else plan.lo
+        values = [2**k for k in range(hi.bit_length()) if lo <= 2**k <= hi]
         if not values:
             raise ConfigError("plan.hi", f"no power of two between plan.lo={plan.lo} and plan.hi={hi}")
         return values
@@ -67,6 +69,11 @@ def axis_values(cfg) -> list[int]:
     if not values:
         raise ConfigError("plan.hi", f"no value between plan.lo={plan.lo} and plan.hi={hi}")
     return values
+
+
+def _tp_only(cfg) -> bool:
+    """Whether the job sets a knob that needs tensor parallel (sequence or loss parallel)."""
+    return bool(cfg.parallel.sequence_parallel or cfg.parallel.loss_parallel)
 
 
 class Planner:
@@ -89,6 +96,8 @@ class Planner:
         seen, groups = set(), []
         for p in points:
             cfg = self._compose(p)
+            if cfg.plan.axis == "world_size" and cfg.plan.over == "tp" and _tp_only(cfg):
+                cfg = self._compose([*p, "parallel.tp=2"])  # the group as its search starts it
             point = validate(cfg)
             axis = searched_key(cfg)
             # a search over GPU counts places them on nodes itself
@@ -250,8 +259,10 @@ def _group_columns(cfg, point: Point, axis: str) -> dict:
             "world_size": None if axis == "world_size" else point.parallel.world_size,
             # world_size: the degree searched, and the others the group keeps ("tp=2")
             "over": point.plan.over if axis == "world_size" else None,
-            "kept": " ".join(f"{k}={getattr(point.parallel, k)}" for k in PARALLEL_KNOBS
-                             if k != point.plan.over and getattr(point.parallel, k) > 1) if axis == "world_size" else None,
+            "kept": " ".join([*(f"{k}={getattr(point.parallel, k)}" for k in PARALLEL_KNOBS
+                                if k != point.plan.over and getattr(point.parallel, k) > 1),
+                              *(f"{k}=true" for k in ("sequence_parallel", "loss_parallel") if getattr(point.parallel, k))])
+            if axis == "world_size" else None,
             "seq_len": cfg.seq_len if axis != "seq_len" else None, "margin": float(cfg.plan.margin)}
     if custom:
         cols["workload_args"] = json.dumps(dict(cfg.workload.args or {}), sort_keys=True, default=str)
