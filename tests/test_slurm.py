@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # one worker: its module fixture
 
 SLURM = ["hydra/launcher=harness_slurm", "hydra.launcher.cpus_per_task=1", "backend=sim"]
 SLEEPY = ["sweeps=smoke", "batch_size=1", "seq_len=32", "workload=custom", "workload.target=tests.jobs.sleepy:build"]
