@@ -17,7 +17,7 @@ from harness.launch import runner
 from harness.record.row import COLUMNS
 from tests.conftest import REPO, run_cli, train_point
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cli")]  # one worker: its module fixture
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,6 @@ from harness.probe.sim.tracker import round_request
 from tests.conftest import run_cli, train_point
 from tests.test_sharded import _lives, _real_ranks
 
-pytestmark = pytest.mark.xdist_group("test_parallel")  # one worker: its gloo jobs run as one batch
-
 
 def _over(precision="fp32", checkpointing=False, **parallel):
     """The tiny job spread by `parallel`; checkpointing "op": with checkpointing_policy=op."""

@@ -11,8 +11,6 @@ from harness.cli.progress import SweepProgress, Tally, line
 from harness.config import cards
 from tests.conftest import REPO, run_cli
 
-pytestmark = pytest.mark.xdist_group("test_report")  # one worker: its module fixture (a sweep) made once
-
 ARTIFACTS = REPO / "test-artifacts"
 PNG = b"\x89PNG\r\n\x1a\n"
 

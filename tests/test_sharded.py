@@ -13,8 +13,6 @@ from harness.errors import ConfigError
 from harness.probe.sim.trace import run_point
 from tests.conftest import run_cli, train_point
 
-pytestmark = pytest.mark.xdist_group("test_sharded")  # one worker: its gloo jobs run as one batch
-
 
 def _sharded(world: int = 2, param_dtype: str | None = None, checkpointing=False, **kw) -> Point:
     """FSDP2 over `world`; checkpointing "op": with checkpointing_policy=op."""

@@ -15,7 +15,9 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # one worker: its module fixture
+# One worker, first (tests/conftest.py): its fixture may start the cluster, which two workers must
+# not do at once; and its minutes, scheduled last, would finish long after the rest.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 
 SLURM = ["hydra/launcher=harness_slurm", "hydra.launcher.cpus_per_task=1", "backend=sim"]
 SLEEPY = ["sweeps=smoke", "batch_size=1", "seq_len=32", "workload=custom", "workload.target=tests.jobs.sleepy:build"]
