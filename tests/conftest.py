@@ -41,8 +41,3 @@ def run_cli(*args, cwd=None, timeout=600):
 def tiny_point():
     return train_point()
 
-
-def pytest_collection_modifyitems(items):
-    """The Slurm tests first: one worker runs them all (their xdist_group), for minutes, while the
-    others take the rest; scheduled last, they would finish long after everything else."""
-    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)

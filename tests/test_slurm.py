@@ -2,11 +2,13 @@
 this machine; node features stand for the cards): submitted through submitit, one array per card,
 rows with job ids, and every way a job can end without its point's help becoming a row."""
 
+import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,9 +17,7 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 
-# One worker, first (tests/conftest.py): its fixture may start the cluster, which two workers must
-# not do at once; and its minutes, scheduled last, would finish long after the rest.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
+pytestmark = pytest.mark.slow
 
 SLURM = ["hydra/launcher=harness_slurm", "hydra.launcher.cpus_per_task=1", "backend=sim"]
 SLEEPY = ["sweeps=smoke", "batch_size=1", "seq_len=32", "workload=custom", "workload.target=tests.jobs.sleepy:build"]
@@ -33,9 +33,12 @@ def _up() -> bool:
 @pytest.fixture(scope="module")
 def slurm():
     """The local cluster: already up, or started here (root, packages installed); else a skip
-    saying how to get one (CI sets HARNESS_REQUIRE_SLURM=1: there it must run)."""
-    if not _up() and os.geteuid() == 0 and shutil.which("slurmctld") and shutil.which("slurmdbd"):
-        subprocess.run([str(REPO / "scripts" / "slurm-local.sh"), "start"], check=True, timeout=300)
+    saying how to get one (CI sets HARNESS_REQUIRE_SLURM=1: there it must run). One worker starts
+    it: the others wait on the lock, then find it up."""
+    with open(Path(tempfile.gettempdir()) / "harness-slurm-start.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _up() and os.geteuid() == 0 and shutil.which("slurmctld") and shutil.which("slurmdbd"):
+            subprocess.run([str(REPO / "scripts" / "slurm-local.sh"), "start"], check=True, timeout=300)
     if not _up():
         reason = "no Slurm here: run scripts/slurm-local.sh install && scripts/slurm-local.sh start (root)"
         if os.environ.get("HARNESS_REQUIRE_SLURM") == "1":
