@@ -11,7 +11,7 @@ from harness.config.point import CheckpointingPolicy
 
 
 def _op_save_list() -> set:
-    """torchtitan's _op_sac_save_list (torchtitan/models/llama3/infra/parallelize.py), as far as torch
+    """torchtitan's _op_sac_save_list (its Llama parallelize module, 2025-26), as far as torch
     has the ops: matmuls, attention's kernels, tensor parallel's reduce-scatter, max (float8's scales);
     and the CPU's flash attention, which backend=cpu runs where CUDA runs flash."""
     aten = torch.ops.aten
