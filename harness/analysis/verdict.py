@@ -21,7 +21,7 @@ import pandas as pd
 
 from harness.config import cards as catalog
 from harness.config import nccl
-from harness.config.point import PARALLEL_KNOBS, Card
+from harness.config.point import PARALLEL_KNOBS, TP_SWITCHES, Card
 from harness.record.row import TRAFFIC, checkpointing_of, listed, recorded_edge
 
 # What each kind of remedy costs (a code, worded by the report), and its rank: cheapest first.
@@ -80,7 +80,7 @@ def _sharding(job, other) -> dict | None:
     degree = next((f"parallel.{k}" for k in PARALLEL_KNOBS if (_val(other.get(k)) or 1) != (_val(job.get(k)) or 1)),
                   None)
     knob = degree or ("parallel.reshard_after_forward" if reshard != reshard2 else next(
-        f"parallel.{k}" for k in ("sequence_parallel", "loss_parallel") if bool(_val(other.get(k))) != bool(_val(job.get(k)))))
+        f"parallel.{k}" for k in TP_SWITCHES if bool(_val(other.get(k))) != bool(_val(job.get(k)))))
     traffic: dict = {f"{what}_bytes": int(_val(other.get(f"{what}_bytes_per_step")) or 0) for what in TRAFFIC}
     return _change("sharding", knob, world, world2, gpus=world2, reshard_after_forward=reshard2, layout=how2,
                    batch_per_gpu=int(other["batch_size"]), batch_per_step=global_batch(other), **traffic)
@@ -131,8 +131,7 @@ def layout(row) -> str:
             else f"HSDP {replicate}x{shard}")
     if tp == 1:
         return data
-    tensor = "TP" + "".join(f"+{short}" for knob, short in (("sequence_parallel", "SP"), ("loss_parallel", "LP"))
-                            if _val(row.get(knob)))
+    tensor = "TP" + "".join(f"+{short}" for knob, (_what, short) in TP_SWITCHES.items() if _val(row.get(knob)))
     return f"{data} {replicate * shard} x {tensor} {tp}" if data else tensor
 
 

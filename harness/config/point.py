@@ -233,6 +233,9 @@ class Card:
 PARALLEL_KNOBS = ("dp_shard", "dp_replicate", "tp")  # parallel.*'s degrees (a row's columns of the same names)
 # The job's mesh dimensions, outermost first (torchtitan's order): replicas, shards, tensor parallel
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+# parallel.*'s switches that split something over the tensor-parallel ranks (need tp > 1): what
+# each splits, and its short name in a layout ("TP+SP+LP")
+TP_SWITCHES = {"sequence_parallel": ("the sequence", "SP"), "loss_parallel": ("the head's logits", "LP")}
 
 
 @dataclass(frozen=True)
@@ -303,12 +306,10 @@ class Parallel:
                 raise ConfigError("parallel.param_dtype", f"'{self.param_dtype}' is not one of bf16, fp16 (or null)")
             if self.dp_shard == 1:
                 raise ConfigError("parallel.param_dtype", "is FSDP2's mixed precision: set parallel.dp_shard > 1")
-        if self.sequence_parallel and self.tp == 1:
-            raise ConfigError("parallel.sequence_parallel", "splits the sequence over tensor-parallel ranks: "
-                              "set parallel.tp > 1 (or leave it false)")
-        if self.loss_parallel and self.tp == 1:
-            raise ConfigError("parallel.loss_parallel", "splits the head's logits over tensor-parallel ranks: "
-                              "set parallel.tp > 1 (or leave it false)")
+        for switch, (what, _short) in TP_SWITCHES.items():
+            if getattr(self, switch) and self.tp == 1:
+                raise ConfigError(f"parallel.{switch}", f"splits {what} over tensor-parallel ranks: "
+                                  "set parallel.tp > 1 (or leave it false)")
         if self.dp_replicate > 1 and self.tp > 1 and self.dp_shard == 1:  # as torchtitan refuses it
             raise ConfigError("parallel.dp_replicate", "DDP does not take tensor-parallel (DTensor) parameters: "
                               "replicate a tensor-parallel job with HSDP (parallel.dp_shard > 1)")
@@ -328,6 +329,11 @@ class Parallel:
     def key(self) -> str:
         """The knob that spreads the job (the first of more than one GPU), for errors that name one."""
         return next((f"parallel.{k}" for k in PARALLEL_KNOBS if getattr(self, k) > 1), "parallel.dp_shard")
+
+    @property
+    def tp_switches(self) -> list[str]:
+        """The TP_SWITCHES this job sets."""
+        return [s for s in TP_SWITCHES if getattr(self, s)]
 
     @property
     def dtensors(self) -> bool:

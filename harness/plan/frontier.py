@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from harness.config import cards as catalog
 from harness.config.models import hf_config, max_positions
-from harness.config.point import PARALLEL_KNOBS, Card, Point, fewest_nodes
+from harness.config.point import PARALLEL_KNOBS, TP_SWITCHES, Card, Point, fewest_nodes
 from harness.config.validate import validate
 from harness.errors import ConfigError
 from harness.launch.runner import run_point
@@ -72,8 +72,8 @@ def axis_values(cfg) -> list[int]:
 
 
 def _tp_only(cfg) -> bool:
-    """Whether the job sets a knob that needs tensor parallel (sequence or loss parallel)."""
-    return bool(cfg.parallel.sequence_parallel or cfg.parallel.loss_parallel)
+    """Whether the job sets a knob that needs tensor parallel (config.point.TP_SWITCHES)."""
+    return any(cfg.parallel[s] for s in TP_SWITCHES)
 
 
 class Planner:
@@ -261,7 +261,7 @@ def _group_columns(cfg, point: Point, axis: str) -> dict:
             "over": point.plan.over if axis == "world_size" else None,
             "kept": " ".join([*(f"{k}={getattr(point.parallel, k)}" for k in PARALLEL_KNOBS
                                 if k != point.plan.over and getattr(point.parallel, k) > 1),
-                              *(f"{k}=true" for k in ("sequence_parallel", "loss_parallel") if getattr(point.parallel, k))])
+                              *(f"{k}=true" for k in point.parallel.tp_switches)])
             if axis == "world_size" else None,
             "seq_len": cfg.seq_len if axis != "seq_len" else None, "margin": float(cfg.plan.margin)}
     if custom:

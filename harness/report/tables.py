@@ -5,8 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from harness.analysis.verdict import layout, spread
-from harness.record.row import checkpointing_of
-from harness.report.words import job_args, job_label
+from harness.report.words import ckpt_word, job_args, job_label
 from harness.units import GiB
 
 Table = tuple[list[str], list[list[str]]]
@@ -14,12 +13,6 @@ Table = tuple[list[str], list[list[str]]]
 
 def gib(nbytes) -> str:
     return "-" if nbytes is None or pd.isna(nbytes) else f"{nbytes / GiB:.2f}"
-
-
-def _ckpt(r) -> str:
-    """no | yes (each layer recomputed whole) | op (checkpointing_policy=op)."""
-    ckpt = checkpointing_of(r)
-    return "no" if ckpt is None else "yes" if ckpt == "full" else ckpt
 
 
 # A run on a card, by its edge (probe.sim.reserved.EDGES), with the headroom's share of the card.
@@ -56,7 +49,7 @@ FITS_IDENTITY_COLUMNS = 13  # model .. backend: folded into the title where one 
 def _shape_cells(r) -> list[str]:
     """model, workload, batch (per GPU), seq, precision, ckpt."""
     return [str(r["model"]), str(r["workload"]), str(r["batch_size"]), str(r["seq_len"]), str(r["precision"]),
-            _ckpt(r)]
+            ckpt_word(r)]
 
 
 def _knob_cells(r) -> list[str]:
@@ -151,7 +144,7 @@ def group_label(r) -> str:
 
 def _ckpt_suffix(r) -> str:
     """"", " ckpt" or " ckpt=op" for a row (a frame's row, or a namedtuple of itertuples)."""
-    ckpt = _ckpt(r._asdict() if hasattr(r, "_asdict") else r)
+    ckpt = ckpt_word(r._asdict() if hasattr(r, "_asdict") else r)
     return {"no": "", "yes": " ckpt"}.get(ckpt, f" ckpt={ckpt}")
 
 

@@ -51,10 +51,15 @@ def job_label(row, varying=frozenset()) -> str:
     return f"{row['model']} {row['workload']} b{row['batch_size']} s{row['seq_len']} {variant_label(row, varying)}"
 
 
+def ckpt_word(row) -> str:
+    """A row's checkpointing in a word: no | yes (each layer recomputed whole) | op (the per-op policy)."""
+    ckpt = checkpointing_of(row)
+    return "no" if ckpt is None else "yes" if ckpt == "full" else ckpt
+
+
 def variant_label(row, varying=frozenset()) -> str:
     """A run's label without its model, workload, batch and sequence (a figure's panel and axis)."""
-    ckpt = checkpointing_of(row)
-    parts = [f"{row['precision']} ckpt={'no' if ckpt is None else 'yes' if ckpt == 'full' else ckpt}"]
+    parts = [f"{row['precision']} ckpt={ckpt_word(row)}"]
     if {"optimizer", "optimizer_impl"} & set(varying):
         parts.append(f"{row.get('optimizer')}/{row.get('optimizer_impl')}")
     if "workload_args" in varying and job_args(row):
