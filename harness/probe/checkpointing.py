@@ -3,6 +3,7 @@ torch.utils.checkpoint.checkpoint for each policy, the same on the virtual GPU, 
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import torch
@@ -10,7 +11,8 @@ import torch
 from harness.config.point import CheckpointingPolicy
 
 
-def _op_save_list() -> set:
+@functools.cache  # asked at every checkpointed layer's forward and recompute; the ops never change
+def _op_save_list() -> frozenset:
     """torchtitan's _op_sac_save_list (its Llama parallelize module, 2025-26), as far as torch
     has the ops: matmuls, attention's kernels, tensor parallel's reduce-scatter, max (float8's scales);
     and the CPU's flash attention, which backend=cpu runs where CUDA runs flash."""
@@ -21,7 +23,7 @@ def _op_save_list() -> set:
     ops = {aten.mm.default, aten.max.default, *(getattr(aten, n).default for n in names if hasattr(aten, n))}
     if hasattr(torch.ops, "_c10d_functional"):
         ops.add(torch.ops._c10d_functional.reduce_scatter_tensor.default)
-    return ops
+    return frozenset(ops)
 
 
 def _op_context():
