@@ -1,7 +1,11 @@
+import fcntl
 import os
+import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -41,3 +45,51 @@ def run_cli(*args, cwd=None, timeout=600):
 def tiny_point():
     return train_point()
 
+
+
+class Shared:
+    """What tests make once per session though xdist hands them to different workers (a smoke
+    sweep, a batch of gloo jobs): the first worker to ask makes it under a file lock; the others
+    wait on the lock and read it from disk. A make that fails leaves nothing: the next asker retries."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def dir(self, name: str, make: Callable[[Path], None]) -> Path:
+        """`root/name`, filled by make(root/name) once."""
+        out = self.root / name
+        with open(self.root / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (out / ".made").exists():
+                shutil.rmtree(out, ignore_errors=True)
+                out.mkdir()
+                make(out)
+                (out / ".made").touch()
+        return out
+
+    def value(self, name: str, make: Callable[[], object]):
+        """make()'s value (picklable), made once."""
+        return pickle.loads((self.dir(name, lambda d: (d / "value.pkl").write_bytes(pickle.dumps(make())))
+                             / "value.pkl").read_bytes())
+
+    def copy(self, name: str, make: Callable[[Path], None], to: Path) -> Path:
+        """A copy of dir(name, make) at `to`, for a test to change."""
+        shutil.copytree(self.dir(name, make), to, ignore=shutil.ignore_patterns(".made"))
+        return to
+
+
+@pytest.fixture(scope="session")
+def shared(tmp_path_factory) -> Shared:
+    base = tmp_path_factory.getbasetemp()
+    # xdist gives each worker basetemp/popen-gwN: their parent is the session's
+    return Shared((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared")
+
+
+def pytest_collection_finish(session):
+    """Set what the collection imported (torch, transformers, harness, the tests) aside from the
+    cyclic GC, as the zygote does for its points (probe.sim.trace.set_aside_for_forks): otherwise
+    every automatic collection in a test walks all of it (~30% of a trace's time in a test process)."""
+    from harness.probe.sim.trace import set_aside_for_forks
+
+    set_aside_for_forks()

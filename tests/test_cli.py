@@ -8,6 +8,7 @@ import stat
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -21,10 +22,14 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def smoke_sweep(tmp_path_factory):
-    results = tmp_path_factory.mktemp("results")
-    r = run_cli("sweep", "sweeps=smoke", f"results_dir={results}")
-    return r, results
+def smoke_sweep(shared, tmp_path_factory):
+    """The smoke sweep (run once a session) and a results dir of this module's own holding it."""
+    def sweep(results: Path) -> None:
+        r = run_cli("sweep", "sweeps=smoke", f"results_dir={results}")
+        (results / "run.json").write_text(json.dumps(dict(returncode=r.returncode, stdout=r.stdout, stderr=r.stderr)))
+
+    results = shared.copy("cli-smoke", sweep, tmp_path_factory.mktemp("cli") / "results")
+    return SimpleNamespace(**json.loads((results / "run.json").read_text())), results
 
 
 def _sweep_dirs(results):

@@ -40,7 +40,7 @@ _ORACLE_IDS = ["ddp-fp32", "ddp-bf16-ckpt", "tp-fp32", "tp-bf16-ckpt", "hsdp-bf1
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel,precision,checkpointing", _ORACLE, ids=_ORACLE_IDS)
-def test_one_fake_rank_allocates_what_each_gloo_rank_allocates(parallel, precision, checkpointing):
+def test_one_fake_rank_allocates_what_each_gloo_rank_allocates(parallel, precision, checkpointing, shared):
     """Every storage each real rank allocated (size, kind, phase, step, module, stream), in order,
     and its changes of kind, are the fake rank's; so is what each step leaves allocated. A free may
     come later on a real rank, never earlier, and within its step: gloo's worker thread lets go of a
@@ -52,7 +52,7 @@ def test_one_fake_rank_allocates_what_each_gloo_rank_allocates(parallel, precisi
     m, tracker = run_point(point, emulate_cuda=False, fake=True)
     allocs, freed, retags = _lives(tracker.journal())
     batch = [_over(p, c, **par) for par, p, c in _ORACLE]
-    for rank, (after_steps, (real_allocs, real_freed, real_retags)) in _real_ranks(point, batch).items():
+    for rank, (after_steps, (real_allocs, real_freed, real_retags)) in _real_ranks(point, batch, shared).items():
         assert (real_allocs, real_retags) == (allocs, retags), f"rank {rank}"
         assert real_freed.keys() == freed.keys(), f"rank {rank}"
         assert after_steps == m["step_allocated_bytes"], f"rank {rank}"

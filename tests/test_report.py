@@ -3,6 +3,7 @@
 import base64
 import re
 import shutil
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -16,10 +17,13 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def sweep_dir(tmp_path_factory):
-    results = tmp_path_factory.mktemp("results")
-    r = run_cli("sweep", "sweeps=smoke", "workload.leak=none,graph", f"results_dir={results}")
-    assert r.returncode == 0, r.stderr
+def sweep_dir(shared, tmp_path_factory):
+    """A smoke sweep with and without a leak (run once a session): this module's own copy."""
+    def sweep(results: Path) -> None:
+        r = run_cli("sweep", "sweeps=smoke", "workload.leak=none,graph", f"results_dir={results}")
+        assert r.returncode == 0, r.stderr
+
+    results = shared.copy("report-smoke", sweep, tmp_path_factory.mktemp("report") / "results")
     [d] = list((results / "smoke").iterdir())
     return d
 

@@ -1,6 +1,7 @@
 """A job over several GPUs on the virtual GPU (parallel.*): FSDP2 traced as rank 0 of a fake
 process group, checked against the same job on real CPU tensors in gloo processes, one per rank."""
 
+import hashlib
 import json
 import os
 import socket
@@ -66,36 +67,39 @@ def _lives(journal: list) -> tuple[list, dict, list]:
     return allocs, freed, retags
 
 
-_REAL: dict[str, dict[int, tuple]] = {}  # a point (its JSON) -> each real rank's (steps, lives)
+def _key(p: Point) -> str:
+    return json.dumps(p.to_dict(), sort_keys=True, default=str)
 
 
-def _real_ranks(point: Point, batch: list[Point] = ()) -> dict[int, tuple]:
-    """Each real rank's (what each step left allocated, _lives) for `point`. Run with the `batch`
-    points of its world size not yet run, in one set of processes: a process's start (imports, 5 s)
-    is paid once for them all."""
-    def key(p: Point) -> str:
-        return json.dumps(p.to_dict(), sort_keys=True, default=str)
+def _run_real(world: int, points: list[Point]) -> dict[str, dict[int, tuple]]:
+    """Each point's real ranks (rank -> (steps, lives)), the points one after another in one set of
+    `world` gloo processes."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_real_rank, args=(r, world, port, [p.to_dict() for p in points], out))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, dict[int, tuple]] = {}
+    for _ in range(len(points) * world):
+        i, rank, steps, lives = out.get(timeout=300)
+        got.setdefault(i, {})[rank] = (steps, lives)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return {_key(p): got[i] for i, p in enumerate(points)}
 
-    if key(point) not in _REAL:
-        world = point.parallel.world_size
-        todo = list({key(p): p for p in (point, *batch) if p.parallel.world_size == world and key(p) not in _REAL}.values())
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        port = _free_port()
-        procs = [ctx.Process(target=_real_rank, args=(r, world, port, [p.to_dict() for p in todo], out))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        got: dict[int, dict[int, tuple]] = {}
-        for _ in range(len(todo) * world):
-            i, rank, steps, lives = out.get(timeout=300)
-            got.setdefault(i, {})[rank] = (steps, lives)
-        for p in procs:
-            p.join(timeout=60)
-            assert p.exitcode == 0
-        for i, p in enumerate(todo):
-            _REAL[key(p)] = got[i]
-    ranks = _REAL[key(point)]
+
+def _real_ranks(point: Point, batch: list[Point], shared) -> dict[int, tuple]:
+    """Each real rank's (what each step left allocated, _lives) for `point`, one of `batch`. The
+    batch's points of its world size run together once a session (tests.conftest.Shared): a
+    process's start (imports, 5 s) is paid once for them all, whichever worker asks first."""
+    world = point.parallel.world_size
+    todo = {_key(p): p for p in batch if p.parallel.world_size == world}
+    assert _key(point) in todo, "the point is one of its batch"
+    name = f"gloo-{world}-{hashlib.sha1(''.join(sorted(todo)).encode()).hexdigest()[:12]}"
+    ranks = shared.value(name, lambda: _run_real(world, list(todo.values())))[_key(point)]
     failed = [lives for steps, lives in ranks.values() if steps is None]
     assert not failed, failed[0]
     return ranks
@@ -122,7 +126,7 @@ def _oracle_points() -> list[Point]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision,checkpointing,param_dtype", _ORACLE)
-def test_one_fake_rank_traces_what_each_gloo_rank_allocates(precision, checkpointing, param_dtype):
+def test_one_fake_rank_traces_what_each_gloo_rank_allocates(precision, checkpointing, param_dtype, shared):
     """FSDP2 over 2 ranks: the fake trace of rank 0 equals, entry for entry, what each rank of the
     same job on real CPU tensors in two gloo processes allocated (shards padded alike: rank 1 too;
     what gloo allocates inside a collective is its own, as NCCL's is), but for the timing of gloo's
@@ -131,7 +135,7 @@ def test_one_fake_rank_traces_what_each_gloo_rank_allocates(precision, checkpoin
     point = _sharded(precision=precision, checkpointing=checkpointing, param_dtype=param_dtype)
     m, tracker = run_point(point, emulate_cuda=False, fake=True)
     allocs, freed, retags = _lives(tracker.journal())
-    for rank, (after_steps, (real_allocs, real_freed, real_retags)) in _real_ranks(point, _oracle_points()).items():
+    for rank, (after_steps, (real_allocs, real_freed, real_retags)) in _real_ranks(point, _oracle_points(), shared).items():
         assert (real_allocs, real_retags) == (allocs, retags), f"rank {rank}"
         assert real_freed.keys() == freed.keys(), f"rank {rank}"
         # gloo's worker thread may drop a collective's buffer (on FSDP2's streams) a few allocs later
@@ -143,14 +147,14 @@ def test_one_fake_rank_traces_what_each_gloo_rank_allocates(precision, checkpoin
 
 
 @pytest.mark.slow
-def test_a_users_job_sharding_itself_over_the_mesh_it_is_handed_traces_as_each_gloo_rank_allocates():
+def test_a_users_job_sharding_itself_over_the_mesh_it_is_handed_traces_as_each_gloo_rank_allocates(shared):
     """A job of your own given Knobs.mesh applies FSDP2 itself (tests/jobs/fsdp_job.py, its model
     made whole first, as such a job does): the fake rank 0 allocates what each real rank does."""
     point = _users_job()
     m, tracker = run_point(point, emulate_cuda=False, fake=True)
     allocs, freed, retags = _lives(tracker.journal())
     assert m["params_bytes"] < run_point(point.replace(parallel=Parallel()), emulate_cuda=False)[0]["params_bytes"]
-    for rank, (after_steps, (real_allocs, real_freed, real_retags)) in _real_ranks(point, _oracle_points()).items():
+    for rank, (after_steps, (real_allocs, real_freed, real_retags)) in _real_ranks(point, _oracle_points(), shared).items():
         assert (real_allocs, real_retags) == (allocs, retags), f"rank {rank}"
         assert real_freed.keys() == freed.keys() and after_steps == m["step_allocated_bytes"], f"rank {rank}"
 

@@ -68,7 +68,14 @@ def collect_cycles(tracker) -> tuple[list[str], int]:
         gc.garbage.clear()
     finally:
         gc.set_debug(was)
+    # Who refers to whom inside the garbage, from one pass over it: gc.get_referrers would walk the
+    # whole heap once per object (50 ms each in a large process)
     in_garbage = {id(o) for o in garbage}
+    referrers: dict[int, list] = {}
+    for g in garbage:
+        for x in gc.get_referents(g):
+            if id(x) in in_garbage:
+                referrers.setdefault(id(x), []).append(g)
     holders: Counter[str] = Counter()
     frontier: list = []
     for t in (o for o in garbage if isinstance(o, torch.Tensor)):
@@ -76,14 +83,14 @@ def collect_cycles(tracker) -> tuple[list[str], int]:
         for _depth in range(4):  # up the referrer chain, inside the garbage only
             nxt = []
             for o in frontier:
-                for r in gc.get_referrers(o):
-                    if id(r) in in_garbage and id(r) not in seen:
+                for r in referrers.get(id(o), ()):
+                    if id(r) not in seen:
                         seen.add(id(r))
                         nxt.append(r)
                         if not isinstance(r, (dict, list, tuple, set, torch.Tensor)) and type(r).__name__ != "cell":
                             holders[type(r).__name__] += 1
             frontier = nxt
-    del garbage, frontier
+    del garbage, frontier, referrers
     gc.collect()
     return [name for name, _n in holders.most_common(3)], before - tracker.allocated
 
