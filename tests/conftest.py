@@ -86,10 +86,11 @@ def shared(tmp_path_factory) -> Shared:
     return Shared((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared")
 
 
-def pytest_collection_finish(session):
-    """Set what the collection imported (torch, transformers, harness, the tests) aside from the
-    cyclic GC, as the zygote does for its points (probe.sim.trace.set_aside_for_forks): otherwise
-    every automatic collection in a test walks all of it (~30% of a trace's time in a test process)."""
-    from harness.probe.sim.trace import set_aside_for_forks
+def pytest_collection_modifyitems(items):
+    """Slow tests first, Slurm's first of all: the cluster's tests wait on Slurm more than they
+    compute, and a long test handed out last is the suite's tail (xdist hands tests out in this
+    order as workers free up)."""
+    def order(item) -> int:
+        return 0 if item.path.name == "test_slurm.py" else 1 if item.get_closest_marker("slow") else 2
 
-    set_aside_for_forks()
+    items.sort(key=order)

@@ -38,14 +38,16 @@ def test_a_card_between_allocated_and_reserved_fits_by_the_retry_ladder():
 
 
 def test_a_capacity_that_decides_every_cudamalloc_alike_reuses_a_replay_and_its_verdict():
-    """Cards every 8 MiB from 96 to 320 MiB: each answer (OOM or not, cache flushes, peaks) is
-    what a replay of its own gives, from fewer replays than cards."""
+    """Cards every 8 MiB from 96 to 320 MiB, each of its own total size: each answer (OOM or not,
+    cache flushes, peaks) is what a replay of its own gives, from fewer replays than cards. Under
+    expandable segments (whose address ranges a card's total sizes) cards of other totals do not
+    share one."""
     from harness.allocator.model import Device
 
     rows, settings = _small_then_large(), AllocSettings()
     replays = Replays(rows, settings)
     for mib in range(96, 321, 8):
-        device = Device(capacity=mib * MiB, total=320 * MiB)
+        device = Device(capacity=mib * MiB, total=(320 + mib) * MiB)
         got, own = replays.on(device), replay_events(rows, settings, device)[0]
         assert (bool(got.ooms), got.num_alloc_retries, got.peak_reserved_bytes, got.peak_allocated_bytes) == \
             (bool(own.ooms), own.num_alloc_retries, own.peak_reserved_bytes, own.peak_allocated_bytes), mib
@@ -55,6 +57,10 @@ def test_a_capacity_that_decides_every_cudamalloc_alike_reuses_a_replay_and_its_
     for mib in range(96, 321, 8):
         lazy.on(Device(capacity=mib * MiB, total=320 * MiB))
     assert len(read) == len(lazy.done) == len(replays.done)
+    expandable = Replays(rows, AllocSettings.from_conf("expandable_segments:True"))
+    for total in (320, 640, 320):
+        expandable.on(Device(capacity=200 * MiB, total=total * MiB))
+    assert [d.total for d, _r in expandable.done] == [320 * MiB, 640 * MiB]
 
 
 @pytest.mark.parametrize("conf", ["", "roundup_power2_divisions:4", "max_split_size_mb:20", "expandable_segments:True"])

@@ -357,8 +357,9 @@ def _replay_lean(events, alloc: CachingAllocator, result: ReplayResult, stop_at_
 
 class Replays:
     """One trace's replays under one setting on devices of several capacities (the cards a run is
-    checked against): a device under which an earlier replay would be the same (same total and
-    fraction, a capacity in its alike range) gets that replay instead of a new one. Its OOM rows
+    checked against): a device under which an earlier replay would be the same (same fraction, a
+    capacity in its alike range, and same total under expandable segments) gets that replay instead
+    of a new one. Its OOM rows
     then name the earlier device's capacity, and its own replays are lean (ReplayResult.lean): for
     whether a run fits and how often it retries, not for its message or its split statistics."""
 
@@ -373,8 +374,12 @@ class Replays:
         return result
 
     def on(self, device: Device) -> ReplayResult:
+        # A card's total memory sizes only expandable segments' address ranges (and OOM messages,
+        # which lean replays do not make): without them, cards of other sizes but a capacity in the
+        # alike range make the same decisions
+        any_total = not self.settings.expandable_segments
         for d, r in self.done:
-            if d.total == device.total and d.allowed == device.allowed and _alike(r, device.capacity):
+            if (any_total or d.total == device.total) and d.allowed == device.allowed and _alike(r, device.capacity):
                 return r
         events = self.events() if callable(self.events) else self.events
         return self.add(device, replay_events(events, self.settings, device, lean=True)[0])
