@@ -129,6 +129,17 @@ def test_leaks_make_allocated_climb_and_name_their_holder(leak):
         assert "reference cycle through _StepState" in m["retained_holder"]
 
 
+def test_a_cycles_holder_is_its_own_whatever_the_process_traced_before():
+    """Cycles an earlier trace left behind (FSDP2's parameters) are freed before the steps, not
+    named as the leak's holder."""
+    from harness.config.point import Parallel
+
+    run_point(train_point(batch_size=2, seq_len=32).replace(parallel=Parallel(dp_shard=2)))
+    point = train_point(steps=4)
+    m, _ = run_point(point.replace(workload=dataclasses.replace(point.workload, leak="cycle")))
+    assert m["retained_holder"].endswith("a reference cycle through _StepState; gc.collect() freed 0.4 MiB")
+
+
 def test_no_leak_no_climb_no_holder():
     m, _ = run_point(train_point(steps=4))
     assert len(set(m["step_allocated_bytes"])) == 1 and m["retained_holder"] is None

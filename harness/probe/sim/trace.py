@@ -113,14 +113,15 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh) -> tuple[dict
         # this trace's leftovers with it: the next trace's collections then walk only what that
         # trace makes (unfrozen, each costs a walk of all of torch and transformers, ~0.2 s).
         set_aside = _heap_set_aside()
+        # Cycles left by the build (or by anything before it in this process) go first, as the
+        # first step's collection would free them, and are not in the holder search's garbage.
+        gc.collect()
         if cycle:
             gc.disable()  # the cycle lives until the GC gets round to it; here, not during the steps
         else:
             # What lives before the steps (torch, transformers, the model) is set aside from the
             # collector, so each step's collection walks only what the steps made (a full one costs
-            # 0.1-0.5 s per step in a large process). Cycles left by the build go first, as the
-            # first step's collection would free them.
-            gc.collect()
+            # 0.1-0.5 s per step in a large process).
             gc.freeze()
         try:
             for i in range(n_steps):
