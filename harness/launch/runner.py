@@ -59,8 +59,8 @@ def run_point(point: Point, run_dir: Path, results_dir: Path | None = None,
     else:
         t0 = time.perf_counter()
         rc = _run_forked(run_dir, point.timeout_s) if _zygote_enabled() else NO_ZYGOTE
-        if rc is NO_ZYGOTE:
-            rc = _run_subprocess(run_dir, log, point.timeout_s)
+        if rc is NO_ZYGOTE:  # one thread, as a zygote's child has (launch.zygote: a point a core)
+            rc = _run_subprocess(run_dir, log, point.timeout_s, {"OMP_NUM_THREADS": "1", **os.environ})
     if STOPPING.is_set():
         raise Stopped(str(run_dir))
     if rc is TIMED_OUT:
