@@ -359,9 +359,9 @@ class Replays:
     """One trace's replays under one setting on devices of several capacities (the cards a run is
     checked against): a device under which an earlier replay would be the same (same fraction, a
     capacity in its alike range, and same total under expandable segments) gets that replay instead
-    of a new one. Its OOM rows
-    then name the earlier device's capacity, and its own replays are lean (ReplayResult.lean): for
-    whether a run fits and how often it retries, not for its message or its split statistics."""
+    of a new one. Its OOM rows then name the earlier device's capacity, and its own replays are lean
+    (ReplayResult.lean): for whether a run fits and how often it retries, not for its message or its
+    split statistics."""
 
     def __init__(self, events, settings: AllocSettings):
         """`events`: the trace's rows, or a function that reads them (asked for each new replay, so
