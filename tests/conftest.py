@@ -51,11 +51,11 @@ def tiny_point():
     return train_point()
 
 
-
 class Shared:
     """What tests make once per session though xdist hands them to different workers (a smoke
     sweep, a batch of gloo jobs): the first worker to ask makes it under a file lock; the others
-    wait on the lock and read it from disk. A make that fails leaves nothing: the next asker retries."""
+    wait on the lock and read it from disk. A make that fails is not taken for made: the next
+    asker makes it again."""
 
     def __init__(self, root: Path):
         self.root = root
