@@ -99,3 +99,12 @@ def pytest_collection_modifyitems(items):
         return 0 if item.path.name == "test_slurm.py" else 1 if item.get_closest_marker("slow") else 2
 
     items.sort(key=order)
+
+
+def pytest_collection_finish(session):
+    """Set what the collection imported (torch, transformers, harness, the tests) aside from the
+    cyclic GC, as the zygote does for its points (probe.sim.trace.set_aside_for_forks): otherwise
+    every automatic collection in a test walks all of it."""
+    from harness.probe.sim.trace import set_aside_for_forks
+
+    set_aside_for_forks()

@@ -129,14 +129,32 @@ def test_leaks_make_allocated_climb_and_name_their_holder(leak):
         assert "reference cycle through _StepState" in m["retained_holder"]
 
 
-def test_a_cycles_holder_is_its_own_whatever_the_process_traced_before():
+@pytest.mark.parametrize("set_aside", [False, True])
+def test_a_cycles_holder_is_its_own_whatever_the_process_traced_before(set_aside):
     """Cycles an earlier trace left behind (FSDP2's parameters) are freed before the steps, not
-    named as the leak's holder."""
-    from harness.config.point import Parallel
+    named as the leak's holder; also where the process set its heap aside from the GC (a zygote's
+    child, whose earlier traces' leftovers are frozen with it)."""
+    import gc
 
-    run_point(train_point(batch_size=2, seq_len=32).replace(parallel=Parallel(dp_shard=2)))
-    point = train_point(steps=4)
-    m, _ = run_point(point.replace(workload=dataclasses.replace(point.workload, leak="cycle")))
+    from harness.config.point import Parallel
+    from harness.probe.sim import trace
+
+    was = (trace._set_aside, gc.get_freeze_count() > 0)
+    trace._set_aside = set_aside
+    try:
+        if set_aside:
+            gc.freeze()
+        else:
+            gc.unfreeze()
+        run_point(train_point(batch_size=2, seq_len=32).replace(parallel=Parallel(dp_shard=2)))
+        point = train_point(steps=4)
+        m, _ = run_point(point.replace(workload=dataclasses.replace(point.workload, leak="cycle")))
+    finally:
+        trace._set_aside = was[0]
+        if was[1]:
+            gc.freeze()
+        else:
+            gc.unfreeze()
     assert m["retained_holder"].endswith("a reference cycle through _StepState; gc.collect() freed 0.4 MiB")
 
 
