@@ -34,11 +34,8 @@ def old_tensors(tracker, step: int) -> list[str]:
     for obj in tensors:
         if obj.grad_fn is None:
             continue
-        try:
-            key = obj.untyped_storage()._cdata
-        except (RuntimeError, NotImplementedError):
-            continue
-        live = tracker._live.get(key)
+        key = _storage_key(obj)
+        live = tracker._live.get(key) if key is not None else None
         if live is not None and born.get(key, step) < step and live[2] == "activation":
             old.append(obj)
     # One walk of the heap for all of them (gc.get_referrers walks every object per call).
@@ -56,9 +53,18 @@ def old_tensors(tracker, step: int) -> list[str]:
     return [text + (f" (x{n})" if n > 1 else "") for text, n in found.most_common(3)]
 
 
+def _storage_key(t: torch.Tensor) -> int | None:
+    """The tensor's storage as the tracker keys it (None: a tensor without one)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def collect_cycles(tracker) -> tuple[list[str], int]:
-    """Run the cyclic GC: (the kinds of objects in the cycles that held tensors, most first; the
-    bytes freed)."""
+    """Run the cyclic GC: (the kinds of objects in the cycles that held this trace's tensors, most
+    first; the bytes freed). Cycles of other tensors (an earlier trace's in this process, frozen
+    with its leftovers where the heap is set aside) are freed, not named."""
     before = tracker.allocated
     was = gc.get_debug()
     gc.set_debug(gc.DEBUG_SAVEALL)  # unreachable objects go to gc.garbage instead of being freed
@@ -78,7 +84,7 @@ def collect_cycles(tracker) -> tuple[list[str], int]:
                 referrers.setdefault(id(x), []).append(g)
     holders: Counter[str] = Counter()
     frontier: list = []
-    for t in (o for o in garbage if isinstance(o, torch.Tensor)):
+    for t in (o for o in garbage if isinstance(o, torch.Tensor) and _storage_key(o) in tracker._live):
         frontier, seen = [t], {id(t)}
         for _depth in range(4):  # up the referrer chain, inside the garbage only
             nxt = []

@@ -113,10 +113,6 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh) -> tuple[dict
         # this trace's leftovers with it: the next trace's collections then walk only what that
         # trace makes (unfrozen, each costs a walk of all of torch and transformers, ~0.2 s).
         set_aside = _heap_set_aside()
-        if cycle and set_aside:
-            # The holder search unfreezes all: what earlier traces here left frozen (the shortcut's
-            # shallower ones) must be freed now, or their cycles would be named as this one's
-            gc.unfreeze()
         # Cycles left by the build (or by anything before it in this process) go first, as the
         # first step's collection would free them, and are not in the holder search's garbage.
         gc.collect()
