@@ -131,9 +131,10 @@ def test_leaks_make_allocated_climb_and_name_their_holder(leak):
 
 @pytest.mark.parametrize("set_aside", [False, True])
 def test_a_cycles_holder_is_its_own_whatever_the_process_traced_before(set_aside):
-    """Cycles an earlier trace left behind (FSDP2's parameters) are freed before the steps, not
-    named as the leak's holder; also where the process set its heap aside from the GC (a zygote's
-    child, whose earlier traces' leftovers are frozen with it)."""
+    """Cycles an earlier trace left behind (FSDP2's parameters) are not named as the leak's holder:
+    freed before the steps, or, where the process set its heap aside from the GC (a zygote's child,
+    whose earlier traces' leftovers are frozen with it), passed over as holding no tensor of this
+    trace's."""
     import gc
 
     from harness.config.point import Parallel
