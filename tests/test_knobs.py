@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from harness.config.compose import compose
-from harness.config.point import Leak, OptimizerImpl, OptimizerName, Precision, WorkloadName
+from harness.config.point import Leak, OptimizerImpl, OptimizerName, Parallel, Precision, WorkloadName
 from harness.errors import ConfigError
 from harness.launch.point import to_point
 from harness.probe.worker import run_sim
-from tests.conftest import REPO
+from tests.conftest import REPO, train_point
 
 ALLOCATORS = sorted(p.stem for p in (REPO / "harness" / "conf" / "allocator").glob("*.yaml"))
 PRESET_KNOBS = {
@@ -124,6 +124,41 @@ def test_every_pair_of_knob_values_runs_to_a_row_on_the_preset_and_each_example_
     rec = _run(cell, tmp_path)
     assert rec["status"] in ("ok", "oom"), rec.get("error")
     assert rec["peak_allocated_bytes"] > 0
+
+
+# The ways a job's parameters are spread: FSDP2's shards and TP's slices are DTensors, DDP's are not
+LAYOUTS = {"fsdp2": Parallel(dp_shard=2), "ddp": Parallel(dp_replicate=2), "tp": Parallel(tp=2),
+           "hsdp": Parallel(dp_shard=2, dp_replicate=2), "fsdp2+tp": Parallel(dp_shard=2, tp=2)}
+
+
+def test_every_optimizer_and_implementation_over_each_layout_is_a_point_or_refused_by_one_key():
+    base = train_point()
+    refused = {}
+    for (layout, parallel), name, impl in itertools.product(LAYOUTS.items(), OptimizerName, OptimizerImpl):
+        try:
+            base.replace(parallel=parallel, optimizer=dataclasses.replace(base.optimizer, name=name, impl=impl))
+        except ConfigError as e:
+            assert "\n" not in str(e)
+            refused[(layout, name, impl)] = e.key
+    dtensors = {"fsdp2", "tp", "hsdp", "fsdp2+tp"}
+    # Adafactor has no fused form and does not run on DTensors; torch's fused SGD has no DTensor rule
+    assert refused == {
+        **{(lay, "adafactor", "fused"): "optimizer.impl" for lay in LAYOUTS},
+        **{(lay, "adafactor", impl): "optimizer.name" for lay in dtensors for impl in OptimizerImpl if impl != "fused"},
+        **{(lay, "sgd", "fused"): "optimizer.impl" for lay in dtensors}}
+
+
+@pytest.mark.parametrize("optimizer, runs", [("sgd", False), ("adamw", True)])
+def test_a_fused_optimizer_over_fsdp2_is_refused_exactly_where_torch_cannot_run_it(optimizer, runs):
+    from harness.probe.sim.trace import run_point
+
+    point = train_point(optimizer=optimizer, impl="fused", steps=2)
+    object.__setattr__(point, "parallel", LAYOUTS["fsdp2"])  # past the refusal: what torch itself does
+    if runs:
+        assert run_point(point)[0]["peak_allocated_bytes"] > 0
+    else:
+        with pytest.raises(NotImplementedError, match="_fused_sgd_"):
+            run_point(point)
 
 
 def test_checkpointing_a_job_with_nothing_to_checkpoint_is_refused_with_the_reason(tmp_path):

@@ -341,6 +341,18 @@ class Parallel:
         return self.dp_shard > 1 or self.tp > 1
 
 
+def _dtensor_has_fused(optimizer: str) -> bool:
+    """Whether DTensor runs torch.optim's fused kernel for `optimizer` (a sharding rule registered for
+    it: torch 2.13 has Adam's and AdamW's, not SGD's). Asked only of a fused optimizer over DTensors."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    op = getattr(torch.ops.aten, f"_fused_{optimizer}_", None)
+    rules = DTensor._op_dispatcher.sharding_propagator
+    return op is not None and any(getattr(op, overload) in table for overload in op.overloads()
+                                  for table in (rules.op_strategy_funcs, rules.op_single_dim_strategy_funcs))
+
+
 def fewest_nodes(gpus: int, gpus_per_node: int) -> int:
     """The fewest nodes that hold `gpus` as many on each, no more than `gpus_per_node` a node."""
     nodes = -(-gpus // gpus_per_node)
@@ -416,6 +428,10 @@ class Point:
             if self.optimizer.name == OptimizerName.adafactor and self.parallel.dtensors:  # as torch 2.13's DTensor does
                 raise ConfigError("optimizer.name", "torch.optim.Adafactor does not run on DTensor parameters (FSDP2, TP) "
                                   "(DTensor refuses its in-place pow_ on a partial norm): use adamw or sgd")
+            if (self.optimizer.impl == OptimizerImpl.fused and self.parallel.dtensors
+                    and not _dtensor_has_fused(self.optimizer.name)):
+                raise ConfigError("optimizer.impl", f"torch's fused {self.optimizer.name} has no DTensor rule in this "
+                                  "torch, so it does not run on FSDP2's or TP's parameters: use foreach or forloop")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Point:
