@@ -217,6 +217,7 @@ def test_a_zygotes_points_name_the_code_it_loaded_though_its_files_change_after(
     import shutil
     import subprocess as sp
 
+    from harness.launch import zygote
     from harness.record.row import POINT_FILE, RESULT_FILE, run_id
 
     shutil.copytree(REPO / "harness", tmp_path / "harness")
@@ -235,7 +236,7 @@ def test_a_zygotes_points_name_the_code_it_loaded_though_its_files_change_after(
         (run_dir / POINT_FILE).write_text(json.dumps(point.to_dict(), default=str))
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(str(sock))
-        conn.sendall(f"{run_dir}\n".encode())
+        conn.sendall(zygote.request(run_dir))
         answers = conn.makefile("rb").read().decode()
         conn.close()
     finally:
@@ -286,6 +287,60 @@ def test_an_edit_to_a_module_the_job_imports_runs_the_job_again(tmp_path):
     assert edited["status"] == "ok" and not edited.get("reused_from") and not edited.get("trace_reused")
     assert edited["n_params"] > first["n_params"]
     assert sweep(4)["reused_from"]  # the new row serves from now on
+
+
+def test_an_edit_to_the_models_config_json_runs_it_again(tmp_path):
+    """model=hf reads its architecture from the user's file: an edited file is traced again, not
+    served from the row and trace of the old architecture."""
+    from harness.config.compose import compose
+    from harness.launch.point import to_point
+
+    config = tmp_path / "config.json"
+    arch = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 256, "max_position_embeddings": 128}
+    config.write_text(json.dumps(arch))
+    results = tmp_path / "results"
+
+    def sweep(n):  # a run dir of a sweep, as Hydra lays them out; the point made as a sweep makes it
+        cfg = compose(["model=hf", f"model.config_json={config}", "seq_len=32", "batch_size=1", "sweep=t"])
+        return runner.run_point(to_point(cfg, [], str(tmp_path), results_dir=results),
+                                results / "t" / f"{n}" / "runs" / "0", results)
+
+    first = sweep(1)
+    assert first["status"] == "ok", first.get("error")
+    assert sweep(2)["reused_from"]  # unchanged: reused
+    config.write_text(json.dumps({**arch, "num_hidden_layers": 3}))
+    edited = sweep(3)
+    assert edited["status"] == "ok" and not edited.get("reused_from") and not edited.get("trace_reused")
+    assert edited["n_params"] > first["n_params"]
+    assert sweep(4)["reused_from"]  # the new row serves from now on
+
+
+def test_a_row_judged_against_another_catalog_runs_again_and_its_trace_serves(tmp_path, monkeypatch):
+    """Calibrate's measurements change the catalog's cards, and with them every row's fit verdicts:
+    a re-run judges the row again (from its cached trace), not serves the old verdicts. The points
+    fork from the zygote, which reads the measurements where this process's environment says."""
+    from harness.config import cards
+    from harness.config.compose import compose
+    from harness.launch.point import to_point
+
+    monkeypatch.setenv(cards.MEASURED_ENV, str(tmp_path / "measured.json"))
+    results = tmp_path / "results"
+    point = to_point(compose(["model=tiny", "seq_len=64", "sweep=t"]), [], str(tmp_path), results_dir=results)
+
+    def sweep(n):
+        return runner.run_point(point, results / "t" / f"{n}" / "runs" / "0", results)
+
+    first = sweep(1)
+    assert first["status"] == "ok" and sweep(2)["reused_from"]
+    t4 = cards.by_key()["t4"]
+    cards.record_measured([{"gpu": "T4", "status": "ok", "emulated_gpu": False,
+                            "device_memory_bytes": t4.memory_bytes, "measured_non_pytorch_bytes": 400 * 2**20}],
+                          {"T4": "t4"})
+    judged_again = sweep(3)
+    assert not judged_again.get("reused_from") and judged_again["trace_reused"]
+    assert judged_again["catalog_sha"] == cards.digest() != first["catalog_sha"]
+    assert sweep(4)["reused_from"]
 
 
 def test_the_identity_of_a_run_covers_torch_transformers_and_harness():

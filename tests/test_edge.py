@@ -89,23 +89,17 @@ def test_a_fit_on_retry_never_reads_as_a_plain_fit_with_negative_headroom():
 
 def test_what_calibrate_measured_replaces_the_estimate(tmp_path, monkeypatch):
     monkeypatch.setenv(cards.MEASURED_ENV, str(tmp_path / "measured.json"))
-    cards._measured.cache_clear()
-    cards._catalog.cache_clear()
-    try:
-        t4 = cards.by_key()["t4"]
-        assert t4.non_pytorch_spread_bytes > 0 and t4.memory_spread_bytes > 0  # estimates
-        rows = [{"gpu": "T4", "status": "ok", "emulated_gpu": False, "device_memory_bytes": 15_637_086_208,
-                 "measured_non_pytorch_bytes": n, "device_name": "Tesla T4", "torch_version": "2.13.0"}
-                for n in (401 * MiB, 409 * MiB)]
-        rows.append({**rows[0], "emulated_gpu": True, "measured_non_pytorch_bytes": 3 * GiB})  # another device's
-        recorded = cards.record_measured(rows, {"T4": "t4"})
-        assert set(recorded) == {"t4"}
-        measured = cards.by_key()["t4"]
-        assert measured.memory_bytes == 15_637_086_208 and measured.memory_spread_bytes == 0
-        assert measured.non_pytorch_bytes == 409 * MiB and measured.non_pytorch_spread_bytes == 16 * MiB
-        assert json.loads((tmp_path / "measured.json").read_text())["t4"]["non_pytorch_bytes"] == 409 * MiB
-        composed = dataclasses.replace(t4, key="")
-        assert cards.as_measured(composed).non_pytorch_bytes == 409 * MiB  # a point's card, composed from YAML
-    finally:
-        cards._measured.cache_clear()
-        cards._catalog.cache_clear()
+    t4 = cards.by_key()["t4"]
+    assert t4.non_pytorch_spread_bytes > 0 and t4.memory_spread_bytes > 0  # estimates
+    rows = [{"gpu": "T4", "status": "ok", "emulated_gpu": False, "device_memory_bytes": 15_637_086_208,
+             "measured_non_pytorch_bytes": n, "device_name": "Tesla T4", "torch_version": "2.13.0"}
+            for n in (401 * MiB, 409 * MiB)]
+    rows.append({**rows[0], "emulated_gpu": True, "measured_non_pytorch_bytes": 3 * GiB})  # another device's
+    recorded = cards.record_measured(rows, {"T4": "t4"})
+    assert set(recorded) == {"t4"}
+    measured = cards.by_key()["t4"]
+    assert measured.memory_bytes == 15_637_086_208 and measured.memory_spread_bytes == 0
+    assert measured.non_pytorch_bytes == 409 * MiB and measured.non_pytorch_spread_bytes == 16 * MiB
+    assert json.loads((tmp_path / "measured.json").read_text())["t4"]["non_pytorch_bytes"] == 409 * MiB
+    composed = dataclasses.replace(t4, key="")
+    assert cards.as_measured(composed).non_pytorch_bytes == 409 * MiB  # a point's card, composed from YAML

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -29,18 +30,38 @@ def measured_path() -> Path:
     return Path(os.environ.get(MEASURED_ENV, default))
 
 
-@functools.cache
-def _measured() -> dict[str, dict]:
+def _measured_key() -> tuple:
+    """Which measurements a process would read now: the file, and its version on disk (a process
+    that outlives a calibrate, such as the node's zygote, reads the new figures)."""
+    path = measured_path()
     try:
-        return json.loads(measured_path().read_text())
+        st = path.stat()
+    except OSError:
+        return (str(path), None)
+    return (str(path), st.st_mtime_ns, st.st_size)
+
+
+def _measured() -> dict[str, dict]:
+    return _measured_as(_measured_key())
+
+
+@functools.lru_cache(maxsize=4)
+def _measured_as(key: tuple) -> dict[str, dict]:
+    try:
+        return json.loads(Path(key[0]).read_text())
     except (OSError, ValueError):
         return {}
 
 
-@functools.cache
 def _catalog() -> tuple[Card, ...]:
-    # Read once per process: every row's fit verdicts and every report ask for the whole catalog.
-    measured = _measured()
+    return _catalog_as(_measured_key())
+
+
+@functools.lru_cache(maxsize=4)
+def _catalog_as(key: tuple) -> tuple[Card, ...]:
+    # Read once per version of the measurements: every row's fit verdicts and every report ask for
+    # the whole catalog.
+    measured = _measured_as(key)
     out = []
     for path in (CONF_DIR / "gpu").glob("*.yaml"):
         card = Card.from_dict({**as_dict(OmegaConf.load(path)), "key": path.stem})
@@ -48,6 +69,13 @@ def _catalog() -> tuple[Card, ...]:
             card = with_measured(card, measured[path.stem])
         out.append(card)
     return tuple(sorted(out, key=lambda c: c.memory_bytes))
+
+
+def digest() -> str:
+    """A fingerprint of the catalog's figures as this process reads them (calibrate's measurements
+    included): a row's fit verdicts hold for the catalog they were judged against."""
+    figures = [{k: v for k, v in dataclasses.asdict(c).items() if k != "slurm"} for c in _catalog()]
+    return hashlib.sha1(json.dumps(figures, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def with_measured(card: Card, m: dict) -> Card:
@@ -90,8 +118,6 @@ def record_measured(rows: list[dict], keys: dict[str, str]) -> dict[str, dict]:
     path = measured_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1, sort_keys=True))
-    _measured.cache_clear()
-    _catalog.cache_clear()
     return {k: out[k] for k in seen}
 
 

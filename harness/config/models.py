@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -10,10 +11,19 @@ from harness.errors import ConfigError
 _ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
 
 
-def _read_config_json(path: str) -> dict:
+def _config_file(path: str) -> Path:
     p = Path(path).expanduser()
-    if p.is_dir():
-        p = p / "config.json"
+    return p / "config.json" if p.is_dir() else p
+
+
+def config_json_sha(path: str) -> str:
+    """A hash of the config.json's bytes (ConfigError naming model.config_json where it is unreadable)."""
+    _read_config_json(path)
+    return hashlib.sha1(_config_file(path).read_bytes()).hexdigest()[:12]
+
+
+def _read_config_json(path: str) -> dict:
+    p = _config_file(path)
     if not p.is_file():
         raise ConfigError("model.config_json", f"no such file: {p}")
     try:

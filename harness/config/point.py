@@ -102,6 +102,8 @@ class Model:
     arch: str = "llama"  # transformers config class family: llama | qwen2 | mistral | auto
     config_json: str | None = None  # a local HF config.json (or its folder)
     hf: dict[str, Any] = field(default_factory=dict)  # config-class keyword arguments
+    # config_json's fingerprint, so that an edited file is traced again, not reused
+    config_sha: str | None = field(default=None, metadata=RUNTIME)
 
 
 # A training step's peak comes once the optimizer state exists: in step 2.

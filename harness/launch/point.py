@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from harness.config import cards as catalog
+from harness.config.models import config_json_sha
 from harness.config.point import Point, WorkloadName
 from harness.config.target import source_sha
 from harness.launch.gpus import resolve_backend
@@ -23,7 +24,10 @@ def to_point(cfg, overrides: list[str], cwd: str | None = None, cluster: bool = 
     workload = point.workload
     if workload.name == WorkloadName.custom:
         workload = dataclasses.replace(workload, source_sha=source_sha(workload.target, cwd))
+    model = point.model
+    if model.config_json:
+        model = dataclasses.replace(model, config_sha=config_json_sha(model.config_json))
     return point.replace(
         backend=resolve_backend(point.backend, cluster), overrides=" ".join(overrides), cwd=cwd,
         trace_cache=str(Path(results_dir) / ".traces") if results_dir is not None else None,
-        workload=workload, job_id=job_id)
+        workload=workload, model=model, job_id=job_id)

@@ -163,7 +163,7 @@ def _run_forked(run_dir: Path, timeout_s: float):
         return NO_ZYGOTE
     deadline = time.monotonic() + timeout_s
     with conn:
-        conn.sendall(f"{run_dir}\n".encode())
+        conn.sendall(zygote.request(run_dir))
         reader = conn.makefile("rb")
         pid = None
         while True:

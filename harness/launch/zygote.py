@@ -9,8 +9,10 @@ fork would break - and freezes what it holds out of the cyclic GC's sight (each 
 collections then walk only what its point made). It exits after `IDLE_S` without requests, and is
 keyed by the code it loaded, so an edit to harness starts a fresh one.
 
-Protocol on a Unix socket: the client sends the run dir; the forked child answers "pid N", runs
-the point (stdout and stderr to worker.log) and answers "rc N" when done.
+Protocol on a Unix socket: the client sends the run dir and its environment (a JSON line: the
+point runs in the client's environment, not in the one of whichever client started the zygote);
+the forked child answers "pid N", runs the point (stdout and stderr to worker.log) and answers
+"rc N" when done.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import signal
 import socket
@@ -46,6 +49,11 @@ def socket_path() -> Path:
     return Path(tempfile.gettempdir()) / f"harness-zygote-{os.getuid()}-{_code_key()}.sock"
 
 
+def request(run_dir: Path) -> bytes:
+    """What a client sends for a point: its run dir, and its environment."""
+    return f"{run_dir}\n{json.dumps(dict(os.environ))}\n".encode()
+
+
 def _take_slot(slots_dir: Path, n: int):
     """Wait for one of `n` run slots."""
     return slots.take([slots_dir / f"slot{i}" for i in range(n)], poll_s=0.05)[1]
@@ -54,6 +62,9 @@ def _take_slot(slots_dir: Path, n: int):
 class _Handler(socketserver.StreamRequestHandler):
     def handle(self):  # runs in a freshly forked child of the zygote
         run_dir = Path(self.rfile.readline().decode().strip())
+        env = json.loads(self.rfile.readline())
+        os.environ.clear()
+        os.environ.update(env)
         self.wfile.write(f"pid {os.getpid()}\n".encode())
         self.wfile.flush()
         _die_with_client(self.connection)
@@ -85,7 +96,7 @@ class _Handler(socketserver.StreamRequestHandler):
 
 def _die_with_client(conn: socket.socket) -> None:
     """The point lives as long as the process that asked for it: the client sends nothing after
-    the run dir, so a read that returns is its end (Ctrl-C, SIGTERM, a killed sweep), and the
+    its request, so a read that returns is its end (Ctrl-C, SIGTERM, a killed sweep), and the
     point stops then instead of running on and writing a row nobody waits for."""
     import threading
 

@@ -101,7 +101,7 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
     # Each card as one of the job's GPUs sees it: NCCL's memory beside the CUDA context's
     rec.update(reserved.analyse(trace_store.replay_rows(df), settings, nccl.on_rank(point.gpu, point.parallel),
                                 [nccl.on_rank(c, point.parallel) for c in catalog.cards()], torch.__version__,
-                                snapshot))
+                                snapshot), catalog_sha=catalog.digest())
     rec["wall_s"] = time.perf_counter() - t0
     return rec
 
@@ -128,7 +128,7 @@ def run_cuda(point: Point, run_dir: Path) -> dict:
                 return "after_retry" if rec.get("num_alloc_retries") else "room"
             return reserved.edge(fits_on, rec["peak_reserved_bytes"], c)
 
-        rec.update(reserved.edge_columns({c.key: edge(c) for c in catalog.cards()}))
+        rec.update(reserved.edge_columns({c.key: edge(c) for c in catalog.cards()}), catalog_sha=catalog.digest())
     else:  # how much it needed is unknown past the OOM: no card is known to hold it
         rec.update(fits_cards=[], tight_cards=[], retry_cards=[])
     rec["wall_s"] = time.perf_counter() - t0

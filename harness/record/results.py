@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.config import cards as catalog
 from harness.record import provenance
 from harness.record.provenance import USER_CODE
 from harness.record.row import COLUMNS, RESULT_FILE, base_record, run_id
@@ -104,6 +105,7 @@ def done_rows(results_dir: Path, sweep: str, exclude: Path, only: str | None = N
     """run_id -> the newest reusable row of it in earlier runs of this sweep (not under `exclude`):
     one pass over the rows for a whole sweep's points. `only`: that run_id's alone."""
     found: dict[str, Path] = {}
+    judged_against = catalog.digest()
     for path in sorted((results_dir / sweep).glob(f"*/runs/*/{RESULT_FILE}"), reverse=True):
         if path.parent == exclude or path.parent.parent.parent == exclude:
             continue
@@ -114,8 +116,11 @@ def done_rows(results_dir: Path, sweep: str, exclude: Path, only: str | None = N
         rid = rec.get("run_id")
         if rid in found or (only is not None and rid != only):
             continue
-        # the same knobs, but the user's code it loaded has changed since: stale, run it again
-        if rec.get("status") in _REUSABLE and not provenance.changed(rec.get(USER_CODE)):
+        # the same knobs, but the user's code it loaded has changed since, or the catalog its fit
+        # verdicts were judged against (calibrate measured a card): stale, run it again (its trace
+        # is still in the sweep's trace cache, unless the user's code changed)
+        if rec.get("status") in _REUSABLE and not provenance.changed(rec.get(USER_CODE)) \
+                and rec.get("catalog_sha") == judged_against:
             found[rid] = path
             if only is not None:
                 break

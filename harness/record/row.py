@@ -37,6 +37,7 @@ COLUMNS = (
     "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes", "workspace_bytes",
     "peak_step", "peak_phase", "peak_module", "step_allocated_bytes", "step_peak_bytes",
     "peak_inactive_split_bytes", "fragmentation_bytes", "fits_cards", "tight_cards", "retry_cards",
+    "catalog_sha",  # the catalog the fit verdicts were judged against (config.cards.digest)
     "retained_bytes", "retained_holder",
     "num_alloc_retries", "num_ooms", "oom_phase", "oom_step", "oom_module", "oom_tried_bytes", "oom_message",
     # cuda only: the OOM message's own numbers, the device, per-step reserved and times
@@ -90,6 +91,9 @@ def point_identity(point: Point) -> dict:
            if point.checkpointing_policy != CheckpointingPolicy.full else {}),
         **({"parallel": d["parallel"]} if point.parallel.world_size > 1 else {}),  # one GPU: as before
         "backend": point.backend, "gpu": point.gpu.name, "gpu_memory_bytes": point.gpu.memory_bytes,
+        # the rest of the card's figures (what lives outside PyTorch, spreads, a node's GPUs): they
+        # decide its fit as much as its memory does
+        "card": {k: v for k, v in d["gpu"].items() if k not in ("name", "memory_bytes", "key", "slurm")},
         # the libraries and harness's own code: another version traces another graph
         "versions": provenance.versions(),
     }

@@ -33,7 +33,7 @@ def trace_id(point: Point, reads_card: bool = False) -> str:
     torch.cuda about the card or its memory, and may have done otherwise on another)."""
     ident = point_identity(point)
     if not reads_card:
-        for replay_only in ("allocator_conf", "gpu", "gpu_memory_bytes"):
+        for replay_only in ("allocator_conf", "gpu", "gpu_memory_bytes", "card"):
             del ident[replay_only]
     blob = json.dumps(ident, sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
