@@ -338,6 +338,17 @@ def test_replay_unknown_allocator_key_is_exit_2():
     assert r.returncode == 2 and "allocator.conf" in r.stderr
 
 
+def test_replay_takes_a_setting_of_several_keys_as_pytorch_writes_it():
+    import json
+
+    conf = "max_split_size_mb:128,garbage_collection_threshold:0.6"
+    outs = [run_cli("replay", str(SNAPSHOTS[0]), c, "gpu=a10g", "fraction=0.8", "--json")
+            for c in (f"allocator.conf={conf}", f'allocator.conf="{conf}"')]
+    assert all(r.returncode == 0 for r in outs), [r.stderr for r in outs]
+    assert json.loads(outs[0].stdout) == json.loads(outs[1].stdout)
+    assert json.loads(outs[0].stdout)["settings"] == conf
+
+
 def test_replay_json_reports_the_check_against_the_recording():
     import json
 

@@ -91,6 +91,20 @@ def test_allocator_conf_rejects_what_pytorch_rejects(conf):
     assert e.value.key == "allocator.conf"
 
 
+@pytest.mark.parametrize("override, key", [
+    ("batch_size=1,2", "batch_size"),  # an int: Hydra refuses it
+    ("allocator.conf=max_split_size_mb:128,expandable_segments:True", "allocator.conf"),  # a str: Hydra would take its text
+    ("workload.target=a:build,b:build", "workload.target"),
+])
+def test_several_values_where_one_point_is_asked_for_are_refused_naming_the_key(override, key):
+    with pytest.raises(ConfigError) as e:
+        compose(["model=tiny", override])
+    assert e.value.key == key and "sweep" in str(e.value) and "\n" not in str(e.value)
+    # quoted, the commas are one value
+    assert compose(["model=tiny", 'allocator.conf="max_split_size_mb:128,expandable_segments:True"']).allocator.conf \
+        == "max_split_size_mb:128,expandable_segments:True"
+
+
 def test_hf_config_json_points_at_a_local_architecture(tmp_path):
     """model=hf model.config_json=<file> builds from a Hugging Face config.json."""
     (tmp_path / "config.json").write_text(json.dumps({

@@ -106,6 +106,21 @@ def test_diagnose_stdin_rejects_what_is_not_an_oom():
     assert r.returncode == 2 and r.stderr.startswith("harness: error: stdin:")
 
 
+def test_diagnose_reads_an_oom_message_saved_to_a_file_and_refuses_broken_json(tmp_path):
+    saved = tmp_path / "my_oom.txt"
+    saved.write_text(MESSAGES["2.1 (note the misspelling)"])
+    r = run_cli("diagnose", str(saved), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["verdict"] == "fragmentation"
+    broken = tmp_path / "result.json"
+    broken.write_text('{"status": "ok"')
+    r = run_cli("diagnose", str(broken))
+    assert r.returncode == 2 and str(broken) in r.stderr and len(r.stderr.splitlines()) == 1
+    (tmp_path / "notes.txt").write_text("hello")
+    r = run_cli("diagnose", str(tmp_path / "notes.txt"))
+    assert r.returncode == 2 and str(tmp_path / "notes.txt") in r.stderr
+
+
 def _record(**kw):
     rec = {"status": "oom", "workload": "train", "gpu_memory_bytes": 16 * GiB, "gpu_non_pytorch_bytes": 0,
            "params_bytes": 2 * GiB, "optimizer_bytes": 4 * GiB, "peak_allocated_bytes": 10 * GiB,

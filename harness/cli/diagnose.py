@@ -1,4 +1,4 @@
-"""`python -m harness diagnose <- | result.json | sweep dir | snapshot.pickle> [--json]`."""
+"""`python -m harness diagnose <- | oom.txt | result.json | sweep dir | snapshot.pickle> [--json]`."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ def main(args: list[str]) -> int:
     paths = [a for a in args if a != "--json"]
     unknown = [a for a in paths if a.startswith("--")]
     if unknown or len(paths) != 1:
-        return _fail("diagnose takes one input: - (an OOM message on stdin), a result.json, a sweep dir "
-                     "or a snapshot.pickle; and --json")
+        return _fail("diagnose takes one input: - (an OOM message on stdin), a file holding one, a result.json, "
+                     "a sweep dir or a snapshot.pickle; and --json")
     target = paths[0]
     if target == "-":
         return _message(sys.stdin.read(), as_json)
@@ -30,17 +30,28 @@ def main(args: list[str]) -> int:
         return _fail(f"diagnose: no such file or directory: {path}")
     if path.suffix in (".pickle", ".pkl"):
         return _snapshot(path, as_json)
+    if path.is_file():
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            return _fail(f"diagnose: cannot read {path}: {e}")
+        try:
+            json.loads(text)
+        except ValueError:
+            if path.suffix == ".json":
+                return _fail(f"diagnose: {path} is not valid JSON (a result.json is)")
+            return _message(text, as_json, str(path))  # an OOM message saved to a file
     return _runs(path, as_json)
 
 
-def _message(text: str, as_json: bool) -> int:
+def _message(text: str, as_json: bool, source: str = "stdin") -> int:
     from harness.analysis.oom_text import diagnose
     from harness.report import words
 
     try:
         reading = diagnose(text)
     except ValueError as e:
-        return _fail(f"stdin: {e}")
+        return _fail(f"{source}: {e}")
     out = {**reading.as_dict(), "reasoning": words.oom_reasoning(reading)}
     if as_json:
         print(json.dumps(out, indent=1))

@@ -131,6 +131,9 @@ def compose(overrides: list[str], with_hydra: bool = False):
         return _hydra_compose(list(overrides), False)  # Hydra's own message for it
     groups = [text for text, o in zip(overrides, parsed) if _is_group(o.key_or_group)]
     values = [o for o in parsed if not _is_group(o.key_or_group)]
+    for o in values:
+        if o.is_sweep_override():  # applied below, Hydra would make its text the value
+            raise ConfigError(o.key_or_group, sweep_outside_a_sweep(o.key_or_group, o.input_line))
     key = tuple(groups)
     with _COMPOSE_LOCK:
         base = _COMPOSED.get(key)
@@ -211,9 +214,20 @@ def friendly_error(e: Exception) -> ConfigError:
         return ConfigError(str(key), first)
     first = msg.strip().splitlines()[0] if msg.strip() else type(e).__name__
     if first.startswith("Ambiguous value for argument"):  # a=1,2 outside a sweep
-        first = first.rstrip(".") + ": several values are a sweep (python -m harness sweep ...)"
+        m = re.search(r"argument '([\w.+~/-]+)=", first)
+        if m:
+            key = m.group(1).lstrip("+~")
+            return ConfigError(key, sweep_outside_a_sweep(key, first.split("'")[1]))
     m = re.search(r"(?:override|argument) '?([\w.+~/-]+)", first)
     return ConfigError(m.group(1).lstrip("+~") if m else "overrides", first)
+
+
+def sweep_outside_a_sweep(key: str, text: str) -> str:
+    """Why `key=a,b` is refused where one point is asked for."""
+    why = f"'{text}': several values are a sweep (python -m harness sweep ...)"
+    if key == "allocator.conf":  # PYTORCH_ALLOC_CONF separates its keys with commas too
+        why += "; one setting of several keys is quoted: 'allocator.conf=\"max_split_size_mb:128,expandable_segments:True\"'"
+    return why
 
 
 _STAGED: dict[Path, Path] = {}  # a user's grid file -> the search-path root it is staged under
