@@ -35,7 +35,11 @@ def main(overrides: list[str]) -> int:
     try:
         if any(o.split("=", 1)[0].lstrip("+~") == "backend" for o in overrides):
             raise ConfigError("backend", "calibrate runs every point on both backends; leave backend unset")
-        resolve_backend("cuda")  # no GPU: exit 2 before anything runs
+        try:
+            resolve_backend("cuda")  # no GPU: exit 2 before anything runs
+        except ConfigError:
+            raise ConfigError("backend", "calibrate measures each point on this machine's CUDA GPU beside the "
+                              "virtual GPU, and no GPU is visible here (CUDA_VISIBLE_DEVICES, the driver)") from None
         prepared = prepare("sweep", overrides)
         points, base, cards = prepared.points, prepared.base, prepared.cards
         devices = gpus.visible_devices()
