@@ -400,3 +400,20 @@ def test_a_local_sweep_refuses_fewer_than_one_worker_before_writing_anything(tmp
     r = run_cli("sweep", "model=tiny", "hydra.launcher.workers=0", f"results_dir={tmp_path}")
     assert r.returncode == 2 and "hydra.launcher.workers" in r.stderr
     assert not list(tmp_path.rglob("points.json"))
+
+
+@pytest.mark.parametrize("verb", ["run", "plan"])
+def test_a_results_dir_nobody_can_write_is_refused_naming_it_before_anything_runs(verb, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    r = run_cli(verb, "model=tiny", "seq_len=64", f"results_dir={tmp_path / 'a-file' / 'results'}")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("harness: error: results_dir: "), r.stderr
+    assert not list(tmp_path.glob("**/result.json"))
+
+
+def test_report_of_a_file_that_is_no_result_is_refused_and_writes_nothing(tmp_path):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("hydra: {}\n")
+    r = run_cli("report", str(grid))
+    assert r.returncode == 2 and str(grid) in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grid.yaml"]

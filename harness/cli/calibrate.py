@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from harness.analysis import calibration
-from harness.cli.common import aggregate, prepare, unknown_flag
+from harness.cli.common import aggregate, make_out_dir, prepare, unknown_flag
 from harness.config import cards as catalog
 from harness.config.compose import compose, parallelism
 from harness.errors import EXIT_USAGE, ConfigError
@@ -44,11 +44,12 @@ def main(overrides: list[str]) -> int:
         points, base, cards = prepared.points, prepared.base, prepared.cards
         devices = gpus.visible_devices()
         check_cards(cards, gpus.describe(devices))
+        results_dir = Path(base.results_dir).expanduser().resolve()
+        out = results_dir / base.sweep / f"calibrate-{dt.datetime.now().strftime('%Y%m%d-%H%M%S-%f')}"
+        make_out_dir(out)
     except ConfigError as e:
         print(f"harness: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    results_dir = Path(base.results_dir).expanduser().resolve()
-    out = results_dir / base.sweep / f"calibrate-{dt.datetime.now().strftime('%Y%m%d-%H%M%S-%f')}"
     print(f"harness: calibrate: {len(points)} point(s) on sim and on {len(devices)} GPU(s) -> {out}", file=sys.stderr)
     sim = _run_all(points, "sim", out, results_dir, parallelism())
     cuda = _run_all(points, "cuda", out, results_dir, len(devices))

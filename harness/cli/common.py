@@ -46,6 +46,15 @@ class Prepared:
         return [results.manifest_entry(point, p) for point, p in zip(resolved, self.points)]
 
 
+def make_out_dir(out: Path, key: str = "results_dir") -> None:
+    """Where a command's rows go, made before anything runs: a path nobody can write to is bad
+    input (ConfigError naming `key`), not a traceback after the points ran."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(key, f"cannot write {out}: {e.strerror or e}") from None
+
+
 def prepare(verb: str, overrides: list[str]) -> Prepared:
     """Every point composed and validated, before anything runs."""
     points = expand_grid(overrides) if verb == "sweep" else [overrides]

@@ -8,6 +8,7 @@ or missing; 2 usage or config error (nothing was run, nothing already written is
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import hydra
 
 from harness.cli import callbacks, interrupt
-from harness.cli.common import aggregate, prepare
+from harness.cli.common import aggregate, make_out_dir, prepare
 from harness.config.compose import CONF_DIR, as_dict, user_card_and_free_text, with_grid_files
 from harness.config.validate import validate
 from harness.errors import EXIT_OK, EXIT_USAGE, ConfigError
@@ -125,6 +126,10 @@ def _launch(verb: str, flags: list[str], overrides: list[str], asked: list[str] 
         out = results_dir / "runs" / stamp
     hydra_args = ([*overrides, f"{dir_key}={out}", *extra] if verb == "run"
                   else ["--multirun", *overrides, f"{dir_key}={out}", *extra])
+    try:
+        make_out_dir(out, dir_key if given else "results_dir")
+    except ConfigError as e:
+        return _fail(str(e))
     # Every point asked for, before any runs: `report` names those an interrupted sweep never ran.
     resolved = prepared.resolved(os.getcwd(), cluster, extra, results_dir)
     results.write_manifest(out, prepared.manifest(resolved))
@@ -193,6 +198,14 @@ def _searching(verb: str, rest: list[str], asked: list[str]) -> int:
         os._exit(e.exit_code)
 
 
+def _is_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return True
+
+
 def entry(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
@@ -224,6 +237,8 @@ def entry(argv: list[str]) -> int:
         path = Path(rest[0])
         if not path.exists():
             return _fail(f"report: no such file or directory: {path}")
+        if path.is_file() and not _is_json(path):
+            return _fail(f"report: {path} is not a result.json (report takes a sweep dir, a run dir or a result.json)")
         return aggregate(path)
     if verb not in ("run", "sweep"):
         return _fail(f"unknown verb '{verb}' (run, sweep, plan, calibrate, report, replay, diagnose, script)")

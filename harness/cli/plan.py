@@ -11,7 +11,7 @@ import datetime as dt
 import sys
 from pathlib import Path
 
-from harness.cli.common import aggregate, unknown_flag
+from harness.cli.common import aggregate, make_out_dir, unknown_flag
 from harness.config.compose import compose, expand_grid, parallelism, split_overrides
 from harness.errors import EXIT_USAGE, ConfigError
 from harness.launch.point import to_point
@@ -36,6 +36,7 @@ def main(overrides: list[str]) -> int:
         out = results_dir / base.sweep / dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
         planner = Planner(out, results_dir, compose, to_point)
         groups = planner.groups(expand_grid(overrides))
+        make_out_dir(out)
     except ConfigError as e:
         print(f"harness: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -43,7 +44,6 @@ def main(overrides: list[str]) -> int:
     print(f"harness: plan: {len(groups)} group(s) x {len(planner.cards(groups[0]))} card(s), "
           f"searching {groups[0].cfg.plan.axis} ({total} grid points in all) on the virtual GPU -> {out}",
           file=sys.stderr)
-    out.mkdir(parents=True, exist_ok=True)
     rows = planner.plan(groups, parallelism())
     results.write_frontier(pd.DataFrame(words.with_serving_why(rows)), out)
     return aggregate(out)
