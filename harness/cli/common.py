@@ -71,7 +71,8 @@ def prepare(verb: str, overrides: list[str]) -> Prepared:
             _check_applies(point, p)
         except ConfigError as e:
             if len(points) > 1:
-                raise ConfigError(e.key, f"{e.message} (point: {' '.join(p)})")
+                knobs = [o for o in p if not o.split("=", 1)[0].lstrip("+~").startswith("hydra.")]  # ours, not Hydra's
+                raise ConfigError(e.key, f"{e.message} (point: {' '.join(knobs)})")
             raise
         cards[point.gpu.name, point.gpu.memory_bytes] = point.gpu
     plain, _ = split_overrides(overrides)
