@@ -219,3 +219,13 @@ def test_a_trace_that_read_the_card_is_not_reused_for_another_card(tmp_path):
     assert again["trace_reused"] and again["peak_allocated_bytes"] == small["peak_allocated_bytes"]
     plain = [rec("tests.jobs.first_step_spike:build", card, f"p{i}") for i, card in enumerate(("a100-80gb", "t4"))]
     assert plain[1]["trace_reused"]  # it never asked: the card's trace is every card's
+
+
+def test_the_script_verb_takes_a_setting_of_several_keys_as_pytorch_writes_it():
+    from harness.cli.script import _card_and_settings, split_args
+
+    conf = "max_split_size_mb:128,expandable_segments:True"
+    script, args, ours = split_args(["train.py", "--steps", "2", f"allocator.conf={conf}", "gpu=t4"])
+    assert (script, args) == ("train.py", ["--steps", "2"])
+    card, settings = _card_and_settings(ours)
+    assert card.name == "T4" and settings == AllocSettings.from_conf(conf) and settings.expandable_segments

@@ -23,24 +23,17 @@ def _parse(args: list[str]) -> tuple[str, dict, bool]:
     return paths[0], overrides, "--json" in flags
 
 
-def _one_value(text: str) -> str:
-    """`text` as one Hydra value (quoted, unless the user quoted it already)."""
-    return text if text[:1] in ("'", '"') else '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 def _what_if(overrides: dict):
     """AllocSettings and Device from allocator=/allocator.conf=/gpu= (None: as recorded)."""
     from harness.allocator.model import Device
     from harness.allocator.settings import AllocSettings
-    from harness.config.compose import compose
+    from harness.config.compose import compose, one_conf
 
     known = {"allocator", "allocator.conf", "gpu", "fraction", "torch_version"}
     for key in overrides:
         if key not in known:
             raise ConfigError(key, f"unknown key for replay (known: {', '.join(sorted(known))})")
-    # replay takes one setting: allocator.conf is PYTORCH_ALLOC_CONF's string, commas and all
-    cfg_overrides = [f"{k}={_one_value(v) if k == 'allocator.conf' else v}" for k, v in overrides.items()
-                     if k not in ("torch_version", "fraction")]
+    cfg_overrides = [one_conf(f"{k}={v}") for k, v in overrides.items() if k not in ("torch_version", "fraction")]
     fraction = None
     if "fraction" in overrides:  # torch.cuda.set_per_process_memory_fraction
         try:

@@ -30,10 +30,10 @@ def split_args(args: list[str]) -> tuple[str, list[str], list[str]]:
 
 def _card_and_settings(overrides: list[str]):
     from harness.allocator.settings import AllocSettings
-    from harness.config.compose import as_dict, compose, user_card_and_free_text
+    from harness.config.compose import as_dict, compose, one_conf, user_card_and_free_text
     from harness.config.point import Card
 
-    cfg = compose(user_card_and_free_text(overrides))
+    cfg = compose(user_card_and_free_text([one_conf(o) for o in overrides]))
     card = Card.from_dict(as_dict(cfg.gpu))
     return card, AllocSettings.from_conf(cfg.allocator.conf)
 

@@ -222,6 +222,16 @@ def friendly_error(e: Exception) -> ConfigError:
     return ConfigError(m.group(1).lstrip("+~") if m else "overrides", first)
 
 
+def one_conf(override: str) -> str:
+    """An `allocator.conf=...` override as one value where one setting is all a command takes
+    (replay, script): PYTORCH_ALLOC_CONF's own string, commas and all, quoted for Hydra unless the
+    user quoted it. Other overrides as they are."""
+    key, sep, value = override.partition("=")
+    if key != "allocator.conf" or not sep or value[:1] in ("'", '"'):
+        return override
+    return f'{key}="' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def sweep_outside_a_sweep(key: str, text: str) -> str:
     """Why `key=a,b` is refused where one point is asked for."""
     why = f"'{text}': several values are a sweep (python -m harness sweep ...)"
