@@ -254,19 +254,38 @@ def test_a_plan_over_tensor_parallel_tries_only_degrees_that_divide_every_head_c
     assert axis_values(compose([f"model={model}", "plan.axis=world_size", "plan.over=tp"])) == degrees
 
 
-@pytest.mark.parametrize("knob", ["sequence_parallel", "loss_parallel"])
-def test_a_plan_over_tensor_parallel_with_a_knob_that_needs_it_searches_from_two(knob, tmp_path):
-    """Sequence and loss parallel need tp > 1: a plan over tp with either searches 2 up (not refused
-    at tp 1), and its group says it keeps the knob."""
+@pytest.mark.parametrize("over, knob, degrees", [
+    ("tp", "sequence_parallel=true", [2, 4, 8]), ("tp", "loss_parallel=true", [2, 4, 8]),
+    ("dp_shard", "param_dtype=bf16", [2, 4, 8, 16, 32, 64]),
+    ("dp_shard", "reshard_after_forward=false", [2, 4, 8, 16, 32, 64])])
+def test_a_plan_over_counts_with_a_knob_that_needs_the_degree_searches_from_two(over, knob, degrees, tmp_path):
+    """Sequence and loss parallel need tp > 1, FSDP2's mixed precision and ZeRO-2-like keeping need
+    dp_shard > 1: a plan over that degree with one searches 2 up (not refused at 1), and its group
+    says it keeps the knob."""
     from harness.config.compose import compose
     from harness.launch.point import to_point
     from harness.plan.frontier import Planner, _group_columns, axis_values
 
-    overrides = ["model=13b", "plan.axis=world_size", "plan.over=tp", f"parallel.{knob}=true"]
-    assert axis_values(compose(overrides)) == [2, 4, 8]
+    overrides = ["model=13b", "precision=fp32", "plan.axis=world_size", f"plan.over={over}", f"parallel.{knob}"]
+    assert axis_values(compose(overrides)) == degrees
     (group,) = Planner(tmp_path, tmp_path, compose, to_point).groups([overrides])
-    assert group.values == [2, 4, 8] and getattr(group.point.parallel, knob)
-    assert _group_columns(group.cfg, group.point, "world_size")["kept"] == f"{knob}=true"
+    assert group.values == degrees and getattr(group.point.parallel, over) == 2
+    assert _group_columns(group.cfg, group.point, "world_size")["kept"] == knob
+
+
+def test_sequence_parallel_over_a_length_its_ranks_do_not_divide_is_refused_naming_seq_len():
+    point = train_point(seq_len=64)
+    with pytest.raises(ConfigError) as e:
+        point.replace(seq_len=63, parallel=Parallel(tp=2, sequence_parallel=True))
+    assert e.value.key == "seq_len"
+    assert point.replace(seq_len=63, parallel=Parallel(tp=2)).seq_len == 63  # without it, any length
+
+
+def test_zero2_like_keeping_without_fsdp2_is_refused_naming_the_knob():
+    with pytest.raises(ConfigError) as e:
+        Parallel(dp_replicate=2, reshard_after_forward=False)
+    assert e.value.key == "parallel.reshard_after_forward"
+    assert not Parallel(dp_shard=2, reshard_after_forward=False).reshard_after_forward
 
 
 def test_sequence_parallel_splits_the_residual_stream_and_trades_all_reduces_for_gathers_and_scatters():

@@ -240,6 +240,18 @@ MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 TP_SWITCHES = {"sequence_parallel": ("the sequence", "SP"), "loss_parallel": ("the head's logits", "LP")}
 
 
+def needs_a_degree(parallel) -> dict[str, str]:
+    """The parallel knobs set away from their defaults that mean something only over more than one
+    GPU of a degree: knob -> that degree (tensor parallel's switches: tp; FSDP2's mixed precision
+    and its keeping of gathered layers: dp_shard). `parallel`: a Parallel or its config node."""
+    out = {s: "tp" for s in TP_SWITCHES if getattr(parallel, s)}
+    if parallel.param_dtype is not None:
+        out["param_dtype"] = "dp_shard"
+    if not parallel.reshard_after_forward:
+        out["reshard_after_forward"] = "dp_shard"
+    return out
+
+
 @dataclass(frozen=True)
 class Plan:
     """`python -m harness plan`: per card, the largest `axis` value that fits (searched, not swept)."""
@@ -308,6 +320,9 @@ class Parallel:
                 raise ConfigError("parallel.param_dtype", f"'{self.param_dtype}' is not one of bf16, fp16 (or null)")
             if self.dp_shard == 1:
                 raise ConfigError("parallel.param_dtype", "is FSDP2's mixed precision: set parallel.dp_shard > 1")
+        if not self.reshard_after_forward and self.dp_shard == 1:
+            raise ConfigError("parallel.reshard_after_forward", "false keeps FSDP2's gathered layers after their "
+                              "forward: set parallel.dp_shard > 1 (or leave it true)")
         for switch, (what, _short) in TP_SWITCHES.items():
             if getattr(self, switch) and self.tp == 1:
                 raise ConfigError(f"parallel.{switch}", f"splits {what} over tensor-parallel ranks: "
@@ -427,6 +442,9 @@ class Point:
             if self.parallel.loss_parallel and self.workload.name == WorkloadName.custom:
                 raise ConfigError("parallel.loss_parallel", "splits the presets' head and loss: a job of your own "
                                   "applies its own plan (torch.distributed.tensor.parallel.loss_parallel)")
+            if self.parallel.sequence_parallel and self.seq_len % self.parallel.tp:
+                raise ConfigError("seq_len", f"sequence parallel splits the sequence over parallel.tp="
+                                  f"{self.parallel.tp} ranks: {self.seq_len} is not a multiple of {self.parallel.tp}")
             if self.optimizer.name == OptimizerName.adafactor and self.parallel.dtensors:  # as torch 2.13's DTensor does
                 raise ConfigError("optimizer.name", "torch.optim.Adafactor does not run on DTensor parameters (FSDP2, TP) "
                                   "(DTensor refuses its in-place pow_ on a partial norm): use adamw or sgd")

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from harness.config import cards as catalog
 from harness.config.models import hf_config, max_positions
-from harness.config.point import PARALLEL_KNOBS, TP_SWITCHES, Card, Point, fewest_nodes
+from harness.config.point import PARALLEL_KNOBS, Card, Point, fewest_nodes, needs_a_degree
 from harness.config.validate import validate
 from harness.errors import ConfigError
 from harness.launch.runner import run_point
@@ -53,8 +53,9 @@ def axis_values(cfg) -> list[int]:
             heads = math.gcd(*(int(getattr(hf, k, None) or 0) for k in ("num_attention_heads", "num_key_value_heads")))
             if heads:
                 hi = min(hi, heads & -heads)
-        # sequence and loss parallel split over tensor-parallel ranks: a search over tp starts at 2
-        lo = max(plan.lo, 2) if plan.over == "tp" and _tp_only(cfg) else plan.lo
+        # a knob that needs the degree searched (sequence parallel: tp; FSDP2's param_dtype: dp_shard)
+        # makes its search start at 2
+        lo = max(plan.lo, 2) if _needs_the_degree(cfg) else plan.lo
         values = [2**k for k in range(hi.bit_length()) if lo <= 2**k <= hi]
         if not values:
             raise ConfigError("plan.hi", f"no power of two between plan.lo={plan.lo} and plan.hi={hi}")
@@ -71,9 +72,10 @@ def axis_values(cfg) -> list[int]:
     return values
 
 
-def _tp_only(cfg) -> bool:
-    """Whether the job sets a knob that needs tensor parallel (config.point.TP_SWITCHES)."""
-    return any(cfg.parallel[s] for s in TP_SWITCHES)
+def _needs_the_degree(cfg) -> bool:
+    """Whether a world-size plan's job sets a knob that needs the degree it searches (plan.over) over
+    one GPU (config.point.needs_a_degree)."""
+    return cfg.plan.axis == "world_size" and cfg.plan.over in needs_a_degree(cfg.parallel).values()
 
 
 class Planner:
@@ -96,8 +98,8 @@ class Planner:
         seen, groups = set(), []
         for p in points:
             cfg = self._compose(p)
-            if cfg.plan.axis == "world_size" and cfg.plan.over == "tp" and _tp_only(cfg):
-                cfg = self._compose([*p, "parallel.tp=2"])  # the group as its search starts it
+            if _needs_the_degree(cfg):
+                cfg = self._compose([*p, f"parallel.{cfg.plan.over}=2"])  # the group as its search starts it
             point = validate(cfg)
             axis = searched_key(cfg)
             # a search over GPU counts places them on nodes itself
@@ -261,7 +263,7 @@ def _group_columns(cfg, point: Point, axis: str) -> dict:
             "over": point.plan.over if axis == "world_size" else None,
             "kept": " ".join([*(f"{k}={getattr(point.parallel, k)}" for k in PARALLEL_KNOBS
                                 if k != point.plan.over and getattr(point.parallel, k) > 1),
-                              *(f"{k}=true" for k in point.parallel.tp_switches)])
+                              *(f"{k}={str(getattr(point.parallel, k)).lower()}" for k in needs_a_degree(point.parallel))])
             if axis == "world_size" else None,
             "seq_len": cfg.seq_len if axis != "seq_len" else None, "margin": float(cfg.plan.margin)}
     if custom:
