@@ -44,6 +44,15 @@ def test_a_missing_grid_file_is_a_one_line_error(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("harness: error: sweeps: grid file ") and "@package _global_" in err[0]
 
 
+def test_a_typo_in_a_grid_file_is_refused_naming_the_key_and_the_points_knobs_only(tmp_path, capsys):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("# @package _global_\nhydra:\n  sweeper:\n    params:\n      batch_size: 1,2\n      precison: bf16\n")
+    assert entry(["sweep", "model=tiny", f"sweeps={grid}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("harness: error: precison: unknown key (point: ")
+    assert "hydra." not in err[0]  # the grid file's staging is Hydra's business, not a knob of the point
+
+
 def test_a_user_config_directory_adds_cards_and_grids(tmp_path):
     """`hydra.searchpath=[file://dir]`: dir/gpu/<card>.yaml is a card like the catalog's."""
     (tmp_path / "gpu").mkdir()
