@@ -20,7 +20,7 @@ from harness.config import cards as catalog
 from harness.config.compose import compose, parallelism
 from harness.errors import EXIT_USAGE, ConfigError
 from harness.launch import gpus
-from harness.launch.gpus import check_cards, resolve_backend
+from harness.launch.gpus import check_cards
 from harness.launch.point import to_point
 from harness.launch.runner import run_point
 from harness.report import console
@@ -35,14 +35,12 @@ def main(overrides: list[str]) -> int:
     try:
         if any(o.split("=", 1)[0].lstrip("+~") == "backend" for o in overrides):
             raise ConfigError("backend", "calibrate runs every point on both backends; leave backend unset")
-        try:
-            resolve_backend("cuda")  # no GPU: exit 2 before anything runs
-        except ConfigError:
+        devices = gpus.visible_devices()
+        if not devices:  # no GPU: exit 2 before anything runs
             raise ConfigError("backend", "calibrate measures each point on this machine's CUDA GPU beside the "
-                              "virtual GPU, and no GPU is visible here (CUDA_VISIBLE_DEVICES, the driver)") from None
+                              "virtual GPU, and no GPU is visible here (CUDA_VISIBLE_DEVICES, the driver)")
         prepared = prepare("sweep", overrides)
         points, base, cards = prepared.points, prepared.base, prepared.cards
-        devices = gpus.visible_devices()
         check_cards(cards, gpus.describe(devices))
         results_dir = Path(base.results_dir).expanduser().resolve()
         out = results_dir / base.sweep / f"calibrate-{dt.datetime.now().strftime('%Y%m%d-%H%M%S-%f')}"

@@ -8,7 +8,6 @@ or missing; 2 usage or config error (nothing was run, nothing already written is
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 import sys
 from pathlib import Path
@@ -198,14 +197,6 @@ def _searching(verb: str, rest: list[str], asked: list[str]) -> int:
         os._exit(e.exit_code)
 
 
-def _is_json(path: Path) -> bool:
-    try:
-        json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False
-    return True
-
-
 def entry(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
@@ -237,7 +228,7 @@ def entry(argv: list[str]) -> int:
         path = Path(rest[0])
         if not path.exists():
             return _fail(f"report: no such file or directory: {path}")
-        if path.is_file() and not _is_json(path):
+        if path.is_file() and not results.is_json(path):
             return _fail(f"report: {path} is not a result.json (report takes a sweep dir, a run dir or a result.json)")
         return aggregate(path)
     if verb not in ("run", "sweep"):

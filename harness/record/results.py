@@ -15,6 +15,15 @@ from harness.record.row import COLUMNS, RESULT_FILE, base_record, run_id
 _REUSABLE = ("ok", "oom")  # rows a re-run takes over; errors and timeouts run again
 
 
+def is_json(path: Path) -> bool:
+    """Whether the file holds JSON (a result.json does; an OOM message, a grid file do not)."""
+    try:
+        json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return True
+
+
 def load_rows(path: Path) -> list[dict]:
     """Rows under a sweep dir, a run dir, or one result.json (partial sweeps welcome)."""
     path = Path(path)
