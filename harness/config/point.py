@@ -244,12 +244,22 @@ def needs_a_degree(parallel) -> dict[str, str]:
     """The parallel knobs set away from their defaults that mean something only over more than one
     GPU of a degree: knob -> that degree (tensor parallel's switches: tp; FSDP2's mixed precision
     and its keeping of gathered layers: dp_shard). `parallel`: a Parallel or its config node."""
-    out = {s: "tp" for s in TP_SWITCHES if getattr(parallel, s)}
+    out = {}
     if parallel.param_dtype is not None:
         out["param_dtype"] = "dp_shard"
     if not parallel.reshard_after_forward:
         out["reshard_after_forward"] = "dp_shard"
-    return out
+    return {**out, **{s: "tp" for s in TP_SWITCHES if getattr(parallel, s)}}
+
+
+# Why each knob of needs_a_degree needs its degree: its refusal where the degree is 1
+_NEEDS_WHY = {
+    "param_dtype": "is FSDP2's mixed precision: set parallel.dp_shard > 1",
+    "reshard_after_forward": "false keeps FSDP2's gathered layers after their forward: set parallel.dp_shard > 1 "
+                             "(or leave it true)",
+    **{s: f"splits {what} over tensor-parallel ranks: set parallel.tp > 1 (or leave it false)"
+       for s, (what, _short) in TP_SWITCHES.items()},
+}
 
 
 @dataclass(frozen=True)
@@ -315,18 +325,11 @@ class Parallel:
         if self.nccl_bytes_per_communicator is not None and self.nccl_bytes_per_communicator < 0:
             raise ConfigError("parallel.nccl_bytes_per_communicator",
                               f"must be >= 0 (bytes), got {self.nccl_bytes_per_communicator}")
-        if self.param_dtype is not None:
-            if self.param_dtype not in ("bf16", "fp16"):
-                raise ConfigError("parallel.param_dtype", f"'{self.param_dtype}' is not one of bf16, fp16 (or null)")
-            if self.dp_shard == 1:
-                raise ConfigError("parallel.param_dtype", "is FSDP2's mixed precision: set parallel.dp_shard > 1")
-        if not self.reshard_after_forward and self.dp_shard == 1:
-            raise ConfigError("parallel.reshard_after_forward", "false keeps FSDP2's gathered layers after their "
-                              "forward: set parallel.dp_shard > 1 (or leave it true)")
-        for switch, (what, _short) in TP_SWITCHES.items():
-            if getattr(self, switch) and self.tp == 1:
-                raise ConfigError(f"parallel.{switch}", f"splits {what} over tensor-parallel ranks: "
-                                  "set parallel.tp > 1 (or leave it false)")
+        if self.param_dtype is not None and self.param_dtype not in ("bf16", "fp16"):
+            raise ConfigError("parallel.param_dtype", f"'{self.param_dtype}' is not one of bf16, fp16 (or null)")
+        for knob, degree in needs_a_degree(self).items():
+            if getattr(self, degree) == 1:
+                raise ConfigError(f"parallel.{knob}", _NEEDS_WHY[knob])
         if self.dp_replicate > 1 and self.tp > 1 and self.dp_shard == 1:  # as torchtitan refuses it
             raise ConfigError("parallel.dp_replicate", "DDP does not take tensor-parallel (DTensor) parameters: "
                               "replicate a tensor-parallel job with HSDP (parallel.dp_shard > 1)")
@@ -346,11 +349,6 @@ class Parallel:
     def key(self) -> str:
         """The knob that spreads the job (the first of more than one GPU), for errors that name one."""
         return next((f"parallel.{k}" for k in PARALLEL_KNOBS if getattr(self, k) > 1), "parallel.dp_shard")
-
-    @property
-    def tp_switches(self) -> list[str]:
-        """The TP_SWITCHES this job sets."""
-        return [s for s in TP_SWITCHES if getattr(self, s)]
 
     @property
     def dtensors(self) -> bool:
