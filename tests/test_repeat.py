@@ -192,9 +192,21 @@ def _ev(action, key, size, phase="forward", module=""):
 def test_journals_that_are_not_one_with_insertions_are_refused():
     """The deeper journal lost an entry of the shallower one: no template, so no synthesis."""
     a = [_ev("alloc", 1, 512), _ev("alloc", 2, 1024), _ev("free", 1, 512)]
-    b = [_ev("alloc", 1, 512), _ev("alloc", 3, 4096), _ev("free", 1, 512)]
+    b = [_ev("alloc", 1, 512), _ev("free", 1, 512)]
     with pytest.raises(NotRepeating):
         repeat.learn(a, b, 1, "model.layers.")
+
+
+def test_an_entry_that_grows_by_a_layers_bytes_with_each_layer_is_scaled():
+    """One storage for all the layers' gradients (DDP's flat bucket), allocated after them and freed
+    at the end: each layer more adds its bytes to it, at any depth."""
+    def journal(n):
+        layers = [_ev("alloc", 100 + i, 512, module=f"model.layers.{i}") for i in range(n)]
+        return layers + [_ev("alloc", 999, 512 * n + 64, module="model"), _ev("free", 999, 512 * n + 64)]
+    t = repeat.learn(journal(1), journal(2), 1, "model.layers.")
+    assert list(t.scaled.values()) == [512, 512]  # the alloc and its free
+    for n in (3, 7):
+        assert repeat.canonical(repeat.synthesize(t, n)) == repeat.canonical(journal(n))
 
 
 def test_a_chain_hands_the_residual_stream_from_layer_to_layer():

@@ -1,6 +1,7 @@
 """A job over several GPUs on the virtual GPU (parallel.*): FSDP2 traced as rank 0 of a fake
 process group, checked against the same job on real CPU tensors in gloo processes, one per rank."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -300,6 +301,19 @@ def test_a_sharded_point_synthesized_from_two_layers_is_its_full_trace(precision
     first = _assert_same_as_full(point(2, 32))
     assert first["trace_method"].startswith("synthesized: layers 1, 2 -> 4")
     assert "placed as on 7b b2 s32" in _assert_same_as_full(point(3, 16))["trace_method"]
+
+
+@pytest.mark.slow
+def test_a_ddp_point_is_synthesized_with_its_setup_traced_at_its_depth_and_is_its_full_trace():
+    """DDP's setup is sized by all the layers at once (the flat bucket of every gradient, the state
+    broadcast in 250 MiB pieces): traced at the point's depth and spliced in. Its rebuilt buckets'
+    index tensors grow with each layer (scaled entries), and its third step is the first the others
+    repeat (the second rebuilds the buckets). fp32 7B layers: several broadcast pieces per layer."""
+    from tests.test_repeat import _assert_same_as_full, _point
+
+    p = _point(precision="fp32", checkpointing=True).replace(parallel=Parallel(dp_replicate=4))
+    m = _assert_same_as_full(p.replace(workload=dataclasses.replace(p.workload, steps=5)))
+    assert m["trace_method"].startswith("synthesized: layers 1, 2 -> 4, steps 3 -> 5, DDP's setup traced at 4")
 
 
 def test_the_capacity_table_gives_each_job_and_card_the_fewest_gpus_that_fit():

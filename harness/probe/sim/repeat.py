@@ -11,6 +11,11 @@ runs them in reverse (backward, a checkpoint's recompute) emits its copies top l
 storage handed from layer to layer (the residual stream forward, its gradient backward) is a chain:
 the first new layer takes it from the old part, each next layer from the one before, and the old
 part takes the last one's.
+
+An old entry may also grow with the depth rather than repeat: one storage for every layer's
+parameters (DDP's flat gradient bucket) or one index per parameter (DDP's rebuilt bucket order).
+Where the deeper journal has an entry alike but for its size in place of the shallower one's, the
+entry is scaled: each layer more adds the bytes the one layer added (checked at a+2 as the rest).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import bisect
 import difflib
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from harness.probe.sim.tracker import TraceEvent
 
@@ -50,6 +55,7 @@ class Template:
     rules: dict[int, tuple]  # referring entry -> how to find what it refers to
     layer_names: re.Pattern  # the new layer's module names (their index is rewritten per copy)
     layer_prefix: str
+    scaled: dict[int, int] = field(default_factory=dict)  # old entry -> the bytes each layer adds to it
 
 
 def _token(e: TraceEvent) -> tuple:
@@ -96,13 +102,19 @@ def _insertion(sa: str, sb: str, i: int, j: int) -> int | None:
 
 
 def _align(a: list[TraceEvent], b: list[TraceEvent], refs: dict[int, int],
-           layer_prefix: str) -> tuple[list[_Block], list[int]]:
+           layer_prefix: str) -> tuple[list[_Block], list[int], dict[int, int]]:
     """b's insertions into a (b = a with blocks inserted), each placed where the new layer's own
-    entries are (_place). Returns the blocks and, per entry of a, its index in b."""
+    entries are (_place). Returns the blocks, per entry of a its index in b, and the scaled entries
+    (b's index -> a's): where an entry of a is nowhere ahead in b but b has it there with another
+    size."""
     ids: dict[tuple, int] = {}
     sa = "".join(chr(0x100 + ids.setdefault(_token(e), len(ids))) for e in a)
     sb = "".join(chr(0x100 + ids.setdefault(_token(e), len(ids))) for e in b)
+    # the same less sizes, for an entry that grows
+    ta = "".join(chr(0x100 + ids.setdefault(_token(e)[:1] + _token(e)[2:], len(ids))) for e in a)
+    tb = "".join(chr(0x100 + ids.setdefault(_token(e)[:1] + _token(e)[2:], len(ids))) for e in b)
     spans: list[list[int]] = []
+    scaled: dict[int, int] = {}
     i = j = 0
     while i < len(sa):
         if j < len(sb) and sa[i] == sb[j]:
@@ -110,6 +122,13 @@ def _align(a: list[TraceEvent], b: list[TraceEvent], refs: dict[int, int],
             j += 1
             continue
         found = _insertion(sa, sb, i, j)
+        if found is None:  # nowhere ahead as it is: here with another size, or after an insertion
+            if j < len(sb) and ta[i] == tb[j]:
+                scaled[j] = i
+                i += 1
+                j += 1
+                continue
+            found = _insertion(ta, tb, i, j)
         if found is None:
             raise NotRepeating(f"entry {i} of the shallower journal is not in the deeper one")
         spans.append([j, found])
@@ -121,9 +140,9 @@ def _align(a: list[TraceEvent], b: list[TraceEvent], refs: dict[int, int],
     for blk in blocks:
         inside.update(range(blk.start, blk.start + blk.length))
     common = [k for k in range(len(sb)) if k not in inside]
-    if len(common) != len(sa) or any(sa[n] != sb[k] for n, k in enumerate(common)):
+    if len(common) != len(sa) or any(sa[n] != sb[k] and scaled.get(k) != n for n, k in enumerate(common)):
         raise NotRepeating("the deeper journal is not the shallower one with insertions")
-    return blocks, common
+    return blocks, common, scaled
 
 
 def _misfit(start: int, length: int, touched: set[tuple[int, int]], others: _Others,
@@ -217,7 +236,7 @@ def learn(a: list[TraceEvent], b: list[TraceEvent], depth: int, layer_prefix: st
     """The template from the journals of `depth` and `depth`+1 layers; `layer_prefix` names the
     layers' modules (e.g. "model.layers." for "model.layers.3.mlp")."""
     ref_a, ref_b = referents(a), referents(b)
-    blocks, to_b = _align(a, b, ref_b, layer_prefix)
+    blocks, to_b, scaled = _align(a, b, ref_b, layer_prefix)
     _junctions(b, blocks, ref_b)
     block_of = [-1] * len(b)
     for n, blk in enumerate(blocks):
@@ -256,7 +275,8 @@ def learn(a: list[TraceEvent], b: list[TraceEvent], depth: int, layer_prefix: st
             if takes_last.get(f) != x:
                 raise NotRepeating(f"old entry {f} refers to the new layer's entry {x} outside a chain")
             rules[f] = ("last", x)
-    return Template(depth, b, blocks, block_of, rules, _layer_names(layer_prefix, depth), layer_prefix)
+    grows = {k: b[k].size - a[n].size for k, n in scaled.items()}
+    return Template(depth, b, blocks, block_of, rules, _layer_names(layer_prefix, depth), layer_prefix, grows)
 
 
 def _junctions(b: list[TraceEvent], blocks: list[_Block], refs: dict[int, int]) -> None:
@@ -349,11 +369,11 @@ def synthesize(t: Template, n_layers: int) -> list[TraceEvent]:
                 raise NotRepeating(f"entry {i} refers to a storage not yet allocated at depth {n_layers}") from None
         else:
             key = e.key  # a free of something never allocated in the journal, or an end mark
-        module = e.module
+        module, size = e.module, e.size + (k - 1) * t.scaled.get(i, 0)
         if copy >= 0 and module:
             layer = layer_of(t.block_of[i], copy)
             module = t.layer_names.sub(f"{t.layer_prefix}{t.depth + layer}", module)
-        out.append(TraceEvent(len(out), e.action, key, e.size, e.kind, e.phase, e.step, module, e.stream))
+        out.append(TraceEvent(len(out), e.action, key, size, e.kind, e.phase, e.step, module, e.stream))
 
     starts = {blk.start: n for n, blk in enumerate(blocks)}
     joined: dict[tuple[int, int], list[_Block]] = {}  # (host block, offset) -> the junctions there
@@ -423,7 +443,10 @@ def recipe(t: Template) -> list[list] | None:
     """The deeper journal as made of the shallower one's entries (JSON): per entry its action, key,
     kind, phase, step, module and stream, and the shallower entry whose size it has - an old entry its own,
     a new layer's alloc its counterpart in the layer beside it (_counterparts), a new layer's free
-    or retag its storage's (_ITS_STORAGE). None where a new layer's alloc has no counterpart."""
+    or retag its storage's (_ITS_STORAGE). None where a new layer's alloc has no counterpart, and
+    where an entry is scaled (what a layer adds to it is not known for another point's sizes)."""
+    if t.scaled:
+        return None
     old = [k for k in range(len(t.entries)) if t.block_of[k] < 0]
     in_shallower = {k: n for n, k in enumerate(old)}
     named = referents(t.entries)
@@ -496,9 +519,9 @@ def _layer_names(layer_prefix: str, depth: int) -> re.Pattern:
 
 def structure(t: Template) -> str:
     """A hash of everything `synthesize` takes from `t` but the sizes: the entries' actions, kinds,
-    phases, steps, modules and references, the layer's places and the rules. Templates with the same
-    structure synthesize alike: one checked at a depth is checked for the others (sizes are copied,
-    nothing else depends on them)."""
+    phases, steps, modules and references, the layer's places, the rules and which entries scale.
+    Templates with the same structure synthesize alike: one checked at a depth is checked for the
+    others (sizes are copied, nothing else depends on them)."""
     blob = repr((t.depth, t.layer_prefix, [(b.start, b.length, b.reverse, b.joins) for b in t.blocks],
-                 sorted(t.rules.items()), _less_sizes(t.entries)))
+                 sorted(t.rules.items()), _less_sizes(t.entries), *([sorted(t.scaled)] if t.scaled else [])))
     return hashlib.sha1(blob.encode()).hexdigest()[:16]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from harness.config.models import hf_config
 from harness.config.point import Leak, Point, WorkloadName
-from harness.probe.sim import repeat
+from harness.probe.sim import ddp_setup, repeat
 from harness.probe.sim import steps as stepwise
 from harness.probe.sim.measure import measurements
 from harness.probe.sim.repeat import NotRepeating
@@ -96,14 +96,14 @@ def synthesized(point: Point) -> Traced:
     shallow = point.replace(workload=dataclasses.replace(point.workload, steps=few))
     cache = Path(point.trace_cache) if point.trace_cache else None
     runs = {a: run_point(at_depth(shallow, a))}
-    shallower = runs[a][1].journal()
+    shallower = ddp_setup.cut(runs[a][1].journal())
     skeleton = repeat.skeleton(shallower)
     reused = _placed_as_before(cache, skeleton, shallower, runs[a][1].findings)
     if reused is not None:
         template, deeper_findings, placed_on = reused
     else:
         runs[a + 1] = run_point(at_depth(shallow, a + 1))
-        deeper = runs[a + 1][1].journal()
+        deeper = ddp_setup.cut(runs[a + 1][1].journal())
         template = repeat.learn(shallower, deeper, a, _layer_prefix(deeper, a))
         deeper_findings, placed_on = runs[a + 1][1].findings, None
 
@@ -118,7 +118,7 @@ def synthesized(point: Point) -> Traced:
     if checked is None:
         runs[a + 2] = run_point(at_depth(point, a + 2))
         check = repeat.canonical(full(repeat.synthesize(template, a + 2)))
-        traced = repeat.canonical(runs[a + 2][1].journal())
+        traced = repeat.canonical(ddp_setup.cut(runs[a + 2][1].journal()))
         if check != traced:
             at = next((i for i, (x, y) in enumerate(zip(check, traced)) if x != y), min(len(check), len(traced)))
             raise NotRepeating(f"synthesized {a + 2} layers differ from traced at entry {at} of {len(traced)}")
@@ -137,10 +137,14 @@ def synthesized(point: Point) -> Traced:
             "layout": repeat.layout(template), "recipe": recipe, "point": describe(point),
             "findings": [_as_json(f) for f in findings[:2]]})
     journal = full(repeat.synthesize(template, n))
+    setup = ""
+    if ddp_setup.section(journal) is not None:  # DDP's own, traced at the point's depth
+        journal = ddp_setup.splice(journal, run_point(at_depth(point, n), setup_only=True)[1].journal())
+        setup = f", DDP's setup traced at {n}"
     m = measurements(journal, holder=holder, **scalars)
     traced_layers = f"layer {a}, layer {a + 1} placed as on {placed_on}" if placed_on else f"layers {a}, {a + 1}"
     m["trace_method"] = (f"synthesized: {traced_layers} -> {n}{f', steps {few} -> {steps}' if few < steps else ''}"
-                         f" ({how})")
+                         f"{setup} ({how})")
     events = [e for e in journal if e.action in ("alloc", "free")]
     return Traced(m, events, {"scalars": scalars, "retained_holder": holder})
 
@@ -173,9 +177,12 @@ def _as_json(value):
 def traced_steps(point: Point) -> int:
     """The steps each shallow depth is traced for: a training point's first two (the rest repeat
     the second: probe.sim.steps), else all. A leak workload's three: what outlives a step is found
-    by looking after the third."""
-    w = point.workload
-    return 2 if w.name == WorkloadName.train and w.leak == Leak.none and w.steps > 2 else w.steps
+    by looking after the third. DDP's three: it rebuilds its buckets in the second step's forward,
+    and the third is the first the others repeat."""
+    w, p = point.workload, point.parallel
+    first_alike = 2 if p.dp_replicate > 1 and p.dp_shard == 1 else 1  # DDP without FSDP2
+    return first_alike + 1 if w.name == WorkloadName.train and w.leak == Leak.none and w.steps > first_alike + 1 \
+        else w.steps
 
 
 def describe(point: Point) -> str:

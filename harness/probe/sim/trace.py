@@ -47,18 +47,21 @@ from harness.probe.sim.tracker import StorageTracker, storage_resizes
 from harness.probe.sim.virtual_cuda import LiveAllocator, virtual_cuda
 
 
-def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True) -> tuple[dict, StorageTracker]:
+def run_point(point: Point, emulate_cuda: bool = True, fake: bool = True,
+              setup_only: bool = False) -> tuple[dict, StorageTracker]:
     """Trace one point; returns (measurements, tracker with the event trace).
 
     `fake=False` runs the same steps on real CPU tensors under the same tracker (used to check
-    the fake trace against real execution for small models). The cyclic GC is on while it traces,
-    as in a real job, whatever the caller has it at.
+    the fake trace against real execution for small models). `setup_only`: the job built, no step
+    run (no measurements). The cyclic GC is on while it traces, as in a real job, whatever the
+    caller has it at.
     """
     with collector(on=True), sharded.process_group(point.parallel) as mesh:
-        return _run_point(point, emulate_cuda, fake, mesh)
+        return _run_point(point, emulate_cuda, fake, mesh, setup_only)
 
 
-def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh) -> tuple[dict, StorageTracker]:
+def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh,
+               setup_only: bool = False) -> tuple[dict, StorageTracker]:
     custom = point.workload.name == WorkloadName.custom
     build = build_function(point)
     k = knobs(point, mesh)
@@ -90,6 +93,8 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh) -> tuple[dict
             raise explain(e, "while building the job") from e
         n_steps = check_job(job, point)
         check_spread(k, point)
+        if setup_only:
+            return {}, tracker
         params = parameters(job)
         for t in (*params, *(job.model.buffers() if job.model is not None else ())):
             tracker.track(t, "parameter")
