@@ -14,7 +14,8 @@ another batch or length, is not checked again: nothing in its synthesis depends 
 point whose depth-a journal has the skeleton (all but the sizes) of one a point of the sweep learned
 from does not trace depth a+1: it makes it of its own entries as that point's was made of its own
 (repeat.recipe: the new layer's sizes those of the layer beside it), kept only where `learn` places
-the layer there again and the figures traced at a are that point's.
+the layer there again and the figures traced at a are that point's. DDP's setup, sized by all the
+layers at once, is traced at the point's depth and spliced in (probe.sim.ddp_setup).
 """
 
 from __future__ import annotations
