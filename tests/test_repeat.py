@@ -77,9 +77,11 @@ def test_a_trace_that_does_not_repeat_falls_back_to_the_full_trace():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("leak", ["graph", "cycle"])
-def test_leak_workloads_synthesize_their_trace_and_holder(leak):
-    p = _point()
+@pytest.mark.parametrize("leak,checkpointing", [("graph", False), ("cycle", False), ("graph", True)])
+def test_leak_workloads_synthesize_their_trace_and_holder(leak, checkpointing):
+    """With checkpointing under a kept graph (bf16), each layer's checkpoint keeps the layer below's
+    output for good, and the norm frees the top layer's alone: the kept chain."""
+    p = _point(checkpointing=checkpointing)
     p = p.replace(workload=p.workload.__class__(name="train", steps=3, new_tokens=16, leak=leak))
     assert _assert_same_as_full(p)["retained_holder"]
 

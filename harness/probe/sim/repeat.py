@@ -244,7 +244,10 @@ def learn(a: list[TraceEvent], b: list[TraceEvent], depth: int, layer_prefix: st
     free_a = {x: f for f, x in ref_a.items() if a[f].action == "free"}
     free_b = {x: f for f, x in ref_b.items() if b[f].action == "free"}
     # Chains: an old storage whose free moved into the new layer; the old free takes the new
-    # layer's counterpart instead (the storage that free refers to in b).
+    # layer's counterpart instead (the storage that free refers to in b). Or kept: an old storage
+    # the new layer holds on to (a checkpoint saving its input, under a graph that is never freed)
+    # is freed nowhere, and its old free takes the new layer's counterpart, which each copy but the
+    # last holds on to alike.
     handed: dict[int, int] = {}  # old alloc (in b) -> the new layer's counterpart (in b)
     takes_last: dict[int, int] = {}  # old free (in b) -> the new layer's storage it frees
     for xa in range(len(a)):
@@ -253,7 +256,9 @@ def learn(a: list[TraceEvent], b: list[TraceEvent], depth: int, layer_prefix: st
         g = free_b.get(to_b[xa])
         if g is None or block_of[g] < 0:
             fa = free_a.get(xa)
-            if g != (to_b[fa] if fa is not None else None):
+            if g is None and fa is not None and block_of[ref_b.get(to_b[fa], to_b[fa])] >= 0:
+                takes_last[to_b[fa]] = ref_b[to_b[fa]]
+            elif g != (to_b[fa] if fa is not None else None):
                 raise NotRepeating(f"old entry {to_b[xa]}'s storage is freed elsewhere with one layer more "
                                    f"({g if g is not None else 'never'}, not {to_b[fa] if fa is not None else 'never'})")
             continue
