@@ -304,16 +304,21 @@ def test_a_sharded_point_synthesized_from_two_layers_is_its_full_trace(precision
 
 
 @pytest.mark.slow
-def test_a_ddp_point_is_synthesized_with_its_setup_traced_at_its_depth_and_is_its_full_trace():
+def test_a_ddp_point_is_synthesized_with_its_setup_traced_at_its_depth_and_is_its_full_trace(tmp_path):
     """DDP's setup is sized by all the layers at once (the flat bucket of every gradient, the state
     broadcast in 250 MiB pieces): traced at the point's depth and spliced in. Its rebuilt buckets'
     index tensors grow with each layer (scaled entries), and its third step is the first the others
-    repeat (the second rebuilds the buckets). fp32 7B layers: several broadcast pieces per layer."""
+    repeat (the second rebuilds the buckets). fp32 7B layers: several broadcast pieces per layer.
+    Another batch's point, its structure checked on the first, is its full trace too."""
     from tests.test_repeat import _assert_same_as_full, _point
 
-    p = _point(precision="fp32", checkpointing=True).replace(parallel=Parallel(dp_replicate=4))
-    m = _assert_same_as_full(p.replace(workload=dataclasses.replace(p.workload, steps=5)))
+    def point(b, s):
+        p = _point(precision="fp32", checkpointing=True, batch_size=b, seq_len=s).replace(
+            parallel=Parallel(dp_replicate=4), trace_cache=str(tmp_path))
+        return p.replace(workload=dataclasses.replace(p.workload, steps=5))
+    m = _assert_same_as_full(point(2, 32))
     assert m["trace_method"].startswith("synthesized: layers 1, 2 -> 4, steps 3 -> 5, DDP's setup traced at 4")
+    assert "structure checked at 3 on 7b b2 s32" in _assert_same_as_full(point(3, 16))["trace_method"]
 
 
 def test_the_capacity_table_gives_each_job_and_card_the_fewest_gpus_that_fit():
