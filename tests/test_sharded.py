@@ -315,9 +315,9 @@ def test_a_ddp_point_is_synthesized_with_its_setup_traced_at_its_depth_and_is_it
     def point(b, s):
         p = _point(precision="fp32", checkpointing=True, batch_size=b, seq_len=s).replace(
             parallel=Parallel(dp_replicate=4), trace_cache=str(tmp_path))
-        return p.replace(workload=dataclasses.replace(p.workload, steps=5))
+        return p.replace(workload=dataclasses.replace(p.workload, steps=4))
     m = _assert_same_as_full(point(2, 32))
-    assert m["trace_method"].startswith("synthesized: layers 1, 2 -> 4, steps 3 -> 5, DDP's setup traced at 4")
+    assert m["trace_method"].startswith("synthesized: layers 1, 2 -> 4, steps 3 -> 4, DDP's setup traced at 4")
     assert "structure checked at 3 on 7b b2 s32" in _assert_same_as_full(point(3, 16))["trace_method"]
 
 
