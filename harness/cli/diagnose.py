@@ -30,16 +30,17 @@ def main(args: list[str]) -> int:
         return _fail(f"diagnose: no such file or directory: {path}")
     if path.suffix in (".pickle", ".pkl"):
         return _snapshot(path, as_json)
-    from harness.record.results import is_json  # here: pandas comes with it, and stdin needs none
-
-    if path.is_file() and not is_json(path):
-        if path.suffix == ".json":
-            return _fail(f"diagnose: {path} is not valid JSON (a result.json is)")
+    if path.is_file():  # read once: a result.json goes on to _runs, anything else is a message
         try:
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as e:
             return _fail(f"diagnose: cannot read {path}: {e}")
-        return _message(text, as_json, str(path))  # an OOM message saved to a file
+        try:
+            json.loads(text)
+        except ValueError:
+            if path.suffix == ".json":
+                return _fail(f"diagnose: {path} is not valid JSON (a result.json is)")
+            return _message(text, as_json, str(path))  # an OOM message saved to a file
     return _runs(path, as_json)
 
 

@@ -17,8 +17,14 @@ from harness.probe.sim.tracker import TraceEvent
 
 
 def section(journal: list[TraceEvent]) -> range | None:
-    """Where DDP's setup is in the journal (its run of the setup's gradients); None without one."""
-    at = [i for i, e in enumerate(journal) if e.phase == "setup" and e.kind == "gradient"]
+    """Where DDP's setup is in the journal (its run of the setup's gradients); None without one.
+    Read up to the first step only: a deep journal's steps are most of it."""
+    at = []
+    for i, e in enumerate(journal):
+        if e.step >= 0:
+            break
+        if e.phase == "setup" and e.kind == "gradient":
+            at.append(i)
     if not at:
         return None
     if at != list(range(at[0], at[-1] + 1)):

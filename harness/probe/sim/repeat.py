@@ -62,6 +62,11 @@ def _token(e: TraceEvent) -> tuple:
     return (e.action, e.size, e.kind, e.phase, e.step, e.module, e.stream)
 
 
+def _sizeless(e: TraceEvent) -> tuple:
+    """_token but the size: an entry that grows with the depth keeps it."""
+    return (e.action, e.kind, e.phase, e.step, e.module, e.stream)
+
+
 def referents(entries: list[TraceEvent]) -> dict[int, int]:
     """Referring entry -> the alloc it refers to (the latest alloc of its key)."""
     last: dict[int, int] = {}
@@ -111,8 +116,8 @@ def _align(a: list[TraceEvent], b: list[TraceEvent], refs: dict[int, int],
     sa = "".join(chr(0x100 + ids.setdefault(_token(e), len(ids))) for e in a)
     sb = "".join(chr(0x100 + ids.setdefault(_token(e), len(ids))) for e in b)
     # the same less sizes, for an entry that grows
-    ta = "".join(chr(0x100 + ids.setdefault(_token(e)[:1] + _token(e)[2:], len(ids))) for e in a)
-    tb = "".join(chr(0x100 + ids.setdefault(_token(e)[:1] + _token(e)[2:], len(ids))) for e in b)
+    ta = "".join(chr(0x100 + ids.setdefault(_sizeless(e), len(ids))) for e in a)
+    tb = "".join(chr(0x100 + ids.setdefault(_sizeless(e), len(ids))) for e in b)
     spans: list[list[int]] = []
     scaled: dict[int, int] = {}
     i = j = 0

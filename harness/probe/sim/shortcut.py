@@ -139,7 +139,7 @@ def synthesized(point: Point) -> Traced:
             "findings": [_as_json(f) for f in findings[:2]]})
     journal = full(repeat.synthesize(template, n))
     setup = ""
-    if ddp_setup.section(journal) is not None:  # DDP's own, traced at the point's depth
+    if ddp_setup.section(shallower) is not None:  # DDP's own, traced at the point's depth
         journal = ddp_setup.splice(journal, run_point(at_depth(point, n), setup_only=True)[1].journal())
         setup = f", DDP's setup traced at {n}"
     m = measurements(journal, holder=holder, **scalars)
