@@ -309,16 +309,19 @@ def test_a_ddp_point_is_synthesized_with_its_setup_traced_at_its_depth_and_is_it
     broadcast in 250 MiB pieces): traced at the point's depth and spliced in. Its rebuilt buckets'
     index tensors grow with each layer (scaled entries), and its third step is the first the others
     repeat (the second rebuilds the buckets). fp32 7B layers: several broadcast pieces per layer.
-    Another batch's point, its structure checked on the first, is its full trace too."""
+    Another batch's point, its structure checked on the first, is its full trace too; and so is
+    another count's, from the first one's shallow journals (a DDP rank's are the same at any count)."""
     from tests.test_repeat import _assert_same_as_full, _point
 
-    def point(b, s):
+    def point(b, s, replicas=4):
         p = _point(precision="fp32", checkpointing=True, batch_size=b, seq_len=s).replace(
-            parallel=Parallel(dp_replicate=4), trace_cache=str(tmp_path))
+            parallel=Parallel(dp_replicate=replicas), trace_cache=str(tmp_path))
         return p.replace(workload=dataclasses.replace(p.workload, steps=4))
     m = _assert_same_as_full(point(2, 32))
     assert m["trace_method"].startswith("synthesized: layers 1, 2 -> 4, steps 3 -> 4, DDP's setup traced at 4")
     assert "structure checked at 3 on 7b b2 s32" in _assert_same_as_full(point(3, 16))["trace_method"]
+    assert _assert_same_as_full(point(2, 32, replicas=2))["trace_method"].startswith(
+        "synthesized: layers 1, 2 as traced over 4 GPUs -> 4")
 
 
 def test_the_capacity_table_gives_each_job_and_card_the_fewest_gpus_that_fit():

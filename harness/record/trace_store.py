@@ -105,8 +105,10 @@ def save_cached(cache_dir: Path | None, tid: str, trace_path: Path, measurements
 # "checked" (by the template's structure) names the point its synthesis was checked on; "layouts"
 # (by the shallowest journal's skeleton) holds where the new layer sits and how the deeper journal
 # is made of the shallower (repeat.recipe), for a point of the same skeleton to skip tracing the
-# deeper depth. One JSON file per key (a layout: an entry per journal entry, ~100-150 KB for 7B).
-CHECKED, LAYOUTS = "checked", "layouts"
+# deeper depth; "replicas" (by a DDP job's trace identity at any count) its shallow journals and
+# their findings, for its other replica counts (probe.sim.replicas). One JSON file per key (a layout:
+# an entry per journal entry, ~100-150 KB for 7B).
+CHECKED, LAYOUTS, REPLICAS = "checked", "layouts", "replicas"
 
 
 def _note_file(cache_dir: Path, kind: str, key: str) -> Path:

@@ -15,7 +15,9 @@ point whose depth-a journal has the skeleton (all but the sizes) of one a point 
 from does not trace depth a+1: it makes it of its own entries as that point's was made of its own
 (repeat.recipe: the new layer's sizes those of the layer beside it), kept only where `learn` places
 the layer there again and the figures traced at a are that point's. DDP's setup, sized by all the
-layers at once, is traced at the point's depth and spliced in (probe.sim.ddp_setup).
+layers at once, is traced at the point's depth and spliced in (probe.sim.ddp_setup); the rest of a
+DDP rank's shallow journals is the same at any replica count, and taken from another count's where
+the sweep traced one (probe.sim.replicas).
 """
 
 from __future__ import annotations
@@ -28,12 +30,12 @@ from pathlib import Path
 
 from harness.config.models import hf_config
 from harness.config.point import Leak, Point, WorkloadName
-from harness.probe.sim import ddp_setup, repeat
+from harness.probe.sim import ddp_setup, repeat, replicas
 from harness.probe.sim import steps as stepwise
 from harness.probe.sim.measure import measurements
 from harness.probe.sim.repeat import NotRepeating
 from harness.probe.sim.trace import collector, run_point
-from harness.probe.sim.tracker import TraceEvent
+from harness.probe.sim.tracker import StorageTracker, TraceEvent
 from harness.record import trace_store
 
 SHALLOW = 1  # a: the template's depths are a and a+1, checked at a+2
@@ -96,17 +98,27 @@ def synthesized(point: Point) -> Traced:
     few = traced_steps(point)
     shallow = point.replace(workload=dataclasses.replace(point.workload, steps=few))
     cache = Path(point.trace_cache) if point.trace_cache else None
-    runs = {a: run_point(at_depth(shallow, a))}
-    shallower = ddp_setup.cut(runs[a][1].journal())
-    skeleton = repeat.skeleton(shallower)
-    reused = _placed_as_before(cache, skeleton, shallower, runs[a][1].findings)
-    if reused is not None:
-        template, deeper_findings, placed_on = reused
-    else:
-        runs[a + 1] = run_point(at_depth(shallow, a + 1))
-        deeper = ddp_setup.cut(runs[a + 1][1].journal())
+    runs: dict[int, tuple[dict, StorageTracker]] = {}
+    reused = placed_on = None
+    # DDP: the shallow depths as another replica count of the job traced them (probe.sim.replicas)
+    other_count = replicas.read(cache, shallow, (a, a + 1))
+    if other_count is not None:
+        (shallower, deeper), findings, counted = other_count
+        skeleton = repeat.skeleton(shallower)
         template = repeat.learn(shallower, deeper, a, _layer_prefix(deeper, a))
-        deeper_findings, placed_on = runs[a + 1][1].findings, None
+    else:
+        runs[a] = run_point(at_depth(shallow, a))
+        shallower = ddp_setup.cut(runs[a][1].journal())
+        skeleton = repeat.skeleton(shallower)
+        reused = _placed_as_before(cache, skeleton, shallower, runs[a][1].findings)
+        if reused is not None:
+            template, deeper_findings, placed_on = reused
+        else:
+            runs[a + 1] = run_point(at_depth(shallow, a + 1))
+            deeper = ddp_setup.cut(runs[a + 1][1].journal())
+            template = repeat.learn(shallower, deeper, a, _layer_prefix(deeper, a))
+            deeper_findings = runs[a + 1][1].findings
+        findings = [runs[a][1].findings, deeper_findings]
 
     def full(journal: list[TraceEvent]) -> list[TraceEvent]:  # every step of the point
         return stepwise.extend(journal, steps) if few < steps else journal
@@ -115,7 +127,6 @@ def synthesized(point: Point) -> Traced:
     # in this sweep's trace cache) synthesizes as that one did: only its sizes differ.
     structure = f"{repeat.structure(template)}:steps {few}->{steps}"
     checked = trace_store.read_note(cache, trace_store.CHECKED, structure)
-    findings = [runs[a][1].findings, deeper_findings]
     if checked is None:
         runs[a + 2] = run_point(at_depth(point, a + 2))
         check = repeat.canonical(full(repeat.synthesize(template, a + 2)))
@@ -127,12 +138,16 @@ def synthesized(point: Point) -> Traced:
         how = f"checked at {a + 2}"
     else:
         how = f"its structure checked at {a + 2} on {checked.get('point', 'another point')}"
+    if other_count is not None or placed_on is not None:  # some as they read back from a note: all so
+        findings = [_as_json(f) for f in findings]
     scalars = _extrapolate([f["scalars"] for f in findings], n - a)
     holder = _extrapolate([f.get("retained_holder") for f in findings], n - a)
     # Both held at a+2 (the journal and the figures beside it), or were held on a point of this structure
     if checked is None:
         trace_store.write_note(cache, trace_store.CHECKED, structure, {"point": describe(point)})
-    recipe = repeat.recipe(template) if reused is None else None
+    if a + 1 in runs:  # traced here: for the job's other replica counts (DDP only)
+        replicas.write(cache, shallow, (a, a + 1), [shallower, deeper], [_as_json(f) for f in findings[:2]])
+    recipe = repeat.recipe(template) if reused is None and other_count is None else None
     if recipe is not None:
         trace_store.write_note(cache, trace_store.LAYOUTS, skeleton, {
             "layout": repeat.layout(template), "recipe": recipe, "point": describe(point),
@@ -143,7 +158,9 @@ def synthesized(point: Point) -> Traced:
         journal = ddp_setup.splice(journal, run_point(at_depth(point, n), setup_only=True)[1].journal())
         setup = f", DDP's setup traced at {n}"
     m = measurements(journal, holder=holder, **scalars)
-    traced_layers = f"layer {a}, layer {a + 1} placed as on {placed_on}" if placed_on else f"layers {a}, {a + 1}"
+    traced_layers = (f"layer {a}, layer {a + 1} placed as on {placed_on}" if placed_on
+                     else f"layers {a}, {a + 1} as traced over {counted} GPUs" if other_count is not None
+                     else f"layers {a}, {a + 1}")
     m["trace_method"] = (f"synthesized: {traced_layers} -> {n}{f', steps {few} -> {steps}' if few < steps else ''}"
                          f"{setup} ({how})")
     events = [e for e in journal if e.action in ("alloc", "free")]
