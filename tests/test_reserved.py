@@ -66,7 +66,10 @@ def test_a_capacity_that_decides_every_cudamalloc_alike_reuses_a_replay_and_its_
 @pytest.mark.parametrize("conf", ["", "roundup_power2_divisions:4", "max_split_size_mb:20", "expandable_segments:True"])
 def test_a_lean_replay_decides_every_capacity_as_the_full_replay_does(conf):
     """An FSDP2 rank's trace (its own streams) on capacities from its allocated to past its reserved
-    peak: the lean replay's OOM, cache flushes and peaks are the full replay's."""
+    peak: the lean replay's OOM, cache flushes and peaks are the full replay's; and so are those of
+    a lean replay that goes on from where the replay without a limit first asked for more than the
+    capacity (Replays.run_unlimited; every setting but expandable segments, whose address ranges
+    the device sizes)."""
     from harness.allocator.model import Device
     from harness.config.point import Parallel
     from harness.probe.sim.trace import run_point
@@ -78,10 +81,17 @@ def test_a_lean_replay_decides_every_capacity_as_the_full_replay_does(conf):
     settings = AllocSettings.from_conf(conf)
     unlimited = replay_events(rows, settings)[0]
     low, high = unlimited.peak_allocated_bytes, unlimited.peak_reserved_bytes + 4 * MiB
+    capacities = range(low, high, max(1, (high - low) // 24))
+    checkpointed = Replays(rows, settings)
+    assert checkpointed.run_unlimited(Device(total=1024 * MiB), capacities).as_dict() == unlimited.as_dict()
+    assert bool(checkpointed.kept) != settings.expandable_segments
     decided = set()
-    for capacity in range(low, high, max(1, (high - low) // 24)):
+    for capacity in capacities:
         device = Device(capacity=capacity, total=1024 * MiB)
         lean, full = (replay_events(rows, settings, device, lean=lean)[0] for lean in (True, False))
+        on_its_own = Replays(rows, settings)  # no replay of another capacity to reuse: its checkpoint's
+        on_its_own.kept = checkpointed.kept
+        assert on_its_own.on(device).as_dict() == lean.as_dict(), capacity
 
         def decisions(r):
             return [r.ooms[0]["event"] if r.ooms else None, r.num_alloc_retries, r.peak_reserved_bytes,

@@ -238,6 +238,14 @@ class _Untracked:
         pass
 
 
+def _copied(ps: PoolStat) -> PoolStat:
+    out = PoolStat()
+    for pool in ("all", "large", "small"):
+        s = getattr(ps, pool)
+        setattr(out, pool, Stat(s.current, s.peak, s.allocated, s.freed))
+    return out
+
+
 _UNTRACKED = _Untracked()
 _UNTRACKED_WHEN_LEAN = ("active_bytes", "inactive_split_bytes", "allocation", "active", "segment", "inactive_split",
                         "oversize_allocations", "oversize_segments")
@@ -292,6 +300,9 @@ class CachingAllocator:
         self._va = 0x7F0000000000
         self._new_segment_addr = new_segment_addr or self._bump
         self.on_event: Callable[..., None] | None = None  # callback(action, addr, size, stream[, tag]) for traces
+        # callback(bytes reserved after it) before each cudaMalloc asks the device (the state then is
+        # the state before the request that asks: nothing has changed yet)
+        self.on_device_ask: Callable[[int], None] | None = None
 
     # ---- addresses -------------------------------------------------------------------------
     def _bump(self, size: int) -> int:
@@ -485,6 +496,8 @@ class CachingAllocator:
     def _device_has(self, nbytes: int) -> bool:
         cap = self.device.capacity
         need = self.total_allocated_memory + nbytes
+        if self.on_device_ask is not None:
+            self.on_device_ask(need)
         if cap is None or need <= cap:
             self.largest_granted = max(self.largest_granted, need)
             return True
@@ -691,6 +704,37 @@ class CachingAllocator:
         self.stats.num_device_free += 1
         self._emit("segment_unmap", start, nbytes, middle.stream)
         return middle
+
+    # ---- a copy to go on from ------------------------------------------------------------------
+    def lean_copy(self, device: Device, live: dict) -> tuple[CachingAllocator, dict]:
+        """A lean allocator (Stats.lean) on `device` in this one's state, and `live` (key -> block)
+        on its blocks: a replay that went this far alike on both goes on there. Regular segments
+        only (an expandable one's address range is sized by the device)."""
+        if self.settings.expandable_segments or self._new_segment_addr != self._bump:
+            raise ValueError("only an allocator of regular segments at its own addresses is copied")
+        new = CachingAllocator(self.settings, device, lean=True)
+        copy: dict[int, Block] = {}
+        for b in self.blocks.values():
+            c = copy[id(b)] = Block(b.addr, b.size, b.stream, b.small, mapped=b.mapped)
+            c.requested, c.allocated, c.gc_base, c.tag = b.requested, b.allocated, b.gc_base, b.tag
+        for b in self.blocks.values():
+            c = copy[id(b)]
+            c.prev = copy[id(b.prev)] if b.prev is not None else None
+            c.next = copy[id(b.next)] if b.next is not None else None
+        new.blocks = {addr: copy[id(b)] for addr, b in self.blocks.items()}
+        new.segments = {addr: copy[id(b)] for addr, b in self.segments.items()}
+        for mine, theirs in ((self.small, new.small), (self.large, new.large)):
+            theirs.free, theirs.unmapped = list(mine.free), list(mine.unmapped)
+            theirs.get_free_blocks_calls = mine.get_free_blocks_calls
+        st, kept = self.stats, new.stats
+        for name in ("allocated_bytes", "requested_bytes", "reserved_bytes"):
+            ps = getattr(st, name)
+            setattr(kept, name, _copied(ps))
+        kept.num_alloc_retries, kept.num_ooms = st.num_alloc_retries, st.num_ooms
+        kept.num_device_alloc, kept.num_device_free = st.num_device_alloc, st.num_device_free
+        new.total_allocated_memory, new._va = self.total_allocated_memory, self._va
+        new.largest_granted, new.smallest_refused = self.largest_granted, self.smallest_refused
+        return new, {k: copy[id(b)] for k, b in live.items()}
 
     # ---- OOM -----------------------------------------------------------------------------------
     def _oom(self, alloc_size: int, size: int) -> OutOfMemory:

@@ -3,7 +3,9 @@ the recording decided) and the virtual GPU's traces (what-if on any card and set
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from itertools import islice
 from typing import NamedTuple
 
 from harness.allocator import snapshot as snap
@@ -289,17 +291,43 @@ class ReplayRow(NamedTuple):
 STEADY_FROM_STEP = 1
 
 
+@dataclass
+class Checkpoint:
+    """A replay's state just before request `event` asked the device for more than any capacity it
+    was kept for: on a device of at least `granted` bytes (the most it had been granted) every
+    request before went alike, so a lean replay there goes on from this state (a copy of it)."""
+    event: int
+    granted: int
+    alloc: CachingAllocator  # lean (Stats.lean)
+    live: dict  # key -> its block in `alloc`
+
+
 def replay_events(events, settings: AllocSettings, device: Device | None = None, on_event=None,
-                  stop_at_oom: bool = True, lean: bool = False) -> tuple[ReplayResult, CachingAllocator]:
+                  stop_at_oom: bool = True, lean: bool = False, keep_below: Sequence[int] = (),
+                  kept: list[Checkpoint] | None = None) -> tuple[ReplayResult, CachingAllocator]:
     """Replay a virtual-GPU trace (ReplayRow: action, key, size, tag, stream): the whole run's peaks and
     the steady state's (from the first event of step STEADY_FROM_STEP on); `lean`: see
     ReplayResult.lean. `on_event(action, addr, size, stream, tag)` sees each allocator event with
-    the row's tag."""
+    the row's tag. A replay without a limit appends to `kept` a Checkpoint where it first asks the
+    device for more than each capacity of `keep_below` (but one under its allocated peak so far,
+    which no replay of its own needs: probe.sim.reserved.fits_by_numbers)."""
     alloc = CachingAllocator(settings, device or Device(), lean=lean)
     result = ReplayResult(settings=settings.conf, lean=lean)
     peaks = _Peaks(alloc)
     live: dict = {}
     tag = None
+    if keep_below and kept is not None and alloc.device.capacity is None and alloc.device.allowed is None \
+            and not settings.expandable_segments:  # (an expandable segment's range is the device's to size)
+        pending = sorted(keep_below, reverse=True)
+
+        def ask(need: int) -> None:
+            crossed = False
+            while pending and need > pending[-1]:
+                crossed |= pending.pop() >= alloc.stats.allocated_bytes.peak
+            if crossed:  # result.requests: the request being made, counted from 1
+                kept.append(Checkpoint(result.requests - 1, alloc.largest_granted,
+                                       *alloc.lean_copy(Device(total=alloc.device.total), live)))
+        alloc.on_device_ask = ask
     if on_event is not None:
         alloc.on_event = lambda action, addr, size, stream: on_event(action, addr, size, stream, tag)
     elif lean:
@@ -330,14 +358,16 @@ def replay_events(events, settings: AllocSettings, device: Device | None = None,
     return result, alloc
 
 
-def _replay_lean(events, alloc: CachingAllocator, result: ReplayResult, stop_at_oom: bool) -> None:
+def _replay_lean(events, alloc: CachingAllocator, result: ReplayResult, stop_at_oom: bool, start: int = 0,
+                 live: dict | None = None) -> None:
     """replay_events' loop for a lean replay that reports no events: no window, no peaks to observe
-    (the allocator's own statistics keep them), and the calls looked up once (~90k events a 70B rank)."""
-    live: dict = {}
+    (the allocator's own statistics keep them), and the calls looked up once (~90k events a 70B rank).
+    From request `start` on with `live` (key -> block) where it goes on from a Checkpoint."""
+    live = {} if live is None else live
     malloc, free = alloc.malloc, alloc.free
     pop = live.pop
-    i = -1
-    for i, (action, key, size, tag, stream) in enumerate(events):
+    i = start - 1
+    for i, (action, key, size, tag, stream) in enumerate(islice(events, start, None), start):
         if action == "alloc":
             try:
                 b = malloc(size, stream)
@@ -368,10 +398,19 @@ class Replays:
         that what holds many Replays need not hold every trace)."""
         self.events, self.settings = events, settings
         self.done: list[tuple[Device, ReplayResult]] = []
+        self.kept: list[Checkpoint] = []
 
     def add(self, device: Device, result: ReplayResult) -> ReplayResult:
         self.done.append((device, result))
         return result
+
+    def run_unlimited(self, device: Device, capacities: Sequence[int]) -> ReplayResult:
+        """The replay on `device` (no capacity: what the run reserves), its state kept where it
+        first asks for more than each of `capacities` (the cards to be asked about): a lean replay
+        on one of them goes on from there rather than from the start."""
+        events = self.events() if callable(self.events) else self.events
+        return self.add(device, replay_events(events, self.settings, device, keep_below=capacities,
+                                              kept=self.kept)[0])
 
     def on(self, device: Device) -> ReplayResult:
         # A card's total memory sizes only expandable segments' address ranges (and OOM messages,
@@ -382,7 +421,15 @@ class Replays:
             if (any_total or d.total == device.total) and d.allowed == device.allowed and _alike(r, device.capacity):
                 return r
         events = self.events() if callable(self.events) else self.events
-        return self.add(device, replay_events(events, self.settings, device, lean=True)[0])
+        start = max((c for c in self.kept if device.capacity is not None and c.granted <= device.capacity
+                     and device.allowed is None), key=lambda c: c.event, default=None)
+        if start is None:
+            return self.add(device, replay_events(events, self.settings, device, lean=True)[0])
+        alloc, live = start.alloc.lean_copy(device, start.live)  # the checkpoint kept for others
+        result = ReplayResult(settings=self.settings.conf, lean=True)
+        _replay_lean(events, alloc, result, stop_at_oom=True, start=start.event, live=live)
+        _finish(result, alloc, _Peaks(alloc))
+        return self.add(device, result)
 
 
 def _alike(r: ReplayResult, capacity: int | None) -> bool:

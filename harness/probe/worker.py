@@ -101,7 +101,7 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
     # Each card as one of the job's GPUs sees it: NCCL's memory beside the CUDA context's
     rec.update(reserved.analyse(trace_store.replay_rows(df), settings, nccl.on_rank(point.gpu, point.parallel),
                                 [nccl.on_rank(c, point.parallel) for c in catalog.cards()], torch.__version__,
-                                snapshot), catalog_sha=catalog.digest())
+                                snapshot, rec["peak_tensor_bytes"]), catalog_sha=catalog.digest())
     rec["wall_s"] = time.perf_counter() - t0
     return rec
 

@@ -62,12 +62,17 @@ def edge_columns(edges: dict[str, str]) -> dict:
 
 
 def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog: list[Card],
-            torch_version: str, snapshot_path: Path | None = None) -> dict:
-    """Record fields for the run's card and the whole catalog."""
+            torch_version: str, snapshot_path: Path | None = None, peak_tensor_bytes: int = 0) -> dict:
+    """Record fields for the run's card and the whole catalog (`peak_tensor_bytes`: the trace's
+    storages' peak, which the allocated peak is at least)."""
     # Unlimited memory, but the card's size for what depends on it (expandable address ranges).
     replays = Replays(rows, settings)
     without_limit, on_the_card = Device(total=card.memory_bytes), Device.for_card(card)
-    unlimited = replays.add(without_limit, replay_events(rows, settings, without_limit)[0])
+    # A card between the run's allocated and reserved peaks takes a lean replay of its own, which
+    # goes on from where this one first asked for more than the card holds (alike until then);
+    # a card under the storages' peak needs none.
+    rooms = [c.room() for k in catalog for c in (k, k.at_worst())]
+    unlimited = replays.run_unlimited(without_limit, [r for r in rooms if r >= peak_tensor_bytes])
     trace: list[dict] = []
 
     def on_event(action, addr, size, stream, tag):
