@@ -11,6 +11,7 @@ shared) and the process's peak RSS. Targets: 70B <= 15 s,
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,7 +60,18 @@ POINTS = [
 ]
 
 
+def machine_speed() -> float:
+    """Seconds a 20M-iteration Python loop takes: this machine's speed at the moment (a shared one
+    swings 2-2.7x within an hour; compare figures taken at the same speed)."""
+    t0 = time.perf_counter()
+    x = 0
+    for i in range(20_000_000):
+        x += i
+    return time.perf_counter() - t0
+
+
 def main() -> None:
+    print(f"machine: a 20M-iteration Python loop in {machine_speed():.2f} s")
     for spec in POINTS:
         out = subprocess.run([sys.executable, "-c", CHILD, str(REPO), json.dumps(spec)], capture_output=True,
                              text=True, check=True).stdout.strip().splitlines()[-1]
