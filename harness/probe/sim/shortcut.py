@@ -104,7 +104,6 @@ def synthesized(point: Point) -> Traced:
     other_count = replicas.read(cache, shallow, (a, a + 1))
     if other_count is not None:
         (shallower, deeper), findings, counted = other_count
-        skeleton = repeat.skeleton(shallower)
         template = repeat.learn(shallower, deeper, a, _layer_prefix(deeper, a))
     else:
         runs[a] = run_point(at_depth(shallow, a))
