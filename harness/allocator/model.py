@@ -727,9 +727,8 @@ class CachingAllocator:
             theirs.free, theirs.unmapped = list(mine.free), list(mine.unmapped)
             theirs.get_free_blocks_calls = mine.get_free_blocks_calls
         st, kept = self.stats, new.stats
-        for name in ("allocated_bytes", "requested_bytes", "reserved_bytes"):
-            ps = getattr(st, name)
-            setattr(kept, name, _copied(ps))
+        for name in ("allocated_bytes", "requested_bytes", "reserved_bytes"):  # what a lean one keeps
+            setattr(kept, name, _copied(getattr(st, name)))
         kept.num_alloc_retries, kept.num_ooms = st.num_alloc_retries, st.num_ooms
         kept.num_device_alloc, kept.num_device_free = st.num_device_alloc, st.num_device_free
         new.total_allocated_memory, new._va = self.total_allocated_memory, self._va
