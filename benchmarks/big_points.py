@@ -23,7 +23,7 @@ sys.path.insert(0, sys.argv[1])
 from harness.launch.zygote import _warm_up
 from harness.probe import worker
 from harness.probe.sim.trace import set_aside_for_forks
-from tests.conftest import model_cfg, train_point
+from tests.conftest import train_point
 from harness.config.point import Parallel, Workload
 spec = json.loads(sys.argv[2])
 _warm_up(spec["model"])  # as the zygote a sweep of this model starts, then forks from

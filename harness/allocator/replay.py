@@ -404,12 +404,14 @@ class Replays:
         self.done.append((device, result))
         return result
 
+    def _rows(self):
+        return self.events() if callable(self.events) else self.events
+
     def run_unlimited(self, device: Device, capacities: Sequence[int]) -> ReplayResult:
         """The replay on `device` (no capacity: what the run reserves), its state kept where it
         first asks for more than each of `capacities` (the cards to be asked about): a lean replay
         on one of them goes on from there rather than from the start."""
-        events = self.events() if callable(self.events) else self.events
-        return self.add(device, replay_events(events, self.settings, device, keep_below=capacities,
+        return self.add(device, replay_events(self._rows(), self.settings, device, keep_below=capacities,
                                               kept=self.kept)[0])
 
     def on(self, device: Device) -> ReplayResult:
@@ -420,9 +422,10 @@ class Replays:
         for d, r in self.done:
             if (any_total or d.total == device.total) and d.allowed == device.allowed and _alike(r, device.capacity):
                 return r
-        events = self.events() if callable(self.events) else self.events
-        start = max((c for c in self.kept if device.capacity is not None and c.granted <= device.capacity
-                     and device.allowed is None), key=lambda c: c.event, default=None)
+        events = self._rows()
+        capacity = device.capacity if device.allowed is None else None  # a fraction: no checkpoint is alike
+        start = max((c for c in self.kept if capacity is not None and c.granted <= capacity),
+                    key=lambda c: c.event, default=None)
         if start is None:
             return self.add(device, replay_events(events, self.settings, device, lean=True)[0])
         alloc, live = start.alloc.lean_copy(device, start.live)  # the checkpoint kept for others

@@ -104,7 +104,6 @@ def synthesized(point: Point) -> Traced:
     other_count = replicas.read(cache, shallow, (a, a + 1))
     if other_count is not None:
         (shallower, deeper), findings, counted = other_count
-        template = repeat.learn(shallower, deeper, a, _layer_prefix(deeper, a))
     else:
         runs[a] = run_point(at_depth(shallow, a))
         shallower = ddp_setup.cut(runs[a][1].journal())
@@ -114,10 +113,10 @@ def synthesized(point: Point) -> Traced:
             template, deeper_findings, placed_on = reused
         else:
             runs[a + 1] = run_point(at_depth(shallow, a + 1))
-            deeper = ddp_setup.cut(runs[a + 1][1].journal())
-            template = repeat.learn(shallower, deeper, a, _layer_prefix(deeper, a))
-            deeper_findings = runs[a + 1][1].findings
+            deeper, deeper_findings = ddp_setup.cut(runs[a + 1][1].journal()), runs[a + 1][1].findings
         findings = [runs[a][1].findings, deeper_findings]
+    if reused is None:  # both depths' journals at hand, traced here or at another count
+        template = repeat.learn(shallower, deeper, a, _layer_prefix(deeper, a))
 
     def full(journal: list[TraceEvent]) -> list[TraceEvent]:  # every step of the point
         return stepwise.extend(journal, steps) if few < steps else journal
@@ -137,20 +136,19 @@ def synthesized(point: Point) -> Traced:
         how = f"checked at {a + 2}"
     else:
         how = f"its structure checked at {a + 2} on {checked.get('point', 'another point')}"
-    if other_count is not None or placed_on is not None:  # some as they read back from a note: all so
-        findings = [_as_json(f) for f in findings]
+    findings = [_as_json(f) for f in findings]  # as a note holds them (some may come from one)
     scalars = _extrapolate([f["scalars"] for f in findings], n - a)
     holder = _extrapolate([f.get("retained_holder") for f in findings], n - a)
     # Both held at a+2 (the journal and the figures beside it), or were held on a point of this structure
     if checked is None:
         trace_store.write_note(cache, trace_store.CHECKED, structure, {"point": describe(point)})
     if a + 1 in runs:  # traced here: for the job's other replica counts (DDP only)
-        replicas.write(cache, shallow, (a, a + 1), [shallower, deeper], [_as_json(f) for f in findings[:2]])
+        replicas.write(cache, shallow, (a, a + 1), [shallower, deeper], findings[:2])
     recipe = repeat.recipe(template) if reused is None and other_count is None else None
     if recipe is not None:
         trace_store.write_note(cache, trace_store.LAYOUTS, skeleton, {
             "layout": repeat.layout(template), "recipe": recipe, "point": describe(point),
-            "findings": [_as_json(f) for f in findings[:2]]})
+            "findings": findings[:2]})
     journal = full(repeat.synthesize(template, n))
     setup = ""
     if ddp_setup.section(shallower) is not None:  # DDP's own, traced at the point's depth
