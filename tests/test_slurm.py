@@ -132,11 +132,11 @@ def test_killed_and_timed_out_jobs_are_rows_and_the_others_are_intact(slurm, tmp
     by_sleep = {json.loads(a)["sleep_s"]: row for a, row in zip(df["workload_args"], df.to_dict("records"))}
     assert by_sleep[0]["status"] == "ok" and by_sleep[0]["job_id"].endswith("_0")
     killed = by_sleep[600]
-    assert killed["status"] == "error" and "CANCELLED" in killed["error"] and killed["job_id"] == job
+    assert killed["status"] == "error" and "CANCELLED" in killed["error"] and killed["job_id"] == job, killed
 
     assert late.returncode == 1, out_l[-3000:]
     row = _rows(_sweep_dir(tmp_path / "late", "smoke")).iloc[0]
-    assert row["status"] == "timeout" and "time limit" in row["error"] and row["job_id"]
+    assert row["status"] == "timeout" and "time limit" in row["error"] and row["job_id"], row.to_dict()
 
     r = run_cli("report", str(_sweep_dir(tmp_path / "cancelled", "smoke")))
     assert r.returncode == 1 and (_sweep_dir(tmp_path / "cancelled", "smoke") / "report.html").exists()
@@ -171,6 +171,18 @@ def test_a_job_ended_in_its_time_limits_warning_window_is_a_timeout_whatever_it_
     assert row["status"] == "timeout" and row["error"].startswith("Slurm job 66 reached its time limit")
     row = ended_row(point, "67", "CANCELLED by 0", None, "", in_last_minutes=False)
     assert row["status"] == "error" and row["error"] == "Slurm job 67 ended CANCELLED by 0 before its point wrote a row"
+
+
+def test_a_row_the_point_wrote_as_failed_is_a_timeout_when_its_job_reached_the_time_limit():
+    # The warning signal or the limit's SIGTERM killed the worker: its row says error, the limit is why.
+    from harness.launch.slurm import failed_row
+
+    rec = {"status": "error", "error": "worker killed by SIGTERM"}
+    late = failed_row(rec, "68", "COMPLETED", timed_out=True)
+    assert late["status"] == "timeout" and "68 reached its time limit" in late["error"]
+    cancelled = failed_row(rec, "69", "CANCELLED by 0", timed_out=False)
+    assert cancelled["status"] == "error" and cancelled["error"].endswith("(Slurm job 69: CANCELLED by 0)")
+    assert failed_row(rec, "70", "COMPLETED", timed_out=False) == rec
 
 
 def test_a_job_over_two_ranks_runs_as_two_tasks_of_one_slurm_job_and_rank_0_writes_its_row(slurm, tmp_path):

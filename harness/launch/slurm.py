@@ -73,18 +73,33 @@ def job_row(point: Point, job_id: str | None, status: str, error: str) -> dict:
     return rec
 
 
+def _timed_out(state: str) -> bool:
+    return state.upper().startswith(("TIMEOUT", "DEADLINE"))
+
+
 def ended_row(point: Point, job_id: str | None, state: str, log_path: str | None, detail: str = "",
               in_last_minutes: bool = False) -> dict:
     """The row of a job that ended without writing one: `timeout` when its time limit ended it
     (Slurm's TIMEOUT; or submitit stopping it at Slurm's warning signal, which comes once the job is
     `in_last_minutes` of its limit and may interrupt anything, an import included), else `error`;
     Slurm's state and what submitit recorded are the reason."""
-    timed_out = state.upper().startswith(("TIMEOUT", "DEADLINE")) or "timed-out" in detail or in_last_minutes
+    timed_out = _timed_out(state) or "timed-out" in detail or in_last_minutes
     what = (f"Slurm job {job_id} reached its time limit (Slurm: {state})" if timed_out
             else f"Slurm job {job_id} ended {state}")
     return job_row(point, job_id, "timeout" if timed_out else "error",
                    f"{what} before its point wrote a row" + (f"; submitit: {detail}" if detail else "")
                    + (f"; log: {log_path}" if log_path else ""))
+
+
+def failed_row(rec: dict, job_id: str, state: str, timed_out: bool) -> dict:
+    """A failed row the point wrote itself, with Slurm's word on its job: `timeout` when the job's
+    time limit ended it (Slurm's SIGTERM at the limit, or its warning signal, reached the point's
+    process before submitit stopped the job: the row saw a killed worker, the limit is why)."""
+    if timed_out:
+        return {**rec, "status": "timeout", "error": f"{rec.get('error')} (Slurm job {job_id} reached its time limit: {state})"}
+    if not state.startswith("COMPLETED"):
+        return {**rec, "error": f"{rec.get('error')} (Slurm job {job_id}: {state})"}
+    return rec
 
 
 def _outcome(job) -> str:
@@ -186,34 +201,36 @@ def _row_of(p: _Point, job) -> dict:
     """The point's own row decides its status; a failed one gets Slurm's word on the job added.
     No row: one from Slurm's state and submitit's record."""
     row_file = p.run_dir / RESULT_FILE
+    signal_delay_s = p.params.get("signal_delay_s")
     if row_file.exists():
         rec = json.loads(row_file.read_text())
         if rec.get("status") in ("error", "timeout"):
             state = _final_state(job)
-            if state.upper().startswith(("TIMEOUT", "DEADLINE")):
-                # Slurm's SIGTERM at the limit reached the point's process before submitit's warning
-                # stopped the job: the row saw a killed worker, the limit is why
-                rec["status"] = "timeout"
-                rec["error"] = f"{rec.get('error')} (Slurm job {job.job_id} reached its time limit: {state})"
-                write_row(p.run_dir, rec)
-            elif not state.startswith("COMPLETED"):
-                rec["error"] = f"{rec.get('error')} (Slurm job {job.job_id}: {state})"
-                write_row(p.run_dir, rec)
+            rec = failed_row(rec, job.job_id, state, _timed_out(state) or _in_warning_window(job.job_id, signal_delay_s))
+            write_row(p.run_dir, rec)
         return rec
     return write_row(p.run_dir, ended_row(p.point, job.job_id, _final_state(job), str(job.paths.stderr),
-                                       _outcome(job), _in_warning_window(job.job_id, p.params.get("signal_delay_s"))))
+                                       _outcome(job), _in_warning_window(job.job_id, signal_delay_s)))
 
 
-def _in_warning_window(job_id: str, signal_delay_s) -> bool:
+def _in_warning_window(job_id: str, signal_delay_s, wait_s: float = 30.0) -> bool:
     """Whether the job ran into the last `signal_delay_s` of its time limit, where Slurm sends the
-    warning signal on which submitit stops it (sacct: ElapsedRaw s, TimelimitRaw min)."""
-    try:
-        out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "ElapsedRaw,TimelimitRaw"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout.split()
-        elapsed_s, limit_min = (int(x) for x in out[0].split("|"))
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):  # unlimited, or sacct unreachable
-        return False
-    return elapsed_s >= 60 * limit_min - int(signal_delay_s or 0)
+    warning signal on which submitit stops it (sacct: ElapsedRaw s, TimelimitRaw min). sacct may
+    not know a job that just ended (slurmdbd lags under load): asked again for up to `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "ElapsedRaw,TimelimitRaw"],
+                                 capture_output=True, text=True, timeout=30, check=True).stdout.split()
+            elapsed_s, limit_min = (int(x) for x in out[0].split("|"))
+        except ValueError:  # no time limit
+            return False
+        except (OSError, subprocess.SubprocessError, IndexError):  # not recorded yet, or sacct unreachable
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(1)
+            continue
+        return elapsed_s >= 60 * limit_min - int(signal_delay_s or 0)
 
 
 def _final_state(job, wait_s: float = 30.0) -> str:
