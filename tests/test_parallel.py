@@ -162,8 +162,9 @@ def _rows(tmp_path, *overrides) -> dict:
     assert r.returncode == 0, r.stderr
     (path,) = tmp_path.rglob("results.parquet")
     (row,) = pd.read_parquet(path).to_dict("records")
-    for p in tmp_path.iterdir():  # the next run writes a results.parquet of its own
-        shutil.rmtree(p)
+    for p in tmp_path.iterdir():  # the next run writes a results.parquet of its own (its trace is kept)
+        if p.name != ".traces":
+            shutil.rmtree(p)
     return row
 
 

@@ -37,8 +37,24 @@ def _assert_same_as_full(point: Point, synthesized: bool = True) -> dict:
     return {**m, "trace_method": method}
 
 
-# Every preset model deeper than the template's three layers (tiny has two).
-ARCHS = ["7b", "13b", "70b", "llama3-8b", "llama3-405b", "mistral-7b", "qwen2.5-7b", "demo-1b"]
+def _one_preset_per_structure() -> list[str]:
+    """A preset of each layer structure deeper than the template's three layers (tiny has two):
+    its architecture, and whether its attention groups key/value heads (GQA repeats them). The
+    sizes change no op of the trace, only shapes: 13b is 7b's structure, llama3-405b 70b's."""
+    from harness.config.compose import CONF_DIR
+
+    seen: dict[tuple, str] = {}
+    for f in sorted((CONF_DIR / "model").glob("*.yaml"), key=lambda f: (len(f.stem), f.stem)):
+        cfg = model_cfg(f.stem)
+        hf = cfg.get("hf") or {}
+        if not hf.get("num_hidden_layers") or hf["num_hidden_layers"] <= 3:
+            continue
+        grouped = hf.get("num_key_value_heads", hf["num_attention_heads"]) < hf["num_attention_heads"]
+        seen.setdefault((cfg["arch"], grouped), f.stem)
+    return sorted(seen.values())
+
+
+ARCHS = _one_preset_per_structure()
 
 
 @pytest.mark.slow

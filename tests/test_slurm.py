@@ -17,7 +17,9 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 
-pytestmark = pytest.mark.slow
+# One worker runs them, one after another, from the suite's start: they wait on Slurm far more than
+# they compute, so the other workers have the cores meanwhile (the suite on 2 cores is CPU-bound).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 
 SLURM = ["hydra/launcher=harness_slurm", "hydra.launcher.cpus_per_task=1", "backend=sim"]
 SLEEPY = ["sweeps=smoke", "batch_size=1", "seq_len=32", "workload=custom", "workload.target=tests.jobs.sleepy:build"]
