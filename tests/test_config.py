@@ -154,6 +154,24 @@ def test_bad_input_is_one_line_naming_the_key_exit_2_and_keeps_results(tmp_path,
     assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(["default", "old", "runs", "0", "result.json"])
 
 
+@pytest.mark.parametrize("verb,overrides,key", [
+    ("run", ["workload=infer", "checkpointing=true"], "checkpointing"),
+    ("run", ["workload=infer", "optimizer=sgd"], "optimizer"),
+    ("run", ["workload=infer", "optimizer.impl=fused"], "optimizer.impl"),
+    ("run", ["workload=custom", "workload.target=examples.gpt:build", "optimizer.lr=0.1"], "optimizer.lr"),
+    ("sweep", ["workload=infer"], "checkpointing"),  # the default grid sweeps checkpointing
+])
+def test_a_knob_the_job_would_ignore_is_refused_by_its_key_before_anything_runs(verb, overrides, key):
+    """Rows under two values of a knob the job ignores would be one run twice: inference has no
+    backward to checkpoint and no optimizer step; a custom job builds its own optimizer."""
+    from harness.cli.common import prepare
+
+    with pytest.raises(ConfigError) as e:
+        prepare(verb, ["model=tiny", *overrides])
+    assert e.value.key == key
+    assert len(prepare("sweep", ["model=tiny", "workload=infer", "checkpointing=false"]).points) == 24
+
+
 def test_unknown_verb_is_a_usage_error():
     r = run_cli("sweeep", "model=7b")
     assert r.returncode == 2 and "unknown verb" in r.stderr

@@ -81,18 +81,20 @@ def prepare(verb: str, overrides: list[str]) -> Prepared:
 
 # Knobs a custom job does not take: it builds its own optimizer (optimizer.impl still applies).
 _NOT_FOR_CUSTOM = ("optimizer", "optimizer.name", "optimizer.lr")
+# Knobs inference does not take: it runs no optimizer step.
+_NOT_FOR_INFER = (*_NOT_FOR_CUSTOM, "optimizer.impl")
 
 
 def _check_applies(point, overrides: list[str]) -> None:
     """A knob asked for that the point's job would ignore is refused: two rows under different
     values would be one run."""
-    if point.workload.name != WorkloadName.custom:
-        return
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
-        if key in _NOT_FOR_CUSTOM:
+        if point.workload.name == WorkloadName.custom and key in _NOT_FOR_CUSTOM:
             raise ConfigError(key, "a custom job builds its own optimizer (workload.target); only "
                                    "optimizer.impl applies to it")
+        if point.workload.name == WorkloadName.infer and key in _NOT_FOR_INFER:
+            raise ConfigError(key, "workload=infer runs no optimizer step: its rows would be one run")
 
 
 def aggregate(path: Path, expected: int | None = None) -> int:

@@ -412,6 +412,10 @@ class Point:
         if self.checkpointing_policy != CheckpointingPolicy.full and not self.checkpointing:
             raise ConfigError("checkpointing_policy", f"{self.checkpointing_policy} chooses what checkpointing keeps: "
                               "set checkpointing=true (or leave the policy full)")
+        if self.workload.name == WorkloadName.infer and self.checkpointing:
+            raise ConfigError("checkpointing", "recomputes activations for the backward pass, and workload=infer has "
+                              "none: its rows would be the ones without (set checkpointing=false; over a grid that "
+                              "sweeps it, on the command line)")
         if self.workload.name == WorkloadName.infer and not 1 <= self.workload.new_tokens < self.seq_len:
             raise ConfigError("workload.new_tokens", f"must be in [1, seq_len) = [1, {self.seq_len}), "
                               f"got {self.workload.new_tokens}")
