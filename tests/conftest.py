@@ -102,12 +102,12 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
-    """`-n auto`: a worker more than the cores. The Slurm, rank and CLI tests wait on processes of
-    their own (jobs, gloo ranks, `python -m harness`) for much of their time, a core left idle
-    with one worker per core: on 2 cores 697 s with 3 workers against 815 s with 2 (same run).
-    maxprocesses (pyproject) caps it."""
+    """`-n auto`: two workers more than the cores. One runs the Slurm tests one after another and
+    waits on Slurm most of its time; the rank and CLI tests wait on processes of their own (gloo
+    ranks, `python -m harness` and its zygote's points) for part of theirs. On 2 cores, the same
+    hour: 824 s with 4 workers against 856-921 s with 3. maxprocesses (pyproject) caps it."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cores + 1
+    return cores + 2
 
 
 def pytest_collection_finish(session):
@@ -117,3 +117,4 @@ def pytest_collection_finish(session):
     from harness.probe.sim.trace import set_aside_for_forks
 
     set_aside_for_forks()
+
