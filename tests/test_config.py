@@ -158,12 +158,15 @@ def test_bad_input_is_one_line_naming_the_key_exit_2_and_keeps_results(tmp_path,
     ("run", ["workload=infer", "checkpointing=true"], "checkpointing"),
     ("run", ["workload=infer", "optimizer=sgd"], "optimizer"),
     ("run", ["workload=infer", "optimizer.impl=fused"], "optimizer.impl"),
+    ("run", ["workload=infer", "workload.steps=5"], "workload.steps"),  # a prefill, then a step a token
+    ("run", ["workload.new_tokens=8"], "workload.new_tokens"),  # training decodes nothing
     ("run", ["workload=custom", "workload.target=examples.gpt:build", "optimizer.lr=0.1"], "optimizer.lr"),
     ("sweep", ["workload=infer"], "checkpointing"),  # the default grid sweeps checkpointing
 ])
 def test_a_knob_the_job_would_ignore_is_refused_by_its_key_before_anything_runs(verb, overrides, key):
     """Rows under two values of a knob the job ignores would be one run twice: inference has no
-    backward to checkpoint and no optimizer step; a custom job builds its own optimizer."""
+    backward to checkpoint and no optimizer step, and steps a token at a time; training decodes
+    nothing; a custom job builds its own optimizer."""
     from harness.cli.common import prepare
 
     with pytest.raises(ConfigError) as e:

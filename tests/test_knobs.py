@@ -44,7 +44,8 @@ def _overrides(cell: dict) -> list[str]:
     asked = [f"optimizer={cell['optimizer']}"] * (cell["optimizer"] != "adamw")
     out = [o for o in out if o != "optimizer.impl=auto"]
     return ["model=tiny", f"workload={cell['workload']}", f"workload.leak={cell['leak']}", *asked,
-            "batch_size=2", "seq_len=64", "workload.steps=2", "workload.new_tokens=2", *out]
+            "batch_size=2", "seq_len=64",
+            "workload.new_tokens=2" if cell["workload"] == "infer" else "workload.steps=2", *out]
 
 
 @functools.cache

@@ -95,6 +95,11 @@ def _check_applies(point, overrides: list[str]) -> None:
                                    "optimizer.impl applies to it")
         if point.workload.name == WorkloadName.infer and key in _NOT_FOR_INFER:
             raise ConfigError(key, "workload=infer runs no optimizer step: its rows would be one run")
+        if point.workload.name == WorkloadName.infer and key == "workload.steps":
+            raise ConfigError(key, "workload=infer runs its prefill and a step per decoded token: set "
+                                   "workload.new_tokens")
+        if point.workload.name != WorkloadName.infer and key == "workload.new_tokens":
+            raise ConfigError(key, "the tokens decoded after the prompt: workload=infer only")
 
 
 def aggregate(path: Path, expected: int | None = None) -> int:
