@@ -79,27 +79,28 @@ def prepare(verb: str, overrides: list[str]) -> Prepared:
     return Prepared(points, compose(plain, with_hydra=True), list(cards.values()), configs, built)
 
 
-# Knobs a custom job does not take: it builds its own optimizer (optimizer.impl still applies).
-_NOT_FOR_CUSTOM = ("optimizer", "optimizer.name", "optimizer.lr")
-# Knobs inference does not take: it runs no optimizer step.
-_NOT_FOR_INFER = (*_NOT_FOR_CUSTOM, "optimizer.impl")
+# Knobs a job of each workload ignores, and why: asked for, they are refused.
+_OWN_OPTIMIZER = "a custom job builds its own optimizer (workload.target); only optimizer.impl applies to it"
+_NO_OPTIMIZER = "workload=infer runs no optimizer step: its rows would be one run"
+_DECODES = "the tokens decoded after the prompt: workload=infer only"
+_IGNORED = {
+    WorkloadName.custom: {"optimizer": _OWN_OPTIMIZER, "optimizer.name": _OWN_OPTIMIZER,
+                          "optimizer.lr": _OWN_OPTIMIZER, "workload.new_tokens": _DECODES},
+    WorkloadName.train: {"workload.new_tokens": _DECODES},
+    WorkloadName.infer: {**{k: _NO_OPTIMIZER for k in ("optimizer", "optimizer.name", "optimizer.lr", "optimizer.impl")},
+                         "workload.steps": "workload=infer runs its prefill and a step per decoded token: "
+                                           "set workload.new_tokens"},
+}
 
 
 def _check_applies(point, overrides: list[str]) -> None:
     """A knob asked for that the point's job would ignore is refused: two rows under different
     values would be one run."""
+    ignored = _IGNORED[point.workload.name]
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
-        if point.workload.name == WorkloadName.custom and key in _NOT_FOR_CUSTOM:
-            raise ConfigError(key, "a custom job builds its own optimizer (workload.target); only "
-                                   "optimizer.impl applies to it")
-        if point.workload.name == WorkloadName.infer and key in _NOT_FOR_INFER:
-            raise ConfigError(key, "workload=infer runs no optimizer step: its rows would be one run")
-        if point.workload.name == WorkloadName.infer and key == "workload.steps":
-            raise ConfigError(key, "workload=infer runs its prefill and a step per decoded token: set "
-                                   "workload.new_tokens")
-        if point.workload.name != WorkloadName.infer and key == "workload.new_tokens":
-            raise ConfigError(key, "the tokens decoded after the prompt: workload=infer only")
+        if key in ignored:
+            raise ConfigError(key, ignored[key])
 
 
 def aggregate(path: Path, expected: int | None = None) -> int:
