@@ -162,15 +162,23 @@ def test_bad_input_is_one_line_naming_the_key_exit_2_and_keeps_results(tmp_path,
     ("run", ["workload.new_tokens=8"], "workload.new_tokens"),  # training decodes nothing
     ("run", ["workload=custom", "workload.target=examples.gpt:build", "optimizer.lr=0.1"], "optimizer.lr"),
     ("sweep", ["workload=infer"], "checkpointing"),  # the default grid sweeps checkpointing
+    ("sweep", ["+workload.args.width=1,2"], "workload.args.width"),  # a preset takes no args
+    ("run", ["workload.target=examples.gpt:build"], "workload.target"),
+    ("run", ["workload=custom", "workload.target=examples.gpt:build", "model=7b"], "model"),
+    ("run", ["workload=custom", "workload.target=examples.gpt:build", "model.hf.num_hidden_layers=4"],
+     "model.hf.num_hidden_layers"),
+    ("sweep", ["plan.hi=5,6"], "plan.hi"),  # a sweep searches nothing
 ])
 def test_a_knob_the_job_would_ignore_is_refused_by_its_key_before_anything_runs(verb, overrides, key):
     """Rows under two values of a knob the job ignores would be one run twice: inference has no
     backward to checkpoint and no optimizer step, and steps a token at a time; training decodes
-    nothing; a custom job builds its own optimizer."""
+    nothing; a custom job builds its own model and optimizer, and a preset takes no workload.args;
+    a sweep or a run searches nothing (plan.*)."""
     from harness.cli.common import prepare
 
+    preset = [] if "workload=custom" in overrides else ["model=tiny"]
     with pytest.raises(ConfigError) as e:
-        prepare(verb, ["model=tiny", *overrides])
+        prepare(verb, [*preset, *overrides])
     assert e.value.key == key
     assert len(prepare("sweep", ["model=tiny", "workload=infer", "checkpointing=false"]).points) == 24
 

@@ -71,7 +71,7 @@ def _refusal(cell: dict) -> str | None:
             optimizer=dataclasses.replace(base.optimizer, name=cell["optimizer"], impl=cell["impl"]),
             workload=dataclasses.replace(base.workload, name=cell["workload"], leak=cell["leak"]),
             allocator=dataclasses.replace(base.allocator, conf=_conf(cell["allocator"])))
-        _check_applies(point, _overrides(cell))
+        _check_applies("sweep", point, _overrides(cell))
     except ConfigError as e:
         assert "\n" not in str(e)
         return e.key

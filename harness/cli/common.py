@@ -68,7 +68,7 @@ def prepare(verb: str, overrides: list[str]) -> Prepared:
         try:
             configs[key] = cfg = compose(p)
             built[key] = point = validate(cfg)
-            _check_applies(point, p)
+            _check_applies(verb, point, p)
         except ConfigError as e:
             if len(points) > 1:
                 knobs = [o for o in p if not o.split("=", 1)[0].lstrip("+~").startswith("hydra.")]  # ours, not Hydra's
@@ -79,28 +79,36 @@ def prepare(verb: str, overrides: list[str]) -> Prepared:
     return Prepared(points, compose(plain, with_hydra=True), list(cards.values()), configs, built)
 
 
-# Knobs a job of each workload ignores, and why: asked for, they are refused.
+# Knobs a job of each workload ignores, and why: asked for, they are refused (a key ending in "."
+# stands for every key under it).
 _OWN_OPTIMIZER = "a custom job builds its own optimizer (workload.target); only optimizer.impl applies to it"
 _NO_OPTIMIZER = "workload=infer runs no optimizer step: its rows would be one run"
 _DECODES = "the tokens decoded after the prompt: workload=infer only"
+_CUSTOMS = "a job of your own's (workload=custom): the presets take none"
+_PRESETS = {"workload.target": _CUSTOMS, "workload.args": _CUSTOMS, "workload.args.": _CUSTOMS}
 _IGNORED = {
     WorkloadName.custom: {"optimizer": _OWN_OPTIMIZER, "optimizer.name": _OWN_OPTIMIZER,
-                          "optimizer.lr": _OWN_OPTIMIZER, "workload.new_tokens": _DECODES},
-    WorkloadName.train: {"workload.new_tokens": _DECODES},
+                          "optimizer.lr": _OWN_OPTIMIZER, "workload.new_tokens": _DECODES,
+                          **{k: "a custom job builds its own model (workload.target): model= picks a preset's"
+                             for k in ("model", "model.")}},
+    WorkloadName.train: {"workload.new_tokens": _DECODES, **_PRESETS},
     WorkloadName.infer: {**{k: _NO_OPTIMIZER for k in ("optimizer", "optimizer.name", "optimizer.lr", "optimizer.impl")},
                          "workload.steps": "workload=infer runs its prefill and a step per decoded token: "
-                                           "set workload.new_tokens"},
+                                           "set workload.new_tokens", **_PRESETS},
 }
 
 
-def _check_applies(point, overrides: list[str]) -> None:
-    """A knob asked for that the point's job would ignore is refused: two rows under different
-    values would be one run."""
+def _check_applies(verb: str, point, overrides: list[str]) -> None:
+    """A knob asked for that the point's job (or the verb) would ignore is refused: two rows under
+    different values would be one run."""
     ignored = _IGNORED[point.workload.name]
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
-        if key in ignored:
-            raise ConfigError(key, ignored[key])
+        under = next((k for k in ignored if k.endswith(".") and key.startswith(k)), None)
+        if key in ignored or under is not None:
+            raise ConfigError(key, ignored[key if key in ignored else under])
+        if verb != "plan" and (key == "plan" or key.startswith("plan.")):
+            raise ConfigError(key, f"sets the search of `python -m harness plan`, which `{verb}` does not run")
 
 
 def aggregate(path: Path, expected: int | None = None) -> int:
