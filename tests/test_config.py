@@ -168,6 +168,7 @@ def test_bad_input_is_one_line_naming_the_key_exit_2_and_keeps_results(tmp_path,
     ("run", ["workload=custom", "workload.target=examples.gpt:build", "model.hf.num_hidden_layers=4"],
      "model.hf.num_hidden_layers"),
     ("sweep", ["plan.hi=5,6"], "plan.hi"),  # a sweep searches nothing
+    ("sweep", ["sweeps=smoke", "workload=custom", "workload.target=examples.gpt:build", "model=tiny,7b"], "model"),
 ])
 def test_a_knob_the_job_would_ignore_is_refused_by_its_key_before_anything_runs(verb, overrides, key):
     """Rows under two values of a knob the job ignores would be one run twice: inference has no
@@ -181,6 +182,8 @@ def test_a_knob_the_job_would_ignore_is_refused_by_its_key_before_anything_runs(
         prepare(verb, [*preset, *overrides])
     assert e.value.key == key
     assert len(prepare("sweep", ["model=tiny", "workload=infer", "checkpointing=false"]).points) == 24
+    # a grid file's one value the job does not use (smoke's model=tiny for a custom job) goes unused
+    assert len(prepare("sweep", ["sweeps=smoke", "workload=custom", "workload.target=examples.gpt:build"]).points) == 4
 
 
 def test_unknown_verb_is_a_usage_error():

@@ -58,6 +58,13 @@ def make_out_dir(out: Path, key: str = "results_dir") -> None:
 def prepare(verb: str, overrides: list[str]) -> Prepared:
     """Every point composed and validated, before anything runs."""
     points = expand_grid(overrides) if verb == "sweep" else [overrides]
+    # What a knob the job ignores is refused for: typed, or varied by the grid (a grid file's one
+    # value, such as smoke's model for a custom job, only goes unused)
+    values: dict[str, set[str]] = {}
+    for p in points:
+        for o in p:
+            values.setdefault(_key(o), set()).add(o)
+    asked = {_key(o) for o in overrides} | {k for k, v in values.items() if len(v) > 1}
     configs: dict[tuple[str, ...], DictConfig] = {}
     built: dict[tuple[str, ...], Point] = {}
     cards = {}
@@ -68,10 +75,10 @@ def prepare(verb: str, overrides: list[str]) -> Prepared:
         try:
             configs[key] = cfg = compose(p)
             built[key] = point = validate(cfg)
-            _check_applies(verb, point, p)
+            _check_applies(verb, point, [o for o in p if _key(o) in asked])
         except ConfigError as e:
             if len(points) > 1:
-                knobs = [o for o in p if not o.split("=", 1)[0].lstrip("+~").startswith("hydra.")]  # ours, not Hydra's
+                knobs = [o for o in p if not _key(o).startswith("hydra.")]  # ours, not Hydra's
                 raise ConfigError(e.key, f"{e.message} (point: {' '.join(knobs)})")
             raise
         cards[point.gpu.name, point.gpu.memory_bytes] = point.gpu
@@ -98,12 +105,16 @@ _IGNORED = {
 }
 
 
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def _check_applies(verb: str, point, overrides: list[str]) -> None:
     """A knob asked for that the point's job (or the verb) would ignore is refused: two rows under
     different values would be one run."""
     ignored = _IGNORED[point.workload.name]
     for o in overrides:
-        key = o.split("=", 1)[0].lstrip("+~")
+        key = _key(o)
         under = next((k for k in ignored if k.endswith(".") and key.startswith(k)), None)
         if key in ignored or under is not None:
             raise ConfigError(key, ignored[key if key in ignored else under])
