@@ -223,9 +223,9 @@ def _in_warning_window(job_id: str, signal_delay_s, wait_s: float = 30.0) -> boo
             out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "ElapsedRaw,TimelimitRaw"],
                                  capture_output=True, text=True, timeout=30, check=True).stdout.split()
             elapsed_s, limit_min = (int(x) for x in out[0].split("|"))
-        except ValueError:  # no time limit
+        except (ValueError, OSError):  # no time limit; no sacct here
             return False
-        except (OSError, subprocess.SubprocessError, IndexError):  # not recorded yet, or sacct unreachable
+        except (subprocess.SubprocessError, IndexError):  # not recorded yet, or slurmdbd not answering
             if time.monotonic() > deadline:
                 return False
             time.sleep(1)
