@@ -182,8 +182,14 @@ def test_a_knob_the_job_would_ignore_is_refused_by_its_key_before_anything_runs(
         prepare(verb, [*preset, *overrides])
     assert e.value.key == key
     assert len(prepare("sweep", ["model=tiny", "workload=infer", "checkpointing=false"]).points) == 24
-    # a grid file's one value the job does not use (smoke's model=tiny for a custom job) goes unused
+    # a grid file's one value the job does not use (smoke's model=tiny for a custom job) goes unused,
+    # as does a typed one that some of the sweep's points use; varied, it is refused
     assert len(prepare("sweep", ["sweeps=smoke", "workload=custom", "workload.target=examples.gpt:build"]).points) == 4
+    mixed = ["model=tiny", "workload=train,infer", "checkpointing=false"]
+    assert len(prepare("sweep", [*mixed, "optimizer=sgd"]).points) == 48
+    with pytest.raises(ConfigError) as e:
+        prepare("sweep", [*mixed, "optimizer=sgd,adamw"])
+    assert e.value.key == "optimizer"
 
 
 def test_unknown_verb_is_a_usage_error():

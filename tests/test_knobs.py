@@ -61,7 +61,7 @@ def _conf(allocator: str) -> str:
 def _refusal(cell: dict) -> str | None:
     """The key a cell is refused by, from the point's own checks and the command line's (a knob
     asked for that the job ignores), before anything runs (None: it is a point)."""
-    from harness.cli.common import _check_applies
+    from harness.cli.common import _ignored
 
     base = _base()
     try:
@@ -71,10 +71,11 @@ def _refusal(cell: dict) -> str | None:
             optimizer=dataclasses.replace(base.optimizer, name=cell["optimizer"], impl=cell["impl"]),
             workload=dataclasses.replace(base.workload, name=cell["workload"], leak=cell["leak"]),
             allocator=dataclasses.replace(base.allocator, conf=_conf(cell["allocator"])))
-        _check_applies("sweep", point, _overrides(cell))
     except ConfigError as e:
         assert "\n" not in str(e)
         return e.key
+    # asked of one point (a cell), a knob its job ignores is refused
+    return next(iter(_ignored("sweep", point, _overrides(cell))), None)
     return None
 
 

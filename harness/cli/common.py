@@ -58,13 +58,16 @@ def make_out_dir(out: Path, key: str = "results_dir") -> None:
 def prepare(verb: str, overrides: list[str]) -> Prepared:
     """Every point composed and validated, before anything runs."""
     points = expand_grid(overrides) if verb == "sweep" else [overrides]
-    # What a knob the job ignores is refused for: typed, or varied by the grid (a grid file's one
-    # value, such as smoke's model for a custom job, only goes unused)
+    # A knob a point's job ignores is refused where the grid varies it (its rows would be one run
+    # twice), or where it is typed with one value and no point uses it; a grid file's one value
+    # (smoke's model under a custom job) only goes unused, as does a typed one some points use
+    # (optimizer=sgd over workload=train,infer)
     values: dict[str, set[str]] = {}
     for p in points:
         for o in p:
             values.setdefault(_key(o), set()).add(o)
-    asked = {_key(o) for o in overrides} | {k for k, v in values.items() if len(v) > 1}
+    varied = {k for k, v in values.items() if len(v) > 1}
+    unused = {_key(o): "" for o in overrides if _key(o) not in varied}  # key -> why, while no point used it
     configs: dict[tuple[str, ...], DictConfig] = {}
     built: dict[tuple[str, ...], Point] = {}
     cards = {}
@@ -75,13 +78,23 @@ def prepare(verb: str, overrides: list[str]) -> Prepared:
         try:
             configs[key] = cfg = compose(p)
             built[key] = point = validate(cfg)
-            _check_applies(verb, point, [o for o in p if _key(o) in asked])
+            ignored = _ignored(verb, point, [o for o in p if _key(o) in varied or _key(o) in unused])
+            clash = next((k for k in ignored if k in varied), None)
+            if clash is not None:
+                raise ConfigError(clash, ignored[clash])
+            for k in list(unused):
+                if k in ignored:
+                    unused[k] = ignored[k]
+                else:
+                    del unused[k]
         except ConfigError as e:
             if len(points) > 1:
                 knobs = [o for o in p if not _key(o).startswith("hydra.")]  # ours, not Hydra's
                 raise ConfigError(e.key, f"{e.message} (point: {' '.join(knobs)})")
             raise
         cards[point.gpu.name, point.gpu.memory_bytes] = point.gpu
+    for k, why in unused.items():  # typed, and every point ignores it
+        raise ConfigError(k, why)
     plain, _ = split_overrides(overrides)
     return Prepared(points, compose(plain, with_hydra=True), list(cards.values()), configs, built)
 
@@ -109,17 +122,18 @@ def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def _check_applies(verb: str, point, overrides: list[str]) -> None:
-    """A knob asked for that the point's job (or the verb) would ignore is refused: two rows under
-    different values would be one run."""
+def _ignored(verb: str, point, overrides: list[str]) -> dict[str, str]:
+    """The keys of `overrides` that the point's job (or the verb) would ignore, and why."""
     ignored = _IGNORED[point.workload.name]
+    out = {}
     for o in overrides:
         key = _key(o)
         under = next((k for k in ignored if k.endswith(".") and key.startswith(k)), None)
         if key in ignored or under is not None:
-            raise ConfigError(key, ignored[key if key in ignored else under])
-        if verb != "plan" and (key == "plan" or key.startswith("plan.")):
-            raise ConfigError(key, f"sets the search of `python -m harness plan`, which `{verb}` does not run")
+            out[key] = ignored[key if key in ignored else under]
+        elif verb != "plan" and (key == "plan" or key.startswith("plan.")):
+            out[key] = f"sets the search of `python -m harness plan`, which `{verb}` does not run"
+    return out
 
 
 def aggregate(path: Path, expected: int | None = None) -> int:
