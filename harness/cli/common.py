@@ -67,7 +67,8 @@ def prepare(verb: str, overrides: list[str]) -> Prepared:
         for o in p:
             values.setdefault(_key(o), set()).add(o)
     varied = {k for k, v in values.items() if len(v) > 1}
-    unused = {_key(o): "" for o in overrides if _key(o) not in varied}  # key -> why, while no point used it
+    unused = {_key(o) for o in overrides} - varied  # typed, and ignored by every point so far
+    why: dict[str, str] = {}
     configs: dict[tuple[str, ...], DictConfig] = {}
     built: dict[tuple[str, ...], Point] = {}
     cards = {}
@@ -78,41 +79,40 @@ def prepare(verb: str, overrides: list[str]) -> Prepared:
         try:
             configs[key] = cfg = compose(p)
             built[key] = point = validate(cfg)
-            ignored = _ignored(verb, point, [o for o in p if _key(o) in varied or _key(o) in unused])
+            ignored = _ignored(verb, point, p)
             clash = next((k for k in ignored if k in varied), None)
             if clash is not None:
                 raise ConfigError(clash, ignored[clash])
-            for k in list(unused):
-                if k in ignored:
-                    unused[k] = ignored[k]
-                else:
-                    del unused[k]
+            unused &= ignored.keys()
+            why.update(ignored)
         except ConfigError as e:
             if len(points) > 1:
                 knobs = [o for o in p if not _key(o).startswith("hydra.")]  # ours, not Hydra's
                 raise ConfigError(e.key, f"{e.message} (point: {' '.join(knobs)})")
             raise
         cards[point.gpu.name, point.gpu.memory_bytes] = point.gpu
-    for k, why in unused.items():  # typed, and every point ignores it
-        raise ConfigError(k, why)
+    first = next((k for k in map(_key, overrides) if k in unused), None)
+    if first is not None:
+        raise ConfigError(first, why[first])
     plain, _ = split_overrides(overrides)
     return Prepared(points, compose(plain, with_hydra=True), list(cards.values()), configs, built)
 
 
 # Knobs a job of each workload ignores, and why: asked for, they are refused (a key ending in "."
 # stands for every key under it).
-_OWN_OPTIMIZER = "a custom job builds its own optimizer (workload.target); only optimizer.impl applies to it"
-_NO_OPTIMIZER = "workload=infer runs no optimizer step: its rows would be one run"
-_DECODES = "the tokens decoded after the prompt: workload=infer only"
-_CUSTOMS = "a job of your own's (workload=custom): the presets take none"
-_PRESETS = {"workload.target": _CUSTOMS, "workload.args": _CUSTOMS, "workload.args.": _CUSTOMS}
+_OPTIMIZER = ("optimizer", "optimizer.name", "optimizer.lr")  # which optimizer (optimizer.impl: how it steps)
+_DECODES = {"workload.new_tokens": "the tokens decoded after the prompt: workload=infer only"}
+_PRESETS = dict.fromkeys(("workload.target", "workload.args", "workload.args."),
+                         "a job of your own's (workload=custom): the presets take none")
 _IGNORED = {
-    WorkloadName.custom: {"optimizer": _OWN_OPTIMIZER, "optimizer.name": _OWN_OPTIMIZER,
-                          "optimizer.lr": _OWN_OPTIMIZER, "workload.new_tokens": _DECODES,
-                          **{k: "a custom job builds its own model (workload.target): model= picks a preset's"
-                             for k in ("model", "model.")}},
-    WorkloadName.train: {"workload.new_tokens": _DECODES, **_PRESETS},
-    WorkloadName.infer: {**{k: _NO_OPTIMIZER for k in ("optimizer", "optimizer.name", "optimizer.lr", "optimizer.impl")},
+    WorkloadName.custom: {**dict.fromkeys(_OPTIMIZER, "a custom job builds its own optimizer (workload.target); "
+                                                      "only optimizer.impl applies to it"),
+                          **dict.fromkeys(("model", "model."), "a custom job builds its own model "
+                                                               "(workload.target): model= picks a preset's"),
+                          **_DECODES},
+    WorkloadName.train: {**_DECODES, **_PRESETS},
+    WorkloadName.infer: {**dict.fromkeys((*_OPTIMIZER, "optimizer.impl"),
+                                         "workload=infer runs no optimizer step: its rows would be one run"),
                          "workload.steps": "workload=infer runs its prefill and a step per decoded token: "
                                            "set workload.new_tokens", **_PRESETS},
 }
@@ -128,9 +128,9 @@ def _ignored(verb: str, point, overrides: list[str]) -> dict[str, str]:
     out = {}
     for o in overrides:
         key = _key(o)
-        under = next((k for k in ignored if k.endswith(".") and key.startswith(k)), None)
-        if key in ignored or under is not None:
-            out[key] = ignored[key if key in ignored else under]
+        reason = ignored.get(key) or next((r for k, r in ignored.items() if k.endswith(".") and key.startswith(k)), None)
+        if reason is not None:
+            out[key] = reason
         elif verb != "plan" and (key == "plan" or key.startswith("plan.")):
             out[key] = f"sets the search of `python -m harness plan`, which `{verb}` does not run"
     return out

@@ -94,7 +94,8 @@ def ended_row(point: Point, job_id: str | None, state: str, log_path: str | None
 def failed_row(rec: dict, job_id: str, state: str, timed_out: bool) -> dict:
     """A failed row the point wrote itself, with Slurm's word on its job: `timeout` when the job's
     time limit ended it (Slurm's SIGTERM at the limit, or its warning signal, reached the point's
-    process before submitit stopped the job: the row saw a killed worker, the limit is why)."""
+    process before submitit stopped the job: the row saw a killed worker, the limit is why). The row
+    itself where Slurm has nothing to add."""
     if timed_out:
         return {**rec, "status": "timeout", "error": f"{rec.get('error')} (Slurm job {job_id} reached its time limit: {state})"}
     if not state.startswith("COMPLETED"):
@@ -206,8 +207,10 @@ def _row_of(p: _Point, job) -> dict:
         rec = json.loads(row_file.read_text())
         if rec.get("status") in ("error", "timeout"):
             state = _final_state(job)
-            rec = failed_row(rec, job.job_id, state, _timed_out(state) or _in_warning_window(job.job_id, signal_delay_s))
-            write_row(p.run_dir, rec)
+            worded = failed_row(rec, job.job_id, state, _timed_out(state) or _in_warning_window(job.job_id, signal_delay_s))
+            if worded is not rec:  # Slurm had something to add
+                write_row(p.run_dir, worded)
+            return worded
         return rec
     return write_row(p.run_dir, ended_row(p.point, job.job_id, _final_state(job), str(job.paths.stderr),
                                        _outcome(job), _in_warning_window(job.job_id, signal_delay_s)))
