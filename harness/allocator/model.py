@@ -173,10 +173,8 @@ class Stats:
     allocated_bytes: PoolStat = field(default_factory=PoolStat)
     requested_bytes: PoolStat = field(default_factory=PoolStat)
     reserved_bytes: PoolStat = field(default_factory=PoolStat)
-    active_bytes: PoolStat = field(default_factory=PoolStat)
     inactive_split_bytes: PoolStat = field(default_factory=PoolStat)
     allocation: PoolStat = field(default_factory=PoolStat)
-    active: PoolStat = field(default_factory=PoolStat)  # one stream: every allocation is active
     segment: PoolStat = field(default_factory=PoolStat)
     inactive_split: PoolStat = field(default_factory=PoolStat)
     oversize_allocations: Stat = field(default_factory=Stat)  # blocks >= max_split_size
@@ -185,6 +183,17 @@ class Stats:
     num_ooms: int = 0
     num_device_alloc: int = 0
     num_device_free: int = 0
+
+    # Active: handed out and not yet free, a free awaiting a stream's event included. Here a free
+    # completes at once (no stream waits on a block: record_stream is not modelled), so the active
+    # blocks are the allocated ones: one statistic under both names, kept once.
+    @property
+    def active_bytes(self) -> PoolStat:
+        return self.allocated_bytes
+
+    @property
+    def active(self) -> PoolStat:
+        return self.allocation
 
     @classmethod
     def lean(cls) -> Stats:
@@ -247,7 +256,7 @@ def _copied(ps: PoolStat) -> PoolStat:
 
 
 _UNTRACKED = _Untracked()
-_UNTRACKED_WHEN_LEAN = ("active_bytes", "inactive_split_bytes", "allocation", "active", "segment", "inactive_split",
+_UNTRACKED_WHEN_LEAN = ("inactive_split_bytes", "allocation", "segment", "inactive_split",
                         "oversize_allocations", "oversize_segments")
 
 
@@ -348,7 +357,6 @@ class CachingAllocator:
         st.allocated_bytes.add(-block.size, block.small)
         if not self.lean:
             st.allocation.add(-1, block.small)
-            st.active.add(-1, block.small)
             if block.size >= self.settings.max_split_size:
                 st.oversize_allocations.add(-1)
         if self.on_event is None:
@@ -426,9 +434,7 @@ class CachingAllocator:
         """The statistics of a block handed out (or found allocated when a replay seeds the state)."""
         st = self.stats
         st.allocation.add(1, b.small)
-        st.active.add(1, b.small)
         st.allocated_bytes.add(b.size, b.small)
-        st.active_bytes.add(b.size, b.small)
         st.requested_bytes.add(b.requested, b.small)
         if b.size >= self.settings.max_split_size:
             st.oversize_allocations.add(1)
@@ -472,7 +478,7 @@ class CachingAllocator:
     def _free_block(self, b: Block) -> None:
         st = self.stats
         pool = self.small if b.small else self.large
-        original, requested = b.size, b.requested
+        requested = b.requested
         delta = count = 0
         for cand in (b.prev, b.next):
             if cand is not None and not cand.allocated:
@@ -490,7 +496,6 @@ class CachingAllocator:
         if b.es is None:
             st.inactive_split_bytes.add(delta, b.small)
             st.inactive_split.add(count, b.small)
-        st.active_bytes.add(-original, b.small)
 
     # ---- memory from the device -------------------------------------------------------------
     def _device_has(self, nbytes: int) -> bool:

@@ -71,25 +71,25 @@ class _Peaks:
     allocated, requested and reserved peaks inside it (what is held when it opens counts)."""
 
     def __init__(self, alloc: CachingAllocator):
-        self.a = alloc
+        st = alloc.stats  # the totals over both pools, read after every request
+        self.allocated, self.requested, self.reserved = st.allocated_bytes.all, st.requested_bytes.all, st.reserved_bytes.all
         self.best = -1
         self.frag = 0
         self.window: list[int] | None = None  # allocated, requested, reserved
 
     def open_window(self) -> None:
-        st = self.a.stats
-        self.window = [st.allocated_bytes.current, st.requested_bytes.current, st.reserved_bytes.current]
+        self.window = [self.allocated.current, self.requested.current, self.reserved.current]
 
     def observe(self) -> None:
-        st = self.a.stats
-        if st.reserved_bytes.current > self.best:
-            self.best = st.reserved_bytes.current
-            self.frag = st.reserved_bytes.current - st.allocated_bytes.current
-        if self.window is not None:
-            w = self.window
-            w[0] = max(w[0], st.allocated_bytes.current)
-            w[1] = max(w[1], st.requested_bytes.current)
-            w[2] = max(w[2], st.reserved_bytes.current)
+        reserved = self.reserved.current
+        if reserved > self.best:
+            self.best = reserved
+            self.frag = reserved - self.allocated.current
+        w = self.window
+        if w is not None:
+            w[0] = max(w[0], self.allocated.current)
+            w[1] = max(w[1], self.requested.current)
+            w[2] = max(w[2], reserved)
 
 
 def seed(alloc: CachingAllocator, state: snap.StartState) -> dict[int, Block]:

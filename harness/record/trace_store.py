@@ -15,7 +15,7 @@ import pandas as pd
 if TYPE_CHECKING:  # the tracker imports torch; a trace file does not need it
     from harness.probe.sim.tracker import TraceEvent
 
-from harness.allocator.model import round_size
+from harness.allocator.model import K_MIN_BLOCK
 from harness.allocator.replay import EventTag, ReplayRow
 from harness.config.point import Point
 from harness.record import provenance
@@ -42,8 +42,10 @@ def trace_id(point: Point, reads_card: bool = False) -> str:
 def to_frame(events: list[TraceEvent]) -> pd.DataFrame:
     df = pd.DataFrame(events, columns=COLUMNS)
     df["seq"] = range(len(df))  # dropped host-side allocations leave gaps
-    # `size` is the requested bytes; `allocated` what the allocator's 512-B rounding hands out.
-    df["allocated"] = [round_size(int(n)) for n in df["size"]]
+    # `size` is the requested bytes; `allocated` what the allocator's 512-B rounding hands out
+    # (round_size without roundup_power2_divisions, on the whole column at once)
+    size = df["size"].astype("int64")
+    df["allocated"] = ((size + (K_MIN_BLOCK - 1)) // K_MIN_BLOCK * K_MIN_BLOCK).clip(lower=K_MIN_BLOCK)
     return df
 
 

@@ -24,33 +24,37 @@ def step_stats(journal: list[TraceEvent]) -> tuple[StepStats, list[StepStats]]:
     live: dict[int, list] = {}  # key -> [requested, allocated, kind]
     kind_bytes = dict.fromkeys(KINDS, 0)
     allocated = requested = 0
-    setup = StepStats(step=-1)
+    setup = s = StepStats(step=-1)
     steps: dict[int, StepStats] = {}
-    for e in journal:
-        s = setup if e.step < 0 else steps.setdefault(e.step, StepStats(step=e.step))
-        if e.action == "alloc":
-            n = round_request(e.size)
-            live[e.key] = [e.size, n, e.kind]
+    at = -1  # the step `s` is (a journal's entries come a step at a time: looked up where it changes)
+    for _seq, action, key, size, kind, phase, step, module, _stream in journal:
+        if step != at:
+            s = setup if step < 0 else steps.get(step) or steps.setdefault(step, StepStats(step=step))
+            at = step
+        if action == "alloc":
+            n = round_request(size)
+            live[key] = [size, n, kind]
             allocated += n
-            requested += e.size
-            kind_bytes[e.kind] += n
+            requested += size
+            kind_bytes[kind] += n
             if allocated > s.peak_allocated_bytes:
                 s.peak_allocated_bytes = allocated
                 s.peak_breakdown = dict(kind_bytes)
-                s.peak_phase, s.peak_module = e.phase, e.module
-            s.peak_requested_bytes = max(s.peak_requested_bytes, requested)
-        elif e.action == "free":
-            entry = live.pop(e.key, None)
+                s.peak_phase, s.peak_module = phase, module
+            if requested > s.peak_requested_bytes:
+                s.peak_requested_bytes = requested
+        elif action == "free":
+            entry = live.pop(key, None)
             if entry is not None:
                 allocated -= entry[1]
                 requested -= entry[0]
                 kind_bytes[entry[2]] -= entry[1]
-        elif e.action == "retag":
-            entry = live.get(e.key)
+        elif action == "retag":
+            entry = live.get(key)
             if entry is not None:
                 kind_bytes[entry[2]] -= entry[1]
-                kind_bytes[e.kind] += entry[1]
-                entry[2] = e.kind
-        elif e.action == "end":
+                kind_bytes[kind] += entry[1]
+                entry[2] = kind
+        elif action == "end":
             s.allocated_after_bytes = allocated
     return setup, [steps[k] for k in sorted(steps)]

@@ -150,21 +150,30 @@ def _align(a: list[TraceEvent], b: list[TraceEvent], refs: dict[int, int],
     return blocks, common, scaled
 
 
-def _misfit(start: int, length: int, touched: set[tuple[int, int]], others: _Others,
-            ref_a: dict[int, int]) -> int:
-    """How badly an insertion of `length` placed at `start` explains the references around it: an
-    old entry referring to another old one that it did not refer to in the shallower journal
+def _misfits(starts: range, length: int, touched: set[tuple[int, int]], others: _Others,
+             ref_a: dict[int, int]) -> dict[int, int]:
+    """How badly an insertion of `length` placed at each of `starts` explains the references around
+    it: an old entry referring to another old one that it did not refer to in the shallower journal
     (weighs most), and a reference across the new layer's edge (a hand-off: a few per layer)."""
-    def in_a(k: int) -> int:  # the shallower journal's index of the old entry k
-        return k - others.count_before(k) - min(length, max(0, k - start))
-    bad = 0
+    # What does not depend on the start, once: whether the other insertions hold each end, and
+    # where an old entry held by none of them sits in the shallower journal before this insertion
+    refs = []
     for f, x in touched:
-        fin, xin = start <= f < start + length, start <= x < start + length
-        if fin != xin:
-            bad += 0 if others.owns(x if fin else f) else 1
-        elif not fin and not others.owns(f) and not others.owns(x) and ref_a.get(in_a(f)) != in_a(x):
-            bad += 100
-    return bad
+        of, ox = others.owns(f), others.owns(x)
+        at_a = None if of or ox else (f - others.count_before(f), x - others.count_before(x))
+        refs.append((f, x, of, ox, at_a))
+    out = {}
+    for start in starts:
+        end, bad = start + length, 0
+        for f, x, of, ox, at_a in refs:
+            fin, xin = start <= f < end, start <= x < end
+            if fin != xin:
+                bad += 0 if (ox if fin else of) else 1
+            elif not fin and at_a is not None and \
+                    ref_a.get(at_a[0] - min(length, max(0, f - start))) != at_a[1] - min(length, max(0, x - start)):
+                bad += 100
+        out[start] = bad
+    return out
 
 
 def _place(sb: str, spans: list[list[int]], refs: dict[int, int], b: list[TraceEvent],
@@ -198,7 +207,7 @@ def _place(sb: str, spans: list[list[int]], refs: dict[int, int], b: list[TraceE
             length = spans[n][1]
             others = _Others([span for m, span in enumerate(spans) if m != n])
             touched = {r for k in range(left, right + length) for r in refs_at.get(k, ())}
-            misfits = {s: _misfit(s, length, touched, others, ref_a) for s in range(left, right + 1)}
+            misfits = _misfits(range(left, right + 1), length, touched, others, ref_a)
             spans[n][0] = min(misfits, key=lambda s: (misfits[s], -s))
     blocks = []
     for (start, length), (left, right) in zip(spans, ranges):
@@ -347,6 +356,7 @@ def synthesize(t: Template, n_layers: int) -> list[TraceEvent]:
     alloc_of = referents(b)
     key_of: dict[tuple[int, int], int] = {}  # (entry in b, copy or -1) -> its new key
     out: list[TraceEvent] = []
+    renamed: dict[tuple[str, int], str] = {}  # (module, layer) -> its name in that layer
 
     def target(f: int, copy: int) -> int:
         rule = t.rules.get(f)
@@ -382,7 +392,10 @@ def synthesize(t: Template, n_layers: int) -> list[TraceEvent]:
         module, size = e.module, e.size + (k - 1) * t.scaled.get(i, 0)
         if copy >= 0 and module:
             layer = layer_of(t.block_of[i], copy)
-            module = t.layer_names.sub(f"{t.layer_prefix}{t.depth + layer}", module)
+            named = renamed.get((module, layer))
+            if named is None:  # (a layer's few module names, each emitted thousands of times)
+                named = renamed[(module, layer)] = t.layer_names.sub(f"{t.layer_prefix}{t.depth + layer}", module)
+            module = named
         out.append(TraceEvent(len(out), e.action, key, size, e.kind, e.phase, e.step, module, e.stream))
 
     starts = {blk.start: n for n, blk in enumerate(blocks)}

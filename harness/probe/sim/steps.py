@@ -27,7 +27,7 @@ def extend(journal: list[TraceEvent], steps: int) -> list[TraceEvent]:
     while last + 1 < steps:
         out = _copy_last(out, last)
         last += 1
-    return [e._replace(seq=i) for i, e in enumerate(out)]
+    return [TraceEvent(i, *e[1:]) for i, e in enumerate(out)]  # (_replace: 3x the time)
 
 
 def _copy_last(journal: list[TraceEvent], s: int) -> list[TraceEvent]:
@@ -53,7 +53,7 @@ def _copy_last(journal: list[TraceEvent], s: int) -> list[TraceEvent]:
             else:
                 raise NotRepeating(f"entry {i} of step {s} refers to a storage of step {journal[x].step} "
                                    "that no copy of it could refer to")
-        copy.append(e._replace(key=key, step=s + 1))
+        copy.append(TraceEvent(e.seq, e.action, key, e.size, e.kind, e.phase, s + 1, e.module, e.stream))
     return journal + copy
 
 
