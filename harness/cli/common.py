@@ -9,15 +9,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from harness.analysis.kinds import with_kinds
-from harness.analysis.verdict import verdicts
 from harness.config.compose import compose, expand_grid, split_overrides
 from harness.config.point import Card, Point, WorkloadName
 from harness.config.validate import validate
 from harness.errors import EXIT_OK, EXIT_ROW_ERROR, ConfigError
-from harness.plan import fit
-from harness.record import results
-from harness.report import console, document, words
 
 
 def unknown_flag(args: list[str]) -> str | None:
@@ -43,6 +38,8 @@ class Prepared:
 
     def manifest(self, resolved: list) -> list[dict]:
         """The sweep's manifest from its resolved points."""
+        from harness.record import results
+
         return [results.manifest_entry(point, p) for point, p in zip(resolved, self.points)]
 
 
@@ -138,6 +135,13 @@ def _ignored(verb: str, point, overrides: list[str]) -> dict[str, str]:
 
 def aggregate(path: Path, expected: int | None = None) -> int:
     """Rows -> results.parquet/csv, the verdicts, the tables on the terminal, report.md/.html."""
+    # pandas, matplotlib and the analysis: a second of imports that a command refused as bad input
+    # (checked before any of this) does not wait for
+    from harness.analysis.kinds import with_kinds
+    from harness.analysis.verdict import verdicts
+    from harness.plan import fit
+    from harness.record import results
+    from harness.report import console, document, words
 
     rows = results.load_rows(path)
     if not rows:

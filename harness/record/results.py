@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from harness.config import cards as catalog
 from harness.record import provenance
 from harness.record.provenance import USER_CODE
 from harness.record.row import COLUMNS, RESULT_FILE, base_record, run_id
+
+if TYPE_CHECKING:  # pandas where rows become a table: the launcher, which reads rows one by one, does not import it
+    import pandas as pd
 
 _REUSABLE = ("ok", "oom")  # rows a re-run takes over; errors and timeouts run again
 
@@ -71,6 +73,8 @@ def missing_points(path: Path, rows: list[dict]) -> list[dict] | None:
 
 def to_frame(rows: list[dict]) -> pd.DataFrame:
     """Rows as one frame: every column of the record, in its order, then any extra ones."""
+    import pandas as pd
+
     df = pd.DataFrame(rows)
     for col in COLUMNS:
         if col not in df.columns:
@@ -102,6 +106,8 @@ def write_frontier(fr: pd.DataFrame, plan_dir: Path) -> Path:
 def load_frontier(plan_dir: Path) -> pd.DataFrame | None:
     """The frontiers of a `plan` run, if `plan_dir` is one."""
     path = Path(plan_dir) / FRONTIER_FILE
+    import pandas as pd
+
     return pd.read_parquet(path) if path.exists() else None
 
 

@@ -10,9 +10,9 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import pandas as pd
+if TYPE_CHECKING:  # the tracker imports torch; a trace file does not need it. Nor pandas a trace's id (the launcher)
+    import pandas as pd
 
-if TYPE_CHECKING:  # the tracker imports torch; a trace file does not need it
     from harness.probe.sim.tracker import TraceEvent
 
 from harness.allocator.model import K_MIN_BLOCK
@@ -40,6 +40,8 @@ def trace_id(point: Point, reads_card: bool = False) -> str:
 
 
 def to_frame(events: list[TraceEvent]) -> pd.DataFrame:
+    import pandas as pd
+
     df = pd.DataFrame(events, columns=COLUMNS)
     df["seq"] = range(len(df))  # dropped host-side allocations leave gaps
     # `size` is the requested bytes; `allocated` what the allocator's 512-B rounding hands out
@@ -75,6 +77,8 @@ def load_cached(cache_dir: Path | None, tid: str) -> tuple[pd.DataFrame, dict] |
         measurements = json.loads((d / MEASUREMENTS_FILE).read_text())
         if provenance.changed(measurements.get(USER_CODE)):
             return None  # traced from user code that has been edited since
+        import pandas as pd
+
         return pd.read_parquet(d / TRACE_FILE), measurements
     except (OSError, ValueError):
         return None
