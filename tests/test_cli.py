@@ -5,6 +5,7 @@ import os
 import shutil
 import socket
 import stat
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -417,3 +418,13 @@ def test_report_of_a_file_that_is_no_result_is_refused_and_writes_nothing(tmp_pa
     r = run_cli("report", str(grid))
     assert r.returncode == 2 and str(grid) in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["grid.yaml"]
+
+
+def test_the_launcher_refuses_bad_input_before_importing_the_report():
+    """pandas, matplotlib and the analysis (a second of imports) are loaded where rows become a
+    table, not by the launcher that checks a command first."""
+    code = ("import sys; import harness.cli.main; "
+            "print(sorted(m for m in ('pandas', 'matplotlib', 'torch') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"

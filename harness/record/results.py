@@ -105,9 +105,9 @@ def write_frontier(fr: pd.DataFrame, plan_dir: Path) -> Path:
 
 def load_frontier(plan_dir: Path) -> pd.DataFrame | None:
     """The frontiers of a `plan` run, if `plan_dir` is one."""
-    path = Path(plan_dir) / FRONTIER_FILE
     import pandas as pd
 
+    path = Path(plan_dir) / FRONTIER_FILE
     return pd.read_parquet(path) if path.exists() else None
 
 

@@ -29,7 +29,7 @@ def step_stats(journal: list[TraceEvent]) -> tuple[StepStats, list[StepStats]]:
     at = -1  # the step `s` is (a journal's entries come a step at a time: looked up where it changes)
     for _seq, action, key, size, kind, phase, step, module, _stream in journal:
         if step != at:
-            s = setup if step < 0 else steps.get(step) or steps.setdefault(step, StepStats(step=step))
+            s = setup if step < 0 else steps.setdefault(step, StepStats(step=step))
             at = step
         if action == "alloc":
             n = round_request(size)
