@@ -13,6 +13,7 @@ from harness.config.compose import compose, expand_grid, split_overrides
 from harness.config.point import Card, Point, WorkloadName
 from harness.config.validate import validate
 from harness.errors import EXIT_OK, EXIT_ROW_ERROR, ConfigError
+from harness.record import results  # (pandas only where rows become a table)
 
 
 def unknown_flag(args: list[str]) -> str | None:
@@ -38,8 +39,6 @@ class Prepared:
 
     def manifest(self, resolved: list) -> list[dict]:
         """The sweep's manifest from its resolved points."""
-        from harness.record import results
-
         return [results.manifest_entry(point, p) for point, p in zip(resolved, self.points)]
 
 
@@ -140,7 +139,6 @@ def aggregate(path: Path, expected: int | None = None) -> int:
     from harness.analysis.kinds import with_kinds
     from harness.analysis.verdict import verdicts
     from harness.plan import fit
-    from harness.record import results
     from harness.report import console, document, words
 
     rows = results.load_rows(path)
