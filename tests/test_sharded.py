@@ -75,7 +75,11 @@ def _key(p: Point) -> str:
 def _run_real(world: int, points: list[Point]) -> dict[str, dict[int, tuple]]:
     """Each point's real ranks (rank -> (steps, lives)), the points one after another in one set of
     `world` gloo processes."""
-    ctx = mp.get_context("spawn")
+    # Ranks forked from a server that imported torch, transformers and the tracer once (5-6 s of
+    # CPU a rank when each imports them itself); it has run no kernel, so no thread pool is forked.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.test_sharded", "harness.probe.sim.trace", "harness.probe.presets",
+                                "transformers.models.llama.modeling_llama"])
     out = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_real_rank, args=(r, world, port, [p.to_dict() for p in points], out))

@@ -121,13 +121,8 @@ class _Server(socketserver.ForkingMixIn, socketserver.UnixStreamServer):
 def serve(path: Path, model: str | None = None) -> None:
     """Import what a point needs (and warm up on `model`, a preset), then fork per request until
     idle."""
-    import torch  # noqa: F401  (the point of the zygote: imported once)
-    import transformers  # noqa: F401
-    from transformers import AutoModelForCausalLM  # noqa: F401
-    from transformers.models.llama import modeling_llama  # noqa: F401
-
+    preload()
     from harness.config.compose import parallelism
-    from harness.probe import worker  # noqa: F401
     from harness.probe.sim.trace import set_aside_for_forks
     from harness.record.provenance import versions
 
@@ -164,6 +159,23 @@ def serve(path: Path, model: str | None = None) -> None:
         import shutil
 
         shutil.rmtree(server.slots_dir, ignore_errors=True)
+
+
+def preload() -> None:
+    """What every point imports, imported here once: torch and transformers (4-6 s), and pandas
+    with pyarrow's parquet (0.7 s: each point writes its trace and row as parquet, and the launcher
+    no longer imports them for it)."""
+    import pandas  # noqa: F401
+    import pandas.core.arrays.arrow.extension_types  # noqa: F401  (what to_parquet/read_parquet import)
+    import pyarrow.pandas_compat  # noqa: F401
+    import pyarrow.parquet  # noqa: F401
+    import pyarrow.vendored.version  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
+    from transformers.models.llama import modeling_llama  # noqa: F401
+
+    from harness.probe import worker  # noqa: F401
 
 
 def _warm_up(model: str | None = None) -> list[str]:
