@@ -12,6 +12,7 @@ from harness.allocator.model import (
     Device,
     OutOfMemory,
     allocation_size,
+    round_plain,
     round_size,
 )
 from harness.allocator.oom_message import format_size, message
@@ -29,9 +30,18 @@ def allocator(conf: str = "", **device) -> CachingAllocator:
 
 # ---- rounding and segment sizes --------------------------------------------------------------
 
-@pytest.mark.parametrize("size,expected", [(1, 512), (512, 512), (513, 1024), (1200, 1536), (3 * MiB + 1, 3 * MiB + 512)])
-def test_requests_round_to_512_bytes(size, expected):
-    assert round_size(size) == expected
+@pytest.mark.parametrize("size,expected", [(0, 512), (1, 512), (511, 512), (512, 512), (513, 1024), (1200, 1536),
+                                           (3 * MiB + 1, 3 * MiB + 512), (2**40 + 3, 2**40 + 512)])
+def test_requests_round_to_512_bytes_alike_in_the_allocator_the_tracker_and_a_trace_file(size, expected):
+    """One rule, where the allocator model rounds a request, where the tracker counts allocated
+    bytes (round_plain) and where a trace file's allocated column is made (on the whole column)."""
+    from harness.probe.sim.tracker import TraceEvent
+    from harness.record.trace_store import to_frame
+
+    assert round_size(size) == round_plain(size) == expected
+    assert allocator().malloc(size).size == expected
+    event = TraceEvent(0, "alloc", 1, size, "activation", "forward", 0, "", 0)
+    assert to_frame([event])["allocated"].tolist() == [expected]
 
 
 def test_roundup_power2_divisions_round_to_the_next_division():

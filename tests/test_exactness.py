@@ -9,13 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from harness.allocator.model import round_plain
 from harness.config.point import Workload
 from harness.probe.jobs import UserCodeError
 from harness.probe.sim import cuda_emulation as cu
 from harness.probe.sim.cuda_script import CARD_DEVICE, cuda_script_on_cpu
 from harness.probe.sim.fake_code import module_conversion_on_fake_tensors
 from harness.probe.sim.trace import run_point
-from harness.probe.sim.tracker import CUBLAS_WORKSPACE_BYTES, StorageTracker, round_request
+from harness.probe.sim.tracker import CUBLAS_WORKSPACE_BYTES, StorageTracker
 from harness.probe.worker import run_sim
 from tests.conftest import REPO, train_point
 
@@ -158,7 +159,7 @@ def test_host_tensors_are_not_device_memory(default_host):
 def test_a_dataset_kept_on_the_host_is_not_counted_in_a_jobs_peak():
     on_host, _ = run_point(_custom("tests.jobs.host_data:build", precision="fp32"))
     on_card, _ = run_point(_custom("tests.jobs.host_data:build", args={"on_host": False}, precision="fp32"))
-    batch_copy = round_request(2 * 256 * 4)  # each step's rows copied to the card
+    batch_copy = round_plain(2 * 256 * 4)  # each step's rows copied to the card
     assert on_card["peak_allocated_bytes"] - on_host["peak_allocated_bytes"] == 4096 * 256 * 4 - batch_copy
 
 

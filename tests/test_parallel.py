@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from harness.allocator.model import round_plain
 from harness.config import nccl
 from harness.config.point import Parallel, Workload
 from harness.errors import ConfigError
 from harness.probe.sim.trace import run_point
-from harness.probe.sim.tracker import round_request
 from tests.conftest import run_cli, train_point
 from tests.test_sharded import _lives, _real_ranks
 
@@ -72,7 +72,7 @@ def test_a_ddp_rank_holds_the_whole_model_and_a_bucket_copy_of_its_gradients():
     assert (m["params_bytes"], m["optimizer_bytes"]) == (one["params_bytes"], one["optimizer_bytes"])
     buckets = m["all_reduce_bytes_per_step"]
     assert buckets == one["n_params"] * 4  # fp32: every gradient once
-    assert [a - b for a, b in zip(m["step_allocated_bytes"], one["step_allocated_bytes"])] == [round_request(buckets)] * 3
+    assert [a - b for a, b in zip(m["step_allocated_bytes"], one["step_allocated_bytes"])] == [round_plain(buckets)] * 3
     assert m["all_gather_bytes_per_step"] == m["reduce_scatter_bytes_per_step"] == 0
     kinds: dict = {}
     for e in tracker.journal():

@@ -27,6 +27,12 @@ def _power2_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
+def round_plain(size: int) -> int:
+    """Bytes a request is rounded to without roundup_power2_divisions: kMinBlockSize multiples,
+    at least one (what max_memory_allocated counts for it)."""
+    return -(-size // K_MIN_BLOCK) * K_MIN_BLOCK if size > K_MIN_BLOCK else K_MIN_BLOCK
+
+
 def round_size(size: int, divisions: tuple[int, ...] = (0,) * 16) -> int:
     """Bytes a request is rounded to (round_size, with roundup_power2_divisions)."""
     if size < K_MIN_BLOCK:
@@ -41,7 +47,7 @@ def round_size(size: int, divisions: tuple[int, ...] = (0,) * 16) -> int:
         if step == 0:
             return 2 * floor
         return -(-size // step) * step
-    return -(-size // K_MIN_BLOCK) * K_MIN_BLOCK
+    return round_plain(size)
 
 
 def allocation_size(size: int) -> int:
@@ -299,7 +305,7 @@ class CachingAllocator:
         self.expandable: dict[tuple[bool, int], ExpandableSegment] = {}
         self.stats = Stats.lean() if lean else Stats()
         self.lean = lean
-        # round_size without roundup_power2_divisions: to kMinBlockSize multiples (the common case, inline)
+        # round_size without roundup_power2_divisions: round_plain (the common case, inlined in malloc)
         self._plain_rounding = not any(d > 1 for d in self.settings.roundup_power2_divisions)
         self.total_allocated_memory = 0  # bytes obtained from the device (== reserved)
         # What each cudaMalloc asked the device to hold in all (reserved after it): the largest
@@ -327,7 +333,7 @@ class CachingAllocator:
     def malloc(self, orig_size: int, stream: int = 0) -> Block:
         """Allocate like CUDACachingAllocator::malloc; raises OutOfMemory."""
         s = self.settings
-        if self._plain_rounding:
+        if self._plain_rounding:  # round_plain, inline: a replay makes this call per request
             size = -(-orig_size // K_MIN_BLOCK) * K_MIN_BLOCK if orig_size > K_MIN_BLOCK else K_MIN_BLOCK
         else:
             size = round_size(orig_size, s.roundup_power2_divisions)

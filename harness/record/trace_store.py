@@ -45,7 +45,7 @@ def to_frame(events: list[TraceEvent]) -> pd.DataFrame:
     df = pd.DataFrame(events, columns=COLUMNS)
     df["seq"] = range(len(df))  # dropped host-side allocations leave gaps
     # `size` is the requested bytes; `allocated` what the allocator's 512-B rounding hands out
-    # (round_size without roundup_power2_divisions, on the whole column at once)
+    # (allocator.model.round_plain, on the whole column at once)
     size = df["size"].astype("int64")
     df["allocated"] = ((size + (K_MIN_BLOCK - 1)) // K_MIN_BLOCK * K_MIN_BLOCK).clip(lower=K_MIN_BLOCK)
     return df

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from harness.probe.sim.tracker import KINDS, TraceEvent, round_request
+from harness.allocator.model import round_plain
+from harness.probe.sim.tracker import KINDS, TraceEvent
 
 
 @dataclass
@@ -32,7 +33,7 @@ def step_stats(journal: list[TraceEvent]) -> tuple[StepStats, list[StepStats]]:
             s = setup if step < 0 else steps.setdefault(step, StepStats(step=step))
             at = step
         if action == "alloc":
-            n = round_request(size)
+            n = round_plain(size)
             live[key] = [size, n, kind]
             allocated += n
             requested += size

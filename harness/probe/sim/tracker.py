@@ -20,9 +20,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-# The CUDA caching allocator rounds every request up to kMinBlockSize (512 B); that rounding is
-# what max_memory_allocated counts. Segment-level rounding is the allocator model's business.
-MIN_BLOCK_BYTES = 512
+# The CUDA caching allocator rounds every request up to kMinBlockSize (512 B): round_plain, what
+# max_memory_allocated counts. Segment-level rounding is the allocator model's business.
+from harness.allocator.model import round_plain
 
 # cuBLAS workspace PyTorch allocates through its own allocator on a thread's first GEMM
 # (at::cuda::getNewWorkspace): 8,519,680 B per handle in real traces (fidelity.md, C.5).
@@ -98,11 +98,6 @@ def _tensors(values) -> list[torch.Tensor]:
         elif isinstance(v, dict):
             out.extend(x for x in tree_leaves(v) if isinstance(x, torch.Tensor))
     return out
-
-
-def round_request(nbytes: int) -> int:
-    """Bytes the CUDA allocator hands out for a request (kMinBlockSize rounding)."""
-    return max(MIN_BLOCK_BYTES, -(-nbytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES)
 
 
 class TraceEvent(NamedTuple):
@@ -203,7 +198,7 @@ class StorageTracker(TorchDispatchMode):
 
     # ---- bookkeeping -----------------------------------------------------------------
     def _record_alloc(self, key: int, nbytes: int, kind: str) -> None:
-        alloc = round_request(nbytes)
+        alloc = round_plain(nbytes)
         self._live[key] = [nbytes, alloc, kind, self.stream]
         self.allocated += alloc
         self.requested += nbytes
