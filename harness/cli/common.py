@@ -4,6 +4,7 @@ partial) sweep aggregated into its results and report."""
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,6 +131,21 @@ def _ignored(verb: str, point, overrides: list[str]) -> dict[str, str]:
         elif verb != "plan" and (key == "plan" or key.startswith("plan.")):
             out[key] = f"sets the search of `python -m harness plan`, which `{verb}` does not run"
     return out
+
+
+def import_report_meanwhile() -> threading.Thread:
+    """`aggregate`'s imports (pandas, matplotlib, the analysis: 1-3 s) in a thread, while this
+    process waits for the points (a core is idle while the zygote starts): the report then comes
+    that much sooner after the last point. Join it before `aggregate` (which draws its figures in
+    forked processes only when no other thread runs)."""
+    def imports() -> None:
+        from harness.analysis import kinds, verdict  # noqa: F401
+        from harness.plan import fit  # noqa: F401
+        from harness.report import console, document, words  # noqa: F401
+
+    thread = threading.Thread(target=imports, name="import-report", daemon=True)
+    thread.start()
+    return thread
 
 
 def aggregate(path: Path, expected: int | None = None) -> int:

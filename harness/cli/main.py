@@ -15,7 +15,7 @@ from pathlib import Path
 import hydra
 
 from harness.cli import callbacks, interrupt
-from harness.cli.common import aggregate, make_out_dir, prepare
+from harness.cli.common import aggregate, import_report_meanwhile, make_out_dir, prepare
 from harness.config.compose import CONF_DIR, as_dict, user_card_and_free_text, with_grid_files
 from harness.config.validate import validate
 from harness.errors import EXIT_OK, EXIT_USAGE, ConfigError
@@ -156,7 +156,9 @@ def _sweep_here(points: list, base, out: Path, results_dir: Path, asked: list[st
     expected = len(points)
     try:
         with interrupt.stoppable(), SweepProgress(out, expected):
+            report_imported = import_report_meanwhile()
             local.sweep(points, local.workers(base.hydra.launcher.get("workers")), out, results_dir, os.getcwd())
+            report_imported.join()
     except interrupt.Interrupted as e:
         return _interrupted("sweep", asked, out, expected, e)
     return aggregate(out, expected=expected)
