@@ -20,14 +20,12 @@ CHILD = r"""
 import json, resource, sys, tempfile, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from harness.launch.zygote import _warm_up
+from harness.launch.zygote import ready_to_fork
 from harness.probe import worker
-from harness.probe.sim.trace import set_aside_for_forks
 from tests.conftest import train_point
 from harness.config.point import Parallel, Workload
 spec = json.loads(sys.argv[2])
-_warm_up(spec["model"])  # as the zygote a sweep of this model starts, then forks from
-set_aside_for_forks()
+ready_to_fork(spec["model"])  # as the zygote a sweep of this model starts, then forks from
 point = train_point(model=spec["model"], batch_size=spec["batch_size"], seq_len=spec["seq_len"],
                     checkpointing=spec.get("checkpointing", False))
 shard, replicate = spec.get("dp_shard", 1), spec.get("dp_replicate", 1)

@@ -20,9 +20,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.big_points import machine_speed  # noqa: E402
 from harness.cli.common import prepare  # noqa: E402
-from harness.launch.zygote import _warm_up  # noqa: E402
+from harness.launch.zygote import ready_to_fork  # noqa: E402
 from harness.probe import worker  # noqa: E402
-from harness.probe.sim.trace import set_aside_for_forks  # noqa: E402
 
 
 def main(profile: int) -> None:
@@ -31,8 +30,7 @@ def main(profile: int) -> None:
     prepared = prepare("sweep", ["model=7b", f"results_dir={out}"])
     # one trace cache for the grid, as a sweep's points share theirs
     points = [p.replace(trace_cache=str(out / ".traces")) for p in prepared.resolved(str(REPO), False, [], out)]
-    _warm_up("7b")  # as the zygote does once before it forks
-    set_aside_for_forks()
+    ready_to_fork("7b")  # as the zygote does once before it forks
     profiler = cProfile.Profile() if profile else None
     t0, c0 = time.perf_counter(), time.process_time()
     if profiler:

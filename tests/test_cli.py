@@ -252,14 +252,13 @@ def test_the_zygote_warms_up_on_the_model_asked_for_else_tiny_and_leaves_its_poi
     """The zygote's warm-up traces a layer of the preset asked for, else the tiny point; and what
     a point needs is imported (and warmed up) once there, not in each point it forks: pandas and
     pyarrow alone cost 0.7 s a point when the zygote did not import them."""
-    import subprocess as sp
-
     code = ("import json, sys; from pathlib import Path; from harness.launch import zygote; zygote.preload(); "
             "warmed = [zygote._warm_up(m) for m in ('7b', 'no-such-model', None)]; "
             "from harness.probe import worker; from tests.conftest import train_point; before = set(sys.modules); "
             "worker.run_sim(train_point(), Path(sys.argv[1])); "
             "print(json.dumps([warmed, sorted({m.split('.')[0] for m in set(sys.modules) - before})]))")
-    out = sp.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     warmed, imported = json.loads(out.stdout.splitlines()[-1])
     assert warmed == [["7b"], ["tiny"], ["tiny"]]

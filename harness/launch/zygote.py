@@ -121,16 +121,9 @@ class _Server(socketserver.ForkingMixIn, socketserver.UnixStreamServer):
 def serve(path: Path, model: str | None = None) -> None:
     """Import what a point needs (and warm up on `model`, a preset), then fork per request until
     idle."""
-    preload()
     from harness.config.compose import parallelism
-    from harness.probe.sim.trace import set_aside_for_forks
-    from harness.record.provenance import versions
 
-    # The code this process loaded, hashed now: a child reads it from here, not from the files,
-    # which may have been edited since (its rows would name code it does not run).
-    versions()
-    _warm_up(model)
-    set_aside_for_forks()
+    ready_to_fork(model)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     server = _Server(str(tmp), _Handler)
     server.slots = parallelism()
@@ -161,21 +154,46 @@ def serve(path: Path, model: str | None = None) -> None:
         shutil.rmtree(server.slots_dir, ignore_errors=True)
 
 
+def ready_to_fork(model: str | None = None) -> None:
+    """This process made what a zygote is before it forks points: `preload`, its code hashed,
+    warmed up on `model` (a preset) and its heap set aside from the cyclic GC (the benchmarks start
+    their points from the same state)."""
+    from harness.probe.sim.trace import set_aside_for_forks
+    from harness.record.provenance import versions
+
+    preload()
+    # The code this process loaded, hashed now: a child reads it from here, not from the files,
+    # which may have been edited since (its rows would name code it does not run).
+    versions()
+    _warm_up(model)
+    set_aside_for_forks()
+
+
+# What pandas' parquet path and pyarrow's pandas conversion import when first used (a point's
+# trace and row are parquet): private modules, so each only where this version has it.
+_LAZY_PARQUET_MODULES = ("pandas.core.arrays.arrow.extension_types", "pyarrow.pandas_compat",
+                         "pyarrow.vendored.version")
+
+
 def preload() -> None:
     """What every point imports, imported here once: torch and transformers (4-6 s), and pandas
-    with pyarrow's parquet (0.7 s: each point writes its trace and row as parquet, and the launcher
-    no longer imports them for it)."""
+    with pyarrow's parquet (0.7 s: the launcher does not import them for the points)."""
+    import importlib
+
     import pandas  # noqa: F401
-    import pandas.core.arrays.arrow.extension_types  # noqa: F401  (what to_parquet/read_parquet import)
-    import pyarrow.pandas_compat  # noqa: F401
     import pyarrow.parquet  # noqa: F401
-    import pyarrow.vendored.version  # noqa: F401
     import torch  # noqa: F401
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM  # noqa: F401
     from transformers.models.llama import modeling_llama  # noqa: F401
 
     from harness.probe import worker  # noqa: F401
+
+    for name in _LAZY_PARQUET_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # another pandas or pyarrow: a point imports what it uses itself
+            pass
 
 
 def _warm_up(model: str | None = None) -> list[str]:
