@@ -75,6 +75,21 @@ def test_an_oom_under_an_emulated_small_card_is_a_row_with_its_numbers(tmp_path)
     assert row["kind"] in ("activations", "fragmentation") and row["fits_cards"].tolist() == []
 
 
+def test_an_emulated_t4_attends_as_a_t4_would(tmp_path):
+    """bf16 on a T4 takes the math path (config.attention); a T4 emulated on a bigger card has each
+    call pinned to it, and holds the B x H x S x S scores."""
+    r = run_cli("run", "model=tiny", "backend=cuda", "batch_size=2", "seq_len=2048", "gpu=t4",
+                f"results_dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    row = _rows(tmp_path).iloc[0].to_dict()
+    _figures("emulated T4, bf16 attention", row)
+    if not row["emulated_gpu"]:
+        pytest.skip("this GPU is a T4: nothing is emulated")
+    assert row["status"] == "ok"
+    assert {c["kernel"] for c in json.loads(row["attention_calls"])} == {"math"}
+    assert row["peak_allocated_bytes"] >= 2 * 4 * 2048 * 2048 * 2  # one layer's scores in bf16 at least
+
+
 def test_a_snapshot_replays_exactly_through_the_allocator_model(tmp_path):
     r = run_cli("run", "model=tiny", "backend=cuda", "snapshot=true", f"results_dir={tmp_path}")
     assert r.returncode == 0, r.stderr

@@ -51,11 +51,12 @@ def sweep(points: list[Point], n: int, out: Path, results_dir: Path, cwd: str) -
     if cwd not in sys.path:  # a user's workload module lives where they ran us
         sys.path.insert(0, cwd)
     done = done_rows(results_dir, points[0].sweep, exclude=out) if points else {}
-    # Points that differ only in allocator settings or card share a trace: one after the other, in
-    # one thread, so the first traces and the others replay its trace (not all tracing at once).
+    # Points that differ only in allocator settings or card may share a trace (the card's attention
+    # kernels permitting: probe.worker): one after the other, in one thread, so the first traces and
+    # the others replay its trace where they can (not all tracing at once).
     groups: dict[str, list[int]] = {}
     for i, point in enumerate(points):
-        groups.setdefault(trace_store.trace_id(point), []).append(i)
+        groups.setdefault(trace_store.trace_id(point, attending=""), []).append(i)
 
     def run_group(indexes: list[int]) -> list[dict]:
         return [run_point(points[i], out / "runs" / str(i), results_dir, done) for i in indexes]

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pandas as pd
 
 from harness.allocator.model import Device
 from harness.allocator.replay import ReplayRow, Replays
 from harness.allocator.settings import AllocSettings
+from harness.config import attention, nccl
 from harness.config import cards as catalog
-from harness.config import nccl
+from harness.config.attention import ATTENTION_CALLS
 from harness.config.point import Card
 from harness.probe.sim import reserved
 from harness.record import trace_store
@@ -31,6 +33,10 @@ def _peaks(row: dict) -> tuple[int, int] | None:
 
 
 def _fits_on(row: dict, c: Card) -> bool:
+    if not attention.takes_alike(c.capability, row.get(ATTENTION_CALLS)):
+        # a card of other attention kernels: its own trace (probe.worker), where one was taken
+        apart = None if _missing(row.get("trace_path")) else trace_store.apart_path(Path(row["trace_path"]), c.key)
+        return apart is not None and apart.is_file() and _fits_by_trace({**row, "trace_path": str(apart)}, c)
     res, alloc = _peaks(row)
     known = reserved.fits_by_numbers(c, res, alloc)
     if known is not None:

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 import traceback
 from pathlib import Path
 
 from harness.allocator.settings import AllocSettings
+from harness.config import attention, nccl
 from harness.config import cards as catalog
-from harness.config import nccl
+from harness.config.attention import ATTENTION_CALLS
 from harness.config.point import Backend, Point, WorkloadName
 from harness.probe import rank
 from harness.probe.cuda import run as cuda
@@ -26,7 +28,9 @@ from harness.probe.sim.virtual_cuda import READS_CARD
 from harness.record import provenance, trace_store
 from harness.record.provenance import USER_CODE
 from harness.record.ranks import RANK_RESULT_FILE
-from harness.record.row import POINT_FILE, RESULT_FILE, base_record, write_row
+from harness.record.row import COLUMNS, POINT_FILE, RESULT_FILE, base_record, recorded_edge, write_row
+
+_COLUMNS = frozenset(COLUMNS)  # what of a trace's measurements a row holds
 
 
 def run_sim(point: Point, run_dir: Path) -> dict:
@@ -39,25 +43,40 @@ def run_sim(point: Point, run_dir: Path) -> dict:
 
 def _run_sim(point: Point, run_dir: Path) -> dict:
     t0 = time.perf_counter()
-    # A trace that read the card is kept for that card and allocator setting only.
-    tid, own = trace_store.trace_id(point), trace_store.trace_id(point, reads_card=True)
-    cache = Path(point.trace_cache) if point.trace_cache else None
-    trace_path = run_dir / trace_store.TRACE_FILE
-    reused = next((key for key in (own, tid) if trace_store.cached(cache, key)), None)
-    cached = trace_store.load_cached(cache, reused) if reused else None
     rec = base_record(point)
-    if cached is not None:
+    df, m, reused = _traced(point, run_dir / trace_store.TRACE_FILE)
+    rec.update(m, trace_reused=reused, device_name=f"virtual {point.gpu.device_name}")
+    return _replayed(point, rec, df, run_dir, t0)
+
+
+def _traced(point: Point, trace_path: Path):
+    """The point's trace, written to `trace_path`, and its measurements (row columns): the one in
+    the sweep's trace cache of a point that differs only in allocator or card (its id then, else
+    None), or a new one (a preset synthesized from a few layers where that is exact), cached."""
+    # A trace that read the card is kept for that card and allocator setting only; one without
+    # attention calls for every card; one of another card's attention class where this card takes
+    # its calls alike (config.attention).
+    tid, own = trace_store.trace_id(point), trace_store.trace_id(point, reads_card=True)
+    anywhere = trace_store.trace_id(point, attending="")
+    cache = Path(point.trace_cache) if point.trace_cache else None
+    mine = attention.attention_class(point.gpu.capability)
+    others = [trace_store.trace_id(point, attending=k)
+              for k in sorted({attention.attention_class(c.capability) for c in catalog.cards()} - {mine})]
+    for key in (own, tid, anywhere, *others):
+        cached = trace_store.load_cached(cache, key) if trace_store.cached(cache, key) else None
+        if cached is None or (key in others and not attention.takes_alike(point.gpu.capability,
+                                                                         cached[1].get(ATTENTION_CALLS))):
+            continue
         df, m = cached
         df.to_parquet(trace_path, index=False)
-        rec["trace_reused"] = reused
-    else:
-        traced = shortcut.trace(point)  # a preset synthesized from a few layers where that is exact
-        m = _measured(point, traced.measurements, rec)
-        df = trace_store.to_frame(traced.events)
-        df.to_parquet(trace_path, index=False)
-        trace_store.save_cached(cache, own if traced.findings.get(READS_CARD) else tid, trace_path, m)
-    rec.update(m, device_name=f"virtual {point.gpu.device_name}")
-    return _replayed(point, rec, df, run_dir, t0)
+        return df, m, key
+    traced = shortcut.trace(point)
+    m = _measured(point, traced.measurements)
+    df = trace_store.to_frame(traced.events)
+    df.to_parquet(trace_path, index=False)
+    key = own if traced.findings.get(READS_CARD) else tid if m.get(ATTENTION_CALLS) else anywhere
+    trace_store.save_cached(cache, key, trace_path, m)
+    return df, m, None
 
 
 def run_cpu(point: Point, run_dir: Path) -> dict:
@@ -73,15 +92,15 @@ def _run_cpu(point: Point, run_dir: Path) -> dict:
     t0 = time.perf_counter()
     m, tracker = trace.run_point(point, emulate_cuda=False, fake=False)
     rec = base_record(point)
-    rec.update(_measured(point, m, rec), device_name=f"CPU tensors, replayed on {point.gpu.device_name}")
+    rec.update(_measured(point, m), device_name=f"CPU tensors, replayed on {point.gpu.device_name}")
     df = trace_store.to_frame(tracker.events)
     df.to_parquet(run_dir / trace_store.TRACE_FILE, index=False)
     return _replayed(point, rec, df, run_dir, t0)
 
 
-def _measured(point: Point, m: dict, rec: dict) -> dict:
+def _measured(point: Point, m: dict) -> dict:
     """A trace's measurements that are row columns (and, for a user's job, what it loaded)."""
-    out = {k: v for k, v in m.items() if k in rec}
+    out = {k: v for k, v in m.items() if k in _COLUMNS}
     if point.workload.name == WorkloadName.custom:
         out[USER_CODE] = provenance.as_column(provenance.user_modules())
     return out
@@ -98,12 +117,50 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
                transformers_version=transformers.__version__)
     settings = AllocSettings.from_conf(point.allocator.conf)
     snapshot = run_dir / "snapshot.pickle" if point.snapshot else None
+    # The catalog's cards whose attention kernels this trace's calls would not take are judged apart
+    cards = catalog.cards()
+    apart = [c for c in cards if not attention.takes_alike(c.capability, rec.get(ATTENTION_CALLS))]
     # Each card as one of the job's GPUs sees it: NCCL's memory beside the CUDA context's
     rec.update(reserved.analyse(trace_store.replay_rows(df), settings, nccl.on_rank(point.gpu, point.parallel),
-                                [nccl.on_rank(c, point.parallel) for c in catalog.cards()], torch.__version__,
+                                [nccl.on_rank(c, point.parallel) for c in cards if c not in apart], torch.__version__,
                                 snapshot, rec["peak_tensor_bytes"]), catalog_sha=catalog.digest())
+    if apart:
+        edges = {c.key: recorded_edge(rec, c.key) for c in cards if c not in apart}
+        edges.update(_edges_apart(point, rec, settings, apart, run_dir))
+        rec.update(reserved.edge_columns({c.key: edges[c.key] for c in cards}))
+        rec["trace_method"] = (f"{rec.get('trace_method') or ''}; {', '.join(c.key for c in apart)} judged by "
+                               "a trace of their attention kernels")
     rec["wall_s"] = time.perf_counter() - t0
     return rec
+
+
+def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, run_dir: Path) -> dict[str, str]:
+    """The edge (reserved.EDGES) of each card in `apart`, whose attention kernels differ from the
+    traced card's: cards whose kernels agree judged by a trace on the first of them. Not traced
+    where none of them holds the job's parameters and optimizer state (taken whatever the kernels):
+    each is an OOM then."""
+    import torch
+
+    floor = (rec.get("params_bytes") or 0) + (rec.get("optimizer_bytes") or 0)
+    calls = attention.from_column(rec.get(ATTENTION_CALLS))
+    alike: dict[tuple, list] = {}
+    for c in apart:
+        alike.setdefault(tuple(attention.kernel(c.capability, call) for call in calls), []).append(c)
+    edges: dict[str, str] = {}
+    for group in alike.values():
+        ranked = [nccl.on_rank(c, point.parallel) for c in group]
+        if all(r.room() < floor for r in ranked):
+            edges.update((c.key, "oom") for c in group)
+            continue
+        path = trace_store.apart_path(run_dir / trace_store.TRACE_FILE, group[0].key)
+        df, m, _ = _traced(point.replace(gpu=group[0]), path)
+        for c in group[1:]:  # each card's trace where a plan with a margin looks for it (plan.fit)
+            trace_store.apart_path(path, c.key).unlink(missing_ok=True)
+            os.link(path, trace_store.apart_path(path, c.key))
+        out = reserved.analyse(trace_store.replay_rows(df), settings, ranked[0], ranked, torch.__version__,
+                               peak_tensor_bytes=m["peak_allocated_bytes"])
+        edges.update((c.key, recorded_edge(out, c.key)) for c in group)
+    return edges
 
 
 def run_cuda(point: Point, run_dir: Path) -> dict:
@@ -120,8 +177,9 @@ def run_cuda(point: Point, run_dir: Path) -> dict:
         # replay could tell, and a cuda run has no trace: counted as not fitting. The card it ran
         # on held it, flushing its cache where it retried.
         def fits_on(c):  # as one of the job's GPUs (NCCL's memory: in the measured figure on its own card)
-            return bool(reserved.fits_by_numbers(nccl.on_rank(c, point.parallel), rec["peak_reserved_bytes"],
-                                                 rec["peak_allocated_bytes"]))
+            # a card that would take other attention kernels holds what this run does not tell
+            return attention.takes_alike(c.capability, rec.get(ATTENTION_CALLS)) and bool(reserved.fits_by_numbers(
+                nccl.on_rank(c, point.parallel), rec["peak_reserved_bytes"], rec["peak_allocated_bytes"]))
 
         def edge(c):
             if c.name == point.gpu.name:

@@ -45,7 +45,9 @@ COLUMNS = (
     "oom_verdict", "device_memory_bytes", "measured_non_pytorch_bytes", "step_reserved_bytes", "step_times_s",
     "step_time_s", "tokens_per_s", "wall_s", "torch_version", "transformers_version",
     "harness_version", "workload_target", "workload_args", "user_code",
-    "trace_path", "trace_reused", "trace_method", "snapshot_path", "reused_from", "overrides", "job_id",
+    "trace_path", "trace_reused", "trace_method",
+    "attention_calls",  # each distinct attention call and the kernel it took on the card (config.attention; JSON)
+    "snapshot_path", "reused_from", "overrides", "job_id",
 )
 
 

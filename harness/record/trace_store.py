@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # the tracker imports torch; a trace file does not need it. N
 
 from harness.allocator.model import K_MIN_BLOCK
 from harness.allocator.replay import EventTag, ReplayRow
+from harness.config import attention
 from harness.config.point import Point
 from harness.record import provenance
 from harness.record.provenance import USER_CODE
@@ -27,16 +28,27 @@ MEASUREMENTS_FILE = "measurements.json"
 COLUMNS = ["seq", "action", "key", "size", "kind", "phase", "step", "module", "stream"]
 
 
-def trace_id(point: Point, reads_card: bool = False) -> str:
+def trace_id(point: Point, reads_card: bool = False, attending: str | None = None) -> str:
     """Everything that shapes the trace (the versions of torch, transformers and harness included);
-    allocator settings and the card do not - unless the job read them (`reads_card`: its step asked
-    torch.cuda about the card or its memory, and may have done otherwise on another)."""
+    allocator settings and the card do not, but for its attention kernels (config.attention's class
+    `attending`: None, the point's card's; "", none, for a job that makes no attention call) -
+    unless the job read them (`reads_card`: its step asked torch.cuda about the card or its memory,
+    and may have done otherwise on another)."""
     ident = point_identity(point)
     if not reads_card:
         for replay_only in ("allocator_conf", "gpu", "gpu_memory_bytes", "card"):
             del ident[replay_only]
+        attending = attention.attention_class(point.gpu.capability) if attending is None else attending
+        if attending:  # the attention kernels it takes: cards of one class share a trace
+            ident["attention"] = attending
     blob = json.dumps(ident, sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+def apart_path(trace_path: Path, card_key: str) -> Path:
+    """Where a row's trace for catalog card `card_key` lies, beside its own, where that card takes
+    other attention kernels (probe.worker judges it by a trace of its own)."""
+    return trace_path.with_name(f"trace-{card_key}.parquet")
 
 
 def to_frame(events: list[TraceEvent]) -> pd.DataFrame:

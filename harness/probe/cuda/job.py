@@ -10,7 +10,10 @@ import torch
 
 from harness.allocator.model import round_size
 from harness.analysis.oom_text import oom_columns
+from harness.config import attention
+from harness.config.attention import ATTENTION_CALLS
 from harness.config.point import Leak, Point, WorkloadName
+from harness.probe.cuda import attention as cuda_attention
 from harness.probe.cuda.watch import CudaWatch, measurements
 from harness.probe.jobs import (
     apply_checkpointing,
@@ -52,14 +55,18 @@ def _state_bytes(optimizer) -> int:
                          if isinstance(v, torch.Tensor) and v.device.type == "cuda")
 
 
-def measure(point: Point) -> dict:
-    """Record columns for the point on cuda:0: status ok or oom, peaks, per-step readings."""
+def measure(point: Point, card: tuple[int, int] | None = None, device: tuple[int, int] | None = None) -> dict:
+    """Record columns for the point on cuda:0: status ok or oom, peaks, per-step readings. Its
+    attention kernels are a card of capability `card`'s, on this device of capability `device`
+    (probe.cuda.attention: the same where this device is the point's card)."""
     cycle = point.workload.leak == Leak.cycle
     watch = CudaWatch(collect=not cycle)
     facts: dict = {}
     out: dict = {"status": "ok"}
+    calls: list = []
     try:
-        _run(point, watch, facts)
+        with cuda_attention.as_on(card, device, calls):
+            _run(point, watch, facts)
     except torch.OutOfMemoryError as e:
         failing = watch.at_failure()
         out.update(status="oom", oom_phase=failing.phase, oom_step=failing.step, **oom_columns(str(e)))
@@ -68,7 +75,7 @@ def measure(point: Point) -> dict:
     trains = facts.pop("trains")
     tokens = facts.pop("tokens_per_step", 0)
     phases = watch.all_phases()
-    out.update(facts)
+    out.update(facts, **{ATTENTION_CALLS: attention.to_column(calls, card)})
     # the whole run's peaks: after an OOM, how far it got (the failing phase included)
     out.update(measurements(watch.steps, phases, trains, tokens))
     stats = torch.cuda.memory_stats()

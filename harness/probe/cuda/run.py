@@ -64,8 +64,10 @@ def run_cuda(point: Point, run_dir: Path) -> dict:
     if mismatch:
         raise RuntimeError(f"the allocator did not take allocator.conf={point.allocator.conf!r}: {mismatch}")
 
+    # the point's card's attention kernels where it is emulated here, else this card's own
+    device = torch.cuda.get_device_capability(0)
     try:
-        out.update(measure(point))
+        out.update(measure(point, point.gpu.capability if fraction is not None else device, device))
     finally:
         if snapshot is not None:
             torch.cuda.memory._dump_snapshot(str(snapshot))

@@ -5,8 +5,9 @@ context manager so nothing leaks out of the trace:
 
 - optimizers: CUDA defaults to the foreach path (fused=False); on fake tensors torch picks the
   for-loop path, whose temporaries are one parameter's, not all of them (13% of a 7B peak);
-- scaled-dot-product attention: CUDA's kernel choice (flash for fp16/bf16 without a mask,
-  memory-efficient otherwise) instead of the CPU kernels;
+- scaled-dot-product attention: CUDA's kernel choice on the card (config.attention: flash for
+  fp16/bf16 without a mask from sm80 on, memory-efficient otherwise, math where neither takes
+  the call, a bf16 one on a T4) instead of the CPU kernels;
 - dropout: CUDA's fused kernel keeps a bool mask (1 B per element) for backward, where the CPU
   path keeps a noise tensor in the input's dtype (4 B in fp32);
 - autocast: CUDA's op lists (lower precision for GEMMs, fp32 for exp/pow/rsqrt/losses, fp32
@@ -25,35 +26,35 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from harness.config import attention
+
 # ---- scaled dot-product attention ----------------------------------------------------------
 
 _original_sdpa = F.scaled_dot_product_attention
 
 
-def _flash_eligible(q, k, v, attn_mask, dropout_p) -> bool:
-    # sdp_utils.cpp (CUDA): no explicit mask, fp16/bf16, head dim <= 256 and a multiple of 8.
-    return (
-        attn_mask is None
-        and q.dtype in (torch.float16, torch.bfloat16)
-        and q.shape[-1] <= 256
-        and q.shape[-1] % 8 == 0
-        and k.shape[-1] == v.shape[-1] == q.shape[-1]
-    )
+# The card's compute capability, and where each distinct attention call is noted (cuda_kernels)
+_attention: dict = {"capability": None, "calls": None}
 
 
 def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):
-    """F.scaled_dot_product_attention as CUDA dispatches it: flash, else memory-efficient, else the
-    math path, each only while enabled (torch.backends.cuda.*_sdp_enabled, sdpa_kernel)."""
-    backends = torch.backends.cuda
-    if backends.flash_sdp_enabled() and _flash_eligible(query, key, value, attn_mask, dropout_p):
+    """F.scaled_dot_product_attention as CUDA dispatches it on the traced card: flash, else
+    memory-efficient, else the math path, each only while enabled (torch.backends.cuda.*_sdp_enabled,
+    sdpa_kernel) and where the card's capability takes it (config.attention)."""
+    call = attention.call_of(query, key, value, attn_mask, dropout_p, is_causal)
+    calls = _attention["calls"]
+    if calls is not None and call not in calls:
+        calls.append(call)
+    chosen = attention.kernel(_attention["capability"], call)
+    if chosen == attention.FLASH:
         out = torch.ops.aten._scaled_dot_product_flash_attention(
             query, key, value, dropout_p, is_causal, False, scale=scale)
         return out[0]
-    if not backends.mem_efficient_sdp_enabled():
-        if not backends.math_sdp_enabled():
-            raise RuntimeError("No available kernel for scaled_dot_product_attention: flash, memory-efficient "
-                               "and math are all disabled or ineligible")
+    if chosen is None:
+        raise RuntimeError("No available kernel for scaled_dot_product_attention: flash, memory-efficient "
+                           "and math are all disabled or ineligible")
+    if chosen == attention.MATH:
         return torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
     if key.shape[1] != query.shape[1]:
@@ -266,10 +267,15 @@ def unpacked_sequences():
 
 
 @contextlib.contextmanager
-def cuda_kernels():
-    """Route F.scaled_dot_product_attention and F.dropout through CUDA's kernels while tracing."""
+def cuda_kernels(capability: tuple[int, int] | None = None, calls: list | None = None):
+    """Route F.scaled_dot_product_attention and F.dropout through CUDA's kernels while tracing, the
+    attention kernel chosen as on a card of `capability` (None: an A100's), each distinct attention
+    call appended to `calls` (config.attention.Call)."""
     F.scaled_dot_product_attention, F.dropout = cuda_sdpa, cuda_dropout
+    saved = dict(_attention)
+    _attention.update(capability=capability, calls=calls)
     try:
         yield
     finally:
         F.scaled_dot_product_attention, F.dropout = _original_sdpa, _original_dropout
+        _attention.update(saved)

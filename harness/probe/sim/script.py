@@ -161,7 +161,7 @@ def run_script(path: Path, argv: list[str], card: Card, settings: AllocSettings)
     run = ScriptRun(stats={})
     stand_ins = _ValueStandIns(run.value_reads)
     torch.manual_seed(0)
-    with FakeTensorMode(allow_non_fake_inputs=True), cu.unpacked_sequences(), cu.cuda_kernels(), \
+    with FakeTensorMode(allow_non_fake_inputs=True), cu.unpacked_sequences(), cu.cuda_kernels(card.capability), \
             cuda_script_on_cpu(tracker, default_host=True), cu.checkpoint_keeps_autocast(), \
             module_conversion_on_fake_tensors(), shape_only_init(), tracker, stand_ins, _cuda_optimizers(stand_ins), \
             virtual_cuda(live), _eager_compile(run.compiled), _host_profiler(), _as_main(path, argv):

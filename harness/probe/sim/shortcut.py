@@ -28,6 +28,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.config import attention
+from harness.config.attention import ATTENTION_CALLS
 from harness.config.models import hf_config
 from harness.config.point import Leak, Point, WorkloadName
 from harness.probe.sim import ddp_setup, repeat, replicas
@@ -155,13 +157,17 @@ def synthesized(point: Point) -> Traced:
         journal = ddp_setup.splice(journal, run_point(at_depth(point, n), setup_only=True)[1].journal())
         setup = f", DDP's setup traced at {n}"
     m = measurements(journal, holder=holder, **scalars)
+    calls: list[dict] = []  # each depth's attention calls (the same layers: the same calls)
+    for f in findings:
+        calls += [c for c in f.get(ATTENTION_CALLS, []) if c not in calls]
+    m[ATTENTION_CALLS] = attention.to_column(attention.from_dicts(calls), point.gpu.capability)
     traced_layers = (f"layer {a}, layer {a + 1} placed as on {placed_on}" if placed_on
                      else f"layers {a}, {a + 1} as traced over {counted} GPUs" if other_count is not None
                      else f"layers {a}, {a + 1}")
     m["trace_method"] = (f"synthesized: {traced_layers} -> {n}{f', steps {few} -> {steps}' if few < steps else ''}"
                          f"{setup} ({how})")
     events = [e for e in journal if e.action in ("alloc", "free")]
-    return Traced(m, events, {"scalars": scalars, "retained_holder": holder})
+    return Traced(m, events, {"scalars": scalars, "retained_holder": holder, ATTENTION_CALLS: calls})
 
 
 def _placed_as_before(cache: Path | None, skeleton: str, shallower: list[TraceEvent],

@@ -10,6 +10,7 @@ autograd's engine runs (backward) and the optimizer's step hooks (optimizer).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 
 import torch
@@ -17,7 +18,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
 
 from harness.allocator.settings import AllocSettings
-from harness.config import nccl
+from harness.config import attention, nccl
+from harness.config.attention import ATTENTION_CALLS
 from harness.config.point import Leak, Point, WorkloadName
 from harness.probe.jobs import (
     apply_checkpointing,
@@ -80,7 +82,7 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh,
     # cuda_script_on_cpu: a script's "cuda" devices and autocast on the trace's CPU; virtual_cuda:
     # torch.cuda's readings (memory_allocated, snapshots, ...) are the virtual card's.
     with FakeTensorMode() if fake else contextlib.nullcontext(), cu.unpacked_sequences(), \
-            cu.cuda_kernels() if emulate_cuda else contextlib.nullcontext(), \
+            cu.cuda_kernels(point.gpu.capability, tracker.attention_calls) if emulate_cuda else contextlib.nullcontext(), \
             cuda_script_on_cpu(tracker, cpu_is_card=mesh is not None), \
             cu.checkpoint_keeps_autocast(), OptimizerScalarReads() as scalar_reads, tracker, watching(tracker), \
             storage_resizes(tracker), virtual_cuda(live), \
@@ -155,6 +157,9 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh,
             **sharded.traffic_per_step(tracker)}
         m = measurements(tracker.journal(), holder=tracker.findings.get("retained_holder"),
                          **tracker.findings["scalars"])
+        # the attention calls, for the cards whose kernels they would not take (config.attention)
+        tracker.findings[ATTENTION_CALLS] = [dataclasses.asdict(c) for c in tracker.attention_calls]
+        m[ATTENTION_CALLS] = attention.to_column(tracker.attention_calls, point.gpu.capability)
         if custom:  # the job names itself; a preset's row keeps the config's names
             m["model"] = job_name(job)
             m["optimizer"] = type(opt).__name__ if opt is not None else None

@@ -143,6 +143,7 @@ class StorageTracker(TorchDispatchMode):
         # on it, and the cyclic GC frees in no fixed order).
         self.recording = True
         self.findings: dict[str, Any] = {}  # what the probe found after the steps (e.g. retained_holder)
+        self.attention_calls: list = []  # each distinct attention call (config.attention.Call): cuda_kernels
         self._live: dict[int, list] = {}  # key -> [requested, allocated, kind, stream]
         self.kind_bytes = {k: 0 for k in KINDS}
         self.allocated = 0

@@ -326,7 +326,8 @@ def _functions(live: LiveAllocator, original_summary) -> dict:
         "get_device_name": lambda device=None: card.device_name,
         "get_device_properties": lambda device=None: props,
         "get_device_capability": lambda device=None: (props.major, props.minor),
-        "is_bf16_supported": lambda including_emulation=True: major >= 8,
+        # from sm80 natively; below, emulated (torch.cuda's default including_emulation=True)
+        "is_bf16_supported": lambda including_emulation=True: major >= 8 or bool(including_emulation),
         "manual_seed": lambda seed: None,
         "manual_seed_all": lambda seed: None,
         "synchronize": lambda device=None: None,

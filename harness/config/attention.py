@@ -1,0 +1,129 @@
+"""Which kernel CUDA's scaled-dot-product attention takes on a card: its compute capability decides
+(aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, select_sdp_backend: flash, else
+memory-efficient, else math), and the kernels differ in memory: the math path materializes the
+B x H x S x S attention matrix that the fused kernels never hold. A T4 (sm75) has no flash
+attention and no bf16 memory-efficient one, so a bf16 model attends there with the math path.
+
+A trace is taken under one card's choices; it holds for another card only where every attention
+call it made would take the same kernel there (`alike`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
+ATTENTION_CALLS = "attention_calls"  # the row's column, and a trace's finding (a list of Call as dicts)
+# A card of unknown capability answers as the commonest training card does (virtual_cuda: an A100's)
+DEFAULT_CAPABILITY = (8, 0)
+_HALF = ("float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Call:
+    """An attention call as the kernel choice sees it."""
+    dtype: str  # q's torch dtype without "torch." ("bfloat16")
+    head_dim: int  # q's (and k's) last dimension
+    value_dim: int
+    mask: bool  # an explicit attn_mask
+    grad: bool  # an input requires grad (training)
+    dropout: bool  # dropout_p > 0
+    causal_nonsquare: bool  # is_causal with fewer queries than keys (flash refuses it)
+    # torch.backends.cuda.{flash,mem_efficient,math}_sdp_enabled() at the call
+    enabled: tuple[bool, bool, bool] = (True, True, True)
+
+
+def _in(cap: tuple[int, int], low: tuple[int, int], high: tuple[int, int]) -> bool:
+    return low <= cap <= high
+
+
+def _flash(cap: tuple[int, int], c: Call) -> bool:
+    if c.mask or c.causal_nonsquare or c.dtype not in _HALF or not _in(cap, (8, 0), (12, 1)):
+        return False
+    if c.head_dim != c.value_dim or c.head_dim > 256 or c.head_dim % 8:
+        return False
+    # sm86-89 and sm120-121: flash's backward refuses head dims in (192, 224], and (224, 256] with dropout
+    if c.grad and (_in(cap, (8, 6), (8, 9)) or _in(cap, (12, 0), (12, 1))):
+        return c.head_dim <= 192 or (not c.dropout and c.head_dim > 224)
+    return True
+
+
+def _efficient(cap: tuple[int, int], c: Call) -> bool:
+    if not _in(cap, (5, 0), (12, 1)):
+        return False
+    if c.dtype not in (("float16", "float32", "bfloat16") if cap[0] >= 8 else ("float16", "float32")):
+        return False
+    # minimum_gemm_alignment: the head dims in elements, by tensor-core use
+    half = c.dtype in _HALF
+    tensor_cores = cap[0] >= 8 or (cap[0] >= 7 and half)
+    align = 4 if cap[0] >= 8 else 1
+    if tensor_cores:
+        align = max(align, 128 // (16 if half else 32))
+    return c.head_dim > 0 and c.value_dim > 0 and not c.head_dim % align and not c.value_dim % align
+
+
+def kernel(capability: tuple[int, int] | None, call: Call) -> str | None:
+    """The kernel `call` takes on a card of `capability` (None: unknown, an A100's); None where
+    every kernel is disabled or refuses it (CUDA raises "No available kernel")."""
+    cap = capability or DEFAULT_CAPABILITY
+    flash, efficient, math = call.enabled
+    if flash and _flash(cap, call):
+        return FLASH
+    if efficient and _efficient(cap, call):
+        return EFFICIENT
+    return MATH if math else None
+
+
+def attention_class(capability: tuple[int, int] | None) -> str:
+    """What of a capability the choice reads: cards of one class choose alike for every call."""
+    cap = capability or DEFAULT_CAPABILITY
+    bits = (cap[0] >= 8, cap[0] >= 7, _in(cap, (8, 0), (12, 1)), _in(cap, (5, 0), (12, 1)),
+            _in(cap, (8, 6), (8, 9)) or _in(cap, (12, 0), (12, 1)))
+    return "".join("1" if b else "0" for b in bits)
+
+
+def alike(a: tuple[int, int] | None, b: tuple[int, int] | None, calls: list[Call]) -> bool:
+    """Whether every call takes the same kernel on cards of capabilities `a` and `b`."""
+    return all(kernel(a, c) == kernel(b, c) for c in calls)
+
+
+def takes_alike(capability: tuple[int, int] | None, column) -> bool:
+    """Whether a card of `capability` takes each call of a row's attention_calls with the kernel
+    the row's run took (a row without calls: yes)."""
+    if not isinstance(column, str) or not column:
+        return True
+    return all(kernel(capability, call) == d.get("kernel")
+               for call, d in zip(from_column(column), json.loads(column), strict=True))
+
+
+def call_of(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False) -> Call:
+    """The call F.scaled_dot_product_attention is making, under torch's current settings."""
+    import torch
+
+    backends = torch.backends.cuda
+    return Call(dtype=str(query.dtype).removeprefix("torch."), head_dim=int(query.shape[-1]),
+                value_dim=int(value.shape[-1]), mask=attn_mask is not None,
+                grad=torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)),
+                dropout=dropout_p > 0, causal_nonsquare=bool(is_causal) and query.shape[-2] != key.shape[-2],
+                enabled=(backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled(),
+                         backends.math_sdp_enabled()))
+
+
+def to_column(calls: list[Call], capability: tuple[int, int] | None) -> str | None:
+    """The row's attention_calls: each distinct call with the kernel it took (JSON); None: none."""
+    if not calls:
+        return None
+    return json.dumps([{**asdict(c), "kernel": kernel(capability, c)} for c in calls])
+
+
+def from_column(text) -> list[Call]:
+    """The calls of a row's attention_calls (none where the row has none)."""
+    if not isinstance(text, str) or not text:
+        return []
+    return from_dicts([{k: v for k, v in d.items() if k != "kernel"} for d in json.loads(text)])
+
+
+def from_dicts(dicts: list[dict]) -> list[Call]:
+    """Calls from their dicts (a trace's finding, as JSON holds it)."""
+    return [Call(**{**d, "enabled": tuple(d.get("enabled", (True, True, True)))}) for d in dicts]

@@ -1,0 +1,95 @@
+"""The attention kernel a trace takes is the traced card's (config.attention, from sdp_utils.cpp),
+and a catalog card that would take another is judged by a trace of its own."""
+
+import json
+
+import pytest
+
+from harness.config import attention, cards
+from harness.config.attention import EFFICIENT, FLASH, MATH, Call
+from harness.plan import fit
+from harness.probe import worker
+from harness.probe.sim.trace import run_point
+from harness.record.row import recorded_edge
+from tests.conftest import train_point
+
+A100, A10G, T4, SM130 = (8, 0), (8, 6), (7, 5), (13, 0)
+
+
+def _call(dtype="bfloat16", head_dim=128, mask=False, grad=True, dropout=False, enabled=(True, True, True)):
+    return Call(dtype=dtype, head_dim=head_dim, value_dim=head_dim, mask=mask, grad=grad, dropout=dropout,
+                causal_nonsquare=False, enabled=enabled)
+
+
+@pytest.mark.parametrize("capability, call, kernel", [
+    (A100, _call(), FLASH),
+    (T4, _call(), MATH),  # no flash below sm80, no bf16 memory-efficient kernel either
+    (T4, _call("float16"), EFFICIENT),
+    (T4, _call("float32"), EFFICIENT),
+    (A100, _call("float32"), EFFICIENT),  # flash takes half precision only
+    (A100, _call(mask=True), EFFICIENT),
+    (A100, _call(head_dim=208), FLASH),
+    (A10G, _call(head_dim=208), EFFICIENT),  # sm86-89: no flash backward for head dims in (192, 224]
+    (A10G, _call(head_dim=208, grad=False), FLASH),
+    (A10G, _call(head_dim=256), FLASH),
+    (A10G, _call(head_dim=256, dropout=True), EFFICIENT),
+    (A100, _call(head_dim=6), MATH),  # neither fused kernel takes a head dim off its alignment
+    (A100, _call(enabled=(False, True, True)), EFFICIENT),  # torch.backends.cuda / sdpa_kernel
+    (A100, _call(enabled=(False, False, False)), None),
+    (SM130, _call(), MATH),  # past the architectures the fused kernels are built for
+    (None, _call(), FLASH),  # a card of unknown capability: an A100's
+])
+def test_the_attention_kernel_is_the_one_cuda_picks_on_the_cards_capability(capability, call, kernel):
+    assert attention.kernel(capability, call) == kernel
+
+
+def test_cards_of_one_attention_class_choose_alike_and_a_t4_apart():
+    calls = [_call(), _call("float32")]
+    assert attention.alike((8, 0), (9, 0), calls) and not attention.alike((8, 0), (7, 5), calls)
+    assert attention.attention_class((8, 0)) == attention.attention_class((10, 0)) != attention.attention_class((7, 5))
+    assert attention.alike((8, 0), (7, 5), [_call("float32")])  # fp32: memory-efficient on both
+    column = attention.to_column(calls, (8, 0))  # a row's: each call with the kernel its run took
+    assert attention.from_column(column) == calls
+    assert attention.takes_alike((9, 0), column) and not attention.takes_alike((7, 5), column)
+    assert attention.takes_alike((7, 5), None)  # a row without attention calls
+
+
+def test_a_t4_emulated_on_a_bigger_card_pins_the_calls_it_would_take_otherwise():
+    from harness.probe.cuda.attention import pinned
+
+    assert pinned(T4, A100, _call()) == MATH  # the T4's bf16 math path, not the A100's flash
+    assert pinned(T4, A100, _call("float32")) is None  # memory-efficient on both: the A100 decides
+    assert pinned(A100, A100, _call()) is None and pinned(None, A100, _call()) is None
+
+
+def test_a_bf16_step_on_a_t4_attends_with_the_math_path_and_holds_the_attention_matrix():
+    b, s, heads = 2, 2048, 4
+    point = train_point(batch_size=b, seq_len=s)
+    on = {}
+    for key in ("a100-80gb", "t4"):
+        m, tracker = run_point(point.replace(gpu=cards.by_key()[key]))
+        on[key] = (m, max(e.size for e in tracker.events if e.action == "alloc"))
+    kernels = {k: {c["kernel"] for c in json.loads(m["attention_calls"])} for k, (m, _) in on.items()}
+    assert kernels == {"a100-80gb": {FLASH}, "t4": {MATH}}
+    # the scores, B x H x S x S, are the largest storage on the T4 and none on the A100
+    assert on["t4"][1] >= b * heads * s * s * 2 > on["a100-80gb"][1]
+    assert on["t4"][0]["peak_allocated_bytes"] > on["a100-80gb"][0]["peak_allocated_bytes"]
+
+
+@pytest.mark.slow
+def test_a_catalog_card_whose_attention_differs_is_judged_by_a_trace_of_its_own(tmp_path):
+    """An A100's trace of a long bf16 sequence fits a T4 with flash attention; a T4 attends with the
+    math path, whose scores do not fit: the A100's row says what the T4's own run says."""
+    point = train_point(batch_size=1, seq_len=16384)
+    t4 = cards.by_key()["t4"]
+    for d in ("a100", "t4"):
+        (tmp_path / d).mkdir()
+    on_a100 = worker.run_sim(point, tmp_path / "a100")
+    on_t4 = worker.run_sim(point.replace(gpu=t4), tmp_path / "t4")
+    assert on_a100["peak_reserved_bytes"] < t4.room()  # the A100's own trace would have fit it
+    assert on_t4["status"] == "oom" and recorded_edge(on_a100, "t4") == "oom"
+    assert (tmp_path / "a100" / "trace-t4.parquet").is_file()
+    # a plan's margin asks the T4's own trace too, not the A100's peaks (which leave it room)
+    assert fit.fits(on_a100, t4, margin=0.01) is False and fit.fits(on_a100, cards.by_key()["h100-80gb"], 0.01)
+    # the other cards of the catalog attend as the A100 does: judged by its trace
+    assert recorded_edge(on_a100, "h100-80gb") == "room" and recorded_edge(on_t4, "h100-80gb") == "room"
