@@ -93,3 +93,37 @@ def test_a_catalog_card_whose_attention_differs_is_judged_by_a_trace_of_its_own(
     assert fit.fits(on_a100, t4, margin=0.01) is False and fit.fits(on_a100, cards.by_key()["h100-80gb"], 0.01)
     # the other cards of the catalog attend as the A100 does: judged by its trace
     assert recorded_edge(on_a100, "h100-80gb") == "room" and recorded_edge(on_t4, "h100-80gb") == "room"
+
+
+@pytest.mark.parametrize("capability, config, nbytes", [
+    ((8, 0), None, 8_519_680), ((7, 5), None, 8_519_680), ((8, 9), None, 8_519_680),
+    ((9, 0), None, 32 * 2**20), ((10, 0), None, 32 * 2**20), ((12, 0), None, 32 * 2**20),
+    ((9, 4), None, 128 * 2**20),  # an MI300X: ROCm's gfx94x
+    ((9, 0), ":4096:2:16:8", 8_519_680), ((8, 0), ":4096:8", 32 * 2**20),  # CUBLAS_WORKSPACE_CONFIG
+])
+def test_the_cublas_workspace_is_the_one_pytorch_takes_on_the_card(capability, config, nbytes, monkeypatch):
+    from harness.config import cublas
+
+    monkeypatch.delenv(cublas.ENV, raising=False)
+    assert cublas.workspace_bytes(capability, config) == nbytes
+
+
+def test_a_card_of_another_cublas_workspace_is_judged_by_the_trace_with_its_own(tmp_path):
+    """An H100 traces 32 MiB workspaces where an A100 traces 8,519,680 B; the A100's row judges the
+    H100 with its trace's workspaces resized, a plan's margin too."""
+    point = train_point()
+    h100 = cards.by_key()["h100-80gb"]
+    rows = {}
+    for key, card in (("a100", point.gpu), ("h100", h100)):
+        (tmp_path / key).mkdir()
+        rows[key] = worker.run_sim(point.replace(gpu=card), tmp_path / key)
+    assert (rows["a100"]["cublas_workspace_bytes"], rows["h100"]["cublas_workspace_bytes"]) == (8_519_680, 32 * 2**20)
+    # both workspaces (forward, backward) live at the peak
+    assert rows["h100"]["peak_allocated_bytes"] - rows["a100"]["peak_allocated_bytes"] == 2 * (32 * 2**20 - 8_519_680)
+    low, high = rows["a100"]["peak_reserved_bytes"], rows["h100"]["peak_reserved_bytes"]
+    assert low < high
+    # a margin that leaves the H100 room between the two: the A100's own peaks would say it fits
+    margin = (h100.room() - (low + high) // 2) / h100.memory_bytes
+    assert fit.fits(rows["a100"], h100, margin) is False and fit.fits(rows["h100"], h100, margin) is False
+    roomy = (h100.room() - high - 64 * 2**20) / h100.memory_bytes  # the H100's reserved peak and more
+    assert fit.fits(rows["a100"], h100, roomy) is True and fit.fits(rows["h100"], h100, roomy) is True

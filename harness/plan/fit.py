@@ -10,13 +10,13 @@ import pandas as pd
 from harness.allocator.model import Device
 from harness.allocator.replay import ReplayRow, Replays
 from harness.allocator.settings import AllocSettings
-from harness.config import attention, nccl
+from harness.config import attention, cublas, nccl
 from harness.config import cards as catalog
 from harness.config.attention import ATTENTION_CALLS
 from harness.config.point import Card
 from harness.probe.sim import reserved
 from harness.record import trace_store
-from harness.record.row import listed, recorded_edge
+from harness.record.row import WORKSPACE, listed, recorded_edge
 
 
 def _missing(v) -> bool:
@@ -33,10 +33,14 @@ def _peaks(row: dict) -> tuple[int, int] | None:
 
 
 def _fits_on(row: dict, c: Card) -> bool:
+    # the card's cuBLAS workspaces where the trace has any (config.cublas)
+    own = None if _missing(row.get(WORKSPACE)) else cublas.workspace_bytes(c.capability)
     if not attention.takes_alike(c.capability, row.get(ATTENTION_CALLS)):
         # a card of other attention kernels: its own trace (probe.worker), where one was taken
         apart = None if _missing(row.get("trace_path")) else trace_store.apart_path(Path(row["trace_path"]), c.key)
-        return apart is not None and apart.is_file() and _fits_by_trace({**row, "trace_path": str(apart)}, c)
+        return apart is not None and apart.is_file() and not _replay({**row, "trace_path": str(apart)}, c, own).ooms
+    if own is not None and own != int(row[WORKSPACE]):  # another workspace: the trace replayed with it
+        return not _missing(row.get("trace_path")) and not _replay(row, c, own).ooms
     res, alloc = _peaks(row)
     known = reserved.fits_by_numbers(c, res, alloc)
     if known is not None:
@@ -79,22 +83,24 @@ def edge(row: dict, card: Card, margin: float = 0.0) -> str | None:
 
 
 @functools.lru_cache(maxsize=4)
-def _trace_rows(path: str) -> list[ReplayRow]:
-    """A run's trace as replay rows, read once for all the cards a probe is checked against."""
-    return trace_store.replay_rows(pd.read_parquet(path))
+def _trace_rows(path: str, workspace: int | None = None) -> list[ReplayRow]:
+    """A run's trace as replay rows (each cuBLAS workspace `workspace` bytes, where given), read
+    once for all the cards a probe is checked against."""
+    rows = trace_store.replay_rows(pd.read_parquet(path))
+    return rows if workspace is None else trace_store.with_workspaces(rows, workspace)
 
 
-def _replay(row: dict, card: Card):
+def _replay(row: dict, card: Card, workspace: int | None = None):
     """The run's replay on a card (Device.for_card: its room and size): a plan asks for it when it
     searches, when it finds the edge and when it counts cache flushes (~0.3 s each for a 7B
     trace), and a card of another room often replays alike (Replays)."""
-    return _replays(str(row["trace_path"]), row.get("allocator_conf") or "").on(Device.for_card(card))
+    return _replays(str(row["trace_path"]), row.get("allocator_conf") or "", workspace).on(Device.for_card(card))
 
 
 @functools.lru_cache(maxsize=256)
-def _replays(path: str, conf: str) -> Replays:
+def _replays(path: str, conf: str, workspace: int | None = None) -> Replays:
     # its results kept for every run a plan probes; the rows read again (_trace_rows keeps four)
-    return Replays(lambda: _trace_rows(path), AllocSettings.from_conf(conf))
+    return Replays(lambda: _trace_rows(path, workspace), AllocSettings.from_conf(conf))
 
 
 def _fits_by_trace(row: dict, card: Card) -> bool:

@@ -14,7 +14,7 @@ import traceback
 from pathlib import Path
 
 from harness.allocator.settings import AllocSettings
-from harness.config import attention, nccl
+from harness.config import attention, cublas, nccl
 from harness.config import cards as catalog
 from harness.config.attention import ATTENTION_CALLS
 from harness.config.point import Backend, Point, WorkloadName
@@ -28,7 +28,7 @@ from harness.probe.sim.virtual_cuda import READS_CARD
 from harness.record import provenance, trace_store
 from harness.record.provenance import USER_CODE
 from harness.record.ranks import RANK_RESULT_FILE
-from harness.record.row import COLUMNS, POINT_FILE, RESULT_FILE, base_record, recorded_edge, write_row
+from harness.record.row import COLUMNS, POINT_FILE, RESULT_FILE, WORKSPACE, base_record, recorded_edge, write_row
 
 _COLUMNS = frozenset(COLUMNS)  # what of a trace's measurements a row holds
 
@@ -117,19 +117,25 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
                transformers_version=transformers.__version__)
     settings = AllocSettings.from_conf(point.allocator.conf)
     snapshot = run_dir / "snapshot.pickle" if point.snapshot else None
-    # The catalog's cards whose attention kernels this trace's calls would not take are judged apart
-    cards = catalog.cards()
+    # The catalog's cards whose attention kernels this trace's calls would not take are judged
+    # apart, and those of another cuBLAS workspace by the trace with theirs
+    cards, rows = catalog.cards(), trace_store.replay_rows(df)
+    workspace = rec[WORKSPACE] = trace_store.workspace_bytes(rows)
     apart = [c for c in cards if not attention.takes_alike(c.capability, rec.get(ATTENTION_CALLS))]
+    here = [c for c in cards if c not in apart and workspace in (None, cublas.workspace_bytes(c.capability))]
     # Each card as one of the job's GPUs sees it: NCCL's memory beside the CUDA context's
-    rec.update(reserved.analyse(trace_store.replay_rows(df), settings, nccl.on_rank(point.gpu, point.parallel),
-                                [nccl.on_rank(c, point.parallel) for c in cards if c not in apart], torch.__version__,
+    rec.update(reserved.analyse(rows, settings, nccl.on_rank(point.gpu, point.parallel),
+                                [nccl.on_rank(c, point.parallel) for c in here], torch.__version__,
                                 snapshot, rec["peak_tensor_bytes"]), catalog_sha=catalog.digest())
-    if apart:
-        edges = {c.key: recorded_edge(rec, c.key) for c in cards if c not in apart}
-        edges.update(_edges_apart(point, rec, settings, apart, run_dir))
+    if len(here) < len(cards):
+        edges = {c.key: recorded_edge(rec, c.key) for c in here}
+        edges.update(_edges_by_workspace(rows, settings, point, [c for c in cards if c not in apart and c not in here],
+                                         workspace, rec["peak_tensor_bytes"]))
+        if apart:
+            edges.update(_edges_apart(point, rec, settings, apart, run_dir))
+            rec["trace_method"] = (f"{rec.get('trace_method') or ''}; {', '.join(c.key for c in apart)} judged by "
+                                   "a trace of their attention kernels")
         rec.update(reserved.edge_columns({c.key: edges[c.key] for c in cards}))
-        rec["trace_method"] = (f"{rec.get('trace_method') or ''}; {', '.join(c.key for c in apart)} judged by "
-                               "a trace of their attention kernels")
     rec["wall_s"] = time.perf_counter() - t0
     return rec
 
@@ -139,7 +145,6 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
     traced card's: cards whose kernels agree judged by a trace on the first of them. Not traced
     where none of them holds the job's parameters and optimizer state (taken whatever the kernels):
     each is an OOM then."""
-    import torch
 
     floor = (rec.get("params_bytes") or 0) + (rec.get("optimizer_bytes") or 0)
     calls = attention.from_column(rec.get(ATTENTION_CALLS))
@@ -157,9 +162,27 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
         for c in group[1:]:  # each card's trace where a plan with a margin looks for it (plan.fit)
             trace_store.apart_path(path, c.key).unlink(missing_ok=True)
             os.link(path, trace_store.apart_path(path, c.key))
-        out = reserved.analyse(trace_store.replay_rows(df), settings, ranked[0], ranked, torch.__version__,
-                               peak_tensor_bytes=m["peak_allocated_bytes"])
-        edges.update((c.key, recorded_edge(out, c.key)) for c in group)
+        rows = trace_store.replay_rows(df)
+        edges.update(_edges_by_workspace(rows, settings, point, group, trace_store.workspace_bytes(rows),
+                                         m["peak_allocated_bytes"]))
+    return edges
+
+
+def _edges_by_workspace(rows, settings: AllocSettings, point: Point, cards: list, traced_with: int | None,
+                        peak_tensor_bytes: int) -> dict[str, str]:
+    """The edge of each of `cards` from a trace whose cuBLAS workspaces are `traced_with` bytes each:
+    replayed with each card's own (config.cublas; the workspaces are one allocation each, made
+    where they were)."""
+    sizes: dict[int | None, list] = {}
+    for c in cards:  # a trace without workspaces (real CPU tensors): one replay for all
+        sizes.setdefault(None if traced_with is None else cublas.workspace_bytes(c.capability), []).append(c)
+    n = sum(1 for r in rows if r.action == "alloc" and r.tag is not None and r.tag.kind == "workspace")
+    edges: dict[str, str] = {}
+    for nbytes, group in sizes.items():
+        resized = rows if nbytes in (None, traced_with) else trace_store.with_workspaces(rows, nbytes)
+        less = 0 if nbytes is None or traced_with is None else min(0, n * (nbytes - traced_with))
+        edges.update(reserved.catalog_edges(resized, settings, [nccl.on_rank(c, point.parallel) for c in group],
+                                            peak_tensor_bytes + less))
     return edges
 
 

@@ -18,6 +18,7 @@ POINT_FILE = "point.json"  # the point the row is of (Point.to_dict)
 
 # The collectives a row's traffic columns count (`<name>_bytes_per_step`: this GPU's bytes a step)
 TRAFFIC = ("all_gather", "reduce_scatter", "all_reduce")
+WORKSPACE = "cublas_workspace_bytes"
 
 # Every column a row carries (DESIGN.md "The record"); absent values are None.
 COLUMNS = (
@@ -47,6 +48,7 @@ COLUMNS = (
     "harness_version", "workload_target", "workload_args", "user_code",
     "trace_path", "trace_reused", "trace_method",
     "attention_calls",  # each distinct attention call and the kernel it took on the card (config.attention; JSON)
+    "cublas_workspace_bytes",  # one cuBLAS workspace in the trace (the card's: config.cublas); None: none
     "snapshot_path", "reused_from", "overrides", "job_id",
 )
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # the tracker imports torch; a trace file does not need it. N
 
 from harness.allocator.model import K_MIN_BLOCK
 from harness.allocator.replay import EventTag, ReplayRow
-from harness.config import attention
+from harness.config import attention, cublas
 from harness.config.point import Point
 from harness.record import provenance
 from harness.record.provenance import USER_CODE
@@ -38,6 +38,7 @@ def trace_id(point: Point, reads_card: bool = False, attending: str | None = Non
     if not reads_card:
         for replay_only in ("allocator_conf", "gpu", "gpu_memory_bytes", "card"):
             del ident[replay_only]
+        ident["cublas_workspace"] = cublas.workspace_bytes(point.gpu.capability)  # the card's (config.cublas)
         attending = attention.attention_class(point.gpu.capability) if attending is None else attending
         if attending:  # the attention kernels it takes: cards of one class share a trace
             ident["attention"] = attending
@@ -74,6 +75,17 @@ def replay_rows(df: pd.DataFrame) -> list[ReplayRow]:
     streams = df["stream"].astype("int64").tolist() if "stream" in df else [0] * len(df)  # (one stream before)
     return list(map(ReplayRow._make, zip(cols["action"], cols["key"], df["size"].astype("int64").tolist(), tags,
                                          streams)))
+
+
+def workspace_bytes(rows: list[ReplayRow]) -> int | None:
+    """The bytes of a trace's cuBLAS workspaces (config.cublas: the card's); None: it has none."""
+    return next((r.size for r in rows if r.action == "alloc" and r.tag is not None and r.tag.kind == "workspace"), None)
+
+
+def with_workspaces(rows: list[ReplayRow], nbytes: int) -> list[ReplayRow]:
+    """The trace's rows with each cuBLAS workspace `nbytes` (another card's: config.cublas)."""
+    return [r._replace(size=nbytes) if r.action == "alloc" and r.tag is not None and r.tag.kind == "workspace" else r
+            for r in rows]
 
 
 def cached(cache_dir: Path | None, tid: str) -> bool:

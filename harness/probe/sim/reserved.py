@@ -61,6 +61,18 @@ def edge_columns(edges: dict[str, str]) -> dict:
             "retry_cards": [k for k, e in edges.items() if e == "after_retry"]}
 
 
+def catalog_edges(rows: list[ReplayRow], settings: AllocSettings, catalog: list[Card],
+                  peak_tensor_bytes: int = 0) -> dict[str, str]:
+    """Each card's edge (EDGES) for a trace: its replay without a limit, and a lean one on each
+    card that its peaks leave undecided (`peak_tensor_bytes`: the trace's storages' peak)."""
+    replays = Replays(rows, settings)
+    rooms = [c.room() for k in catalog for c in (k, k.at_worst())]
+    unlimited = replays.run_unlimited(Device(total=max(c.memory_bytes for c in catalog)),
+                                      [r for r in rooms if r >= peak_tensor_bytes])
+    return {c.key: edge(lambda card: fits(replays, card, unlimited), unlimited.peak_reserved_bytes, c)
+            for c in catalog}
+
+
 def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog: list[Card],
             torch_version: str, snapshot_path: Path | None = None, peak_tensor_bytes: int = 0) -> dict:
     """Record fields for the run's card and the whole catalog (`peak_tensor_bytes`: the trace's

@@ -23,10 +23,11 @@ from torch.utils._pytree import tree_leaves
 # The CUDA caching allocator rounds every request up to kMinBlockSize (512 B): round_plain, what
 # max_memory_allocated counts. Segment-level rounding is the allocator model's business.
 from harness.allocator.model import round_plain
+from harness.config import cublas
 
 # cuBLAS workspace PyTorch allocates through its own allocator on a thread's first GEMM
 # (at::cuda::getNewWorkspace): 8,519,680 B per handle in real traces (fidelity.md, C.5).
-CUBLAS_WORKSPACE_BYTES = 8_519_680
+CUBLAS_WORKSPACE_BYTES = cublas.DEFAULT_BYTES  # below Hopper; a card's own: config.cublas
 
 KINDS = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "workspace")
 
@@ -130,7 +131,7 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 class StorageTracker(TorchDispatchMode):
     """Records alloc/free events per storage with kind, phase, step and module."""
 
-    def __init__(self, emulate_cublas_workspace: bool = True):
+    def __init__(self, emulate_cublas_workspace: bool = True, workspace_bytes: int = CUBLAS_WORKSPACE_BYTES):
         super().__init__()
         self._wrap = _wrap_op()  # a functional collective's eager wrap (see _WAIT)
         self.events: list[TraceEvent] = []
@@ -153,6 +154,7 @@ class StorageTracker(TorchDispatchMode):
         self.module_stack: list[str] = []
         self.stream = 0  # the current stream's id (virtual_cuda's streams set it); 0: the default
         self.emulate_cublas_workspace = emulate_cublas_workspace
+        self.workspace_bytes = workspace_bytes  # one cuBLAS workspace on the card (config.cublas)
         self._workspaces: set[tuple[str, int]] = set()
         self._next_synthetic = -1
         self._fresh_zeros = 0  # storage key of the last zeros a backward formula made
@@ -332,7 +334,7 @@ class StorageTracker(TorchDispatchMode):
         self._workspaces.add(handle)
         key = self._next_synthetic
         self._next_synthetic -= 1
-        self._record_alloc(key, CUBLAS_WORKSPACE_BYTES, "workspace")
+        self._record_alloc(key, self.workspace_bytes, "workspace")
 
     # ---- dispatch --------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
