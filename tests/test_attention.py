@@ -127,3 +127,10 @@ def test_a_card_of_another_cublas_workspace_is_judged_by_the_trace_with_its_own(
     assert fit.fits(rows["a100"], h100, margin) is False and fit.fits(rows["h100"], h100, margin) is False
     roomy = (h100.room() - high - 64 * 2**20) / h100.memory_bytes  # the H100's reserved peak and more
     assert fit.fits(rows["a100"], h100, roomy) is True and fit.fits(rows["h100"], h100, roomy) is True
+
+
+def test_under_amp_attention_takes_its_inputs_in_the_lower_precision_as_cuda_autocast_casts_them():
+    """CUDA's autocast lists scaled_dot_product_attention as lower-precision: the fp32 q and k that
+    the rotary embedding makes are cast to bf16 and attend with flash, not fp32 memory-efficient."""
+    m, _ = run_point(train_point(precision="amp_bf16", seq_len=256))
+    assert {(c["dtype"], c["kernel"]) for c in json.loads(m["attention_calls"])} == {("bfloat16", FLASH)}

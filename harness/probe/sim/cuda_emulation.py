@@ -24,7 +24,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function_variadic
 
 from harness.config import attention
 
@@ -41,7 +41,12 @@ def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
               enable_gqa=False):
     """F.scaled_dot_product_attention as CUDA dispatches it on the traced card: flash, else
     memory-efficient, else the math path, each only while enabled (torch.backends.cuda.*_sdp_enabled,
-    sdpa_kernel) and where the card's capability takes it (config.attention)."""
+    sdpa_kernel) and where the card's capability takes it (config.attention). A torch function
+    as the one it stands for: the modes above it (CudaAutocast: CUDA's autocast casts SDPA's inputs
+    to the lower precision) see it."""
+    if has_torch_function_variadic(query, key, value, attn_mask):
+        return handle_torch_function(cuda_sdpa, (query, key, value, attn_mask), query, key, value, attn_mask=attn_mask,
+                                     dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     call = attention.call_of(query, key, value, attn_mask, dropout_p, is_causal)
     calls = _attention["calls"]
     if calls is not None and call not in calls:
