@@ -134,3 +134,12 @@ def test_under_amp_attention_takes_its_inputs_in_the_lower_precision_as_cuda_aut
     the rotary embedding makes are cast to bf16 and attend with flash, not fp32 memory-efficient."""
     m, _ = run_point(train_point(precision="amp_bf16", seq_len=256))
     assert {(c["dtype"], c["kernel"]) for c in json.loads(m["attention_calls"])} == {("bfloat16", FLASH)}
+
+
+def test_a_card_whose_kernels_hold_more_is_an_oom_without_a_trace_where_the_traced_peak_passes_it(tmp_path):
+    """Math attention holds at every moment what flash holds and more: where an A100's flash trace
+    already allocates more than a T4's room, the T4 is an OOM without being traced."""
+    row = worker.run_sim(train_point(batch_size=512, seq_len=4096), tmp_path)
+    assert row["peak_allocated_bytes"] > cards.by_key()["t4"].room()
+    assert recorded_edge(row, "t4") == "oom" and not (tmp_path / "trace-t4.parquet").exists()
+    assert attention.holds_more([MATH, EFFICIENT], [FLASH, FLASH]) and not attention.holds_more([FLASH], [MATH])

@@ -75,6 +75,18 @@ def kernel(capability: tuple[int, int] | None, call: Call) -> str | None:
     return MATH if math else None
 
 
+# What each kernel holds, least first: flash keeps the output and a B x H x S log-sum-exp;
+# memory-efficient the same with the log-sum-exp padded to 32 and grouped K and V expanded; math
+# the B x H x S x S scores and their softmax. At every moment of a step, a heavier kernel's
+# allocations hold at least a lighter one's.
+_WEIGHT = {FLASH: 0, EFFICIENT: 1, MATH: 2}
+
+
+def holds_more(kernels, than) -> bool:
+    """Whether each call's kernel in `kernels` holds at least what it does in `than` (same calls)."""
+    return all(k is not None and t is not None and _WEIGHT[k] >= _WEIGHT[t] for k, t in zip(kernels, than, strict=True))
+
+
 def attention_class(capability: tuple[int, int] | None) -> str:
     """What of a capability the choice reads: cards of one class choose alike for every call."""
     cap = capability or DEFAULT_CAPABILITY

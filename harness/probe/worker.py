@@ -132,29 +132,38 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
         edges.update(_edges_by_workspace(rows, settings, point, [c for c in cards if c not in apart and c not in here],
                                          workspace, rec["peak_tensor_bytes"]))
         if apart:
-            edges.update(_edges_apart(point, rec, settings, apart, run_dir))
-            rec["trace_method"] = (f"{rec.get('trace_method') or ''}; {', '.join(c.key for c in apart)} judged by "
-                                   "a trace of their attention kernels")
+            edges.update(_edges_apart(point, rec, settings, apart, run_dir, trace_store.workspace_count(rows)))
+            traced = [c.key for c in apart if trace_store.apart_path(run_dir / trace_store.TRACE_FILE, c.key).exists()]
+            if traced:
+                rec["trace_method"] = (f"{rec.get('trace_method') or ''}; {', '.join(traced)} judged by a trace "
+                                       "of their attention kernels")
         rec.update(reserved.edge_columns({c.key: edges[c.key] for c in cards}))
     rec["wall_s"] = time.perf_counter() - t0
     return rec
 
 
-def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, run_dir: Path) -> dict[str, str]:
+def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, run_dir: Path,
+                 n_workspaces: int) -> dict[str, str]:
     """The edge (reserved.EDGES) of each card in `apart`, whose attention kernels differ from the
     traced card's: cards whose kernels agree judged by a trace on the first of them. Not traced
-    where none of them holds the job's parameters and optimizer state (taken whatever the kernels):
-    each is an OOM then."""
+    where none of them holds the job's parameters and optimizer state (taken whatever the kernels),
+    nor where their kernels hold all the traced ones do (config.attention.holds_more) and none of
+    them holds the traced allocated peak (their workspaces' difference off): each is an OOM then."""
 
     floor = (rec.get("params_bytes") or 0) + (rec.get("optimizer_bytes") or 0)
     calls = attention.from_column(rec.get(ATTENTION_CALLS))
+    taken = [d["kernel"] for d in json.loads(rec[ATTENTION_CALLS])]
     alike: dict[tuple, list] = {}
     for c in apart:
         alike.setdefault(tuple(attention.kernel(c.capability, call) for call in calls), []).append(c)
     edges: dict[str, str] = {}
-    for group in alike.values():
+    for kernels, group in alike.items():
         ranked = [nccl.on_rank(c, point.parallel) for c in group]
-        if all(r.room() < floor for r in ranked):
+        # their allocations at every moment at least the traced ones', but for smaller workspaces
+        least = rec["peak_allocated_bytes"] - n_workspaces * max(
+            0, (rec.get(WORKSPACE) or 0) - min(cublas.workspace_bytes(c.capability) for c in group))
+        heavier = attention.holds_more(kernels, taken) and all(r.room() < least for r in ranked)
+        if heavier or all(r.room() < floor for r in ranked):
             edges.update((c.key, "oom") for c in group)
             continue
         path = trace_store.apart_path(run_dir / trace_store.TRACE_FILE, group[0].key)
@@ -176,7 +185,7 @@ def _edges_by_workspace(rows, settings: AllocSettings, point: Point, cards: list
     sizes: dict[int | None, list] = {}
     for c in cards:  # a trace without workspaces (real CPU tensors): one replay for all
         sizes.setdefault(None if traced_with is None else cublas.workspace_bytes(c.capability), []).append(c)
-    n = sum(1 for r in rows if r.action == "alloc" and r.tag is not None and r.tag.kind == "workspace")
+    n = trace_store.workspace_count(rows)
     edges: dict[str, str] = {}
     for nbytes, group in sizes.items():
         resized = rows if nbytes in (None, traced_with) else trace_store.with_workspaces(rows, nbytes)

@@ -82,6 +82,11 @@ def workspace_bytes(rows: list[ReplayRow]) -> int | None:
     return next((r.size for r in rows if r.action == "alloc" and r.tag is not None and r.tag.kind == "workspace"), None)
 
 
+def workspace_count(rows: list[ReplayRow]) -> int:
+    """How many cuBLAS workspaces a trace allocates (one per handle and stream)."""
+    return sum(1 for r in rows if r.action == "alloc" and r.tag is not None and r.tag.kind == "workspace")
+
+
 def with_workspaces(rows: list[ReplayRow], nbytes: int) -> list[ReplayRow]:
     """The trace's rows with each cuBLAS workspace `nbytes` (another card's: config.cublas)."""
     return [r._replace(size=nbytes) if r.action == "alloc" and r.tag is not None and r.tag.kind == "workspace" else r
