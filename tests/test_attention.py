@@ -45,10 +45,12 @@ def test_the_attention_kernel_is_the_one_cuda_picks_on_the_cards_capability(capa
 
 def test_cards_of_one_attention_class_choose_alike_and_a_t4_apart():
     calls = [_call(), _call("float32")]
-    assert attention.alike((8, 0), (9, 0), calls) and not attention.alike((8, 0), (7, 5), calls)
-    assert attention.attention_class((8, 0)) == attention.attention_class((10, 0)) != attention.attention_class((7, 5))
-    assert attention.alike((8, 0), (7, 5), [_call("float32")])  # fp32: memory-efficient on both
     column = attention.to_column(calls, (8, 0))  # a row's: each call with the kernel its run took
+    assert attention.takes_alike((9, 0), column) and not attention.takes_alike((7, 5), column)
+    assert attention.attention_class((8, 0)) == attention.attention_class((10, 0)) != attention.attention_class((7, 5))
+    # fp32: memory-efficient on both
+    assert attention.takes_alike((7, 5), attention.to_column([_call("float32")], (8, 0)))
+    assert attention.taken(column) == [(calls[0], FLASH), (calls[1], EFFICIENT)]
     assert attention.from_column(column) == calls
     assert attention.takes_alike((9, 0), column) and not attention.takes_alike((7, 5), column)
     assert attention.takes_alike((7, 5), None)  # a row without attention calls

@@ -5,7 +5,7 @@ B x H x S x S attention matrix that the fused kernels never hold. A T4 (sm75) ha
 attention and no bf16 memory-efficient one, so a bf16 model attends there with the math path.
 
 A trace is taken under one card's choices; it holds for another card only where every attention
-call it made would take the same kernel there (`alike`).
+call it made would take the same kernel there (`takes_alike`).
 """
 
 from __future__ import annotations
@@ -95,18 +95,10 @@ def attention_class(capability: tuple[int, int] | None) -> str:
     return "".join("1" if b else "0" for b in bits)
 
 
-def alike(a: tuple[int, int] | None, b: tuple[int, int] | None, calls: list[Call]) -> bool:
-    """Whether every call takes the same kernel on cards of capabilities `a` and `b`."""
-    return all(kernel(a, c) == kernel(b, c) for c in calls)
-
-
 def takes_alike(capability: tuple[int, int] | None, column) -> bool:
     """Whether a card of `capability` takes each call of a row's attention_calls with the kernel
     the row's run took (a row without calls: yes)."""
-    if not isinstance(column, str) or not column:
-        return True
-    return all(kernel(capability, call) == d.get("kernel")
-               for call, d in zip(from_column(column), json.loads(column), strict=True))
+    return all(kernel(capability, call) == took for call, took in taken(column))
 
 
 def call_of(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False) -> Call:
@@ -129,11 +121,18 @@ def to_column(calls: list[Call], capability: tuple[int, int] | None) -> str | No
     return json.dumps([{**asdict(c), "kernel": kernel(capability, c)} for c in calls])
 
 
-def from_column(text) -> list[Call]:
-    """The calls of a row's attention_calls (none where the row has none)."""
+def taken(text) -> list[tuple[Call, str | None]]:
+    """Each call of a row's attention_calls with the kernel its run took (none where the row has none)."""
     if not isinstance(text, str) or not text:
         return []
-    return from_dicts([{k: v for k, v in d.items() if k != "kernel"} for d in json.loads(text)])
+    dicts = json.loads(text)
+    calls = from_dicts([{k: v for k, v in d.items() if k != "kernel"} for d in dicts])
+    return [(c, d.get("kernel")) for c, d in zip(calls, dicts, strict=True)]
+
+
+def from_column(text) -> list[Call]:
+    """The calls of a row's attention_calls (none where the row has none)."""
+    return [c for c, _ in taken(text)]
 
 
 def from_dicts(dicts: list[dict]) -> list[Call]:

@@ -38,9 +38,9 @@ def _fits_on(row: dict, c: Card) -> bool:
     if not attention.takes_alike(c.capability, row.get(ATTENTION_CALLS)):
         # a card of other attention kernels: its own trace (probe.worker), where one was taken
         apart = None if _missing(row.get("trace_path")) else trace_store.apart_path(Path(row["trace_path"]), c.key)
-        return apart is not None and apart.is_file() and not _replay({**row, "trace_path": str(apart)}, c, own).ooms
+        return apart is not None and apart.is_file() and _fits_by_trace({**row, "trace_path": str(apart)}, c, own)
     if own is not None and own != int(row[WORKSPACE]):  # another workspace: the trace replayed with it
-        return not _missing(row.get("trace_path")) and not _replay(row, c, own).ooms
+        return not _missing(row.get("trace_path")) and _fits_by_trace(row, c, own)
     res, alloc = _peaks(row)
     known = reserved.fits_by_numbers(c, res, alloc)
     if known is not None:
@@ -103,8 +103,8 @@ def _replays(path: str, conf: str, workspace: int | None = None) -> Replays:
     return Replays(lambda: _trace_rows(path, workspace), AllocSettings.from_conf(conf))
 
 
-def _fits_by_trace(row: dict, card: Card) -> bool:
-    return not _replay(row, card).ooms
+def _fits_by_trace(row: dict, card: Card, workspace: int | None = None) -> bool:
+    return not _replay(row, card, workspace).ooms
 
 
 def cache_flushes(row: dict, card: Card, margin: float = 0.0) -> int | None:

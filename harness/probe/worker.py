@@ -120,7 +120,8 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
     # The catalog's cards whose attention kernels this trace's calls would not take are judged
     # apart, and those of another cuBLAS workspace by the trace with theirs
     cards, rows = catalog.cards(), trace_store.replay_rows(df)
-    workspace = rec[WORKSPACE] = trace_store.workspace_bytes(rows)
+    workspace, n_workspaces = trace_store.workspaces(rows)
+    rec[WORKSPACE] = workspace
     apart = [c for c in cards if not attention.takes_alike(c.capability, rec.get(ATTENTION_CALLS))]
     here = [c for c in cards if c not in apart and workspace in (None, cublas.workspace_bytes(c.capability))]
     # Each card as one of the job's GPUs sees it: NCCL's memory beside the CUDA context's
@@ -130,10 +131,9 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
     if len(here) < len(cards):
         edges = {c.key: recorded_edge(rec, c.key) for c in here}
         edges.update(_edges_by_workspace(rows, settings, point, [c for c in cards if c not in apart and c not in here],
-                                         workspace, rec["peak_tensor_bytes"]))
+                                         (workspace, n_workspaces), rec["peak_tensor_bytes"]))
         if apart:
-            edges.update(_edges_apart(point, rec, settings, apart, run_dir, trace_store.workspace_count(rows)))
-            traced = [c.key for c in apart if trace_store.apart_path(run_dir / trace_store.TRACE_FILE, c.key).exists()]
+            traced = _edges_apart(point, rec, settings, apart, run_dir, n_workspaces, edges)
             if traced:
                 rec["trace_method"] = (f"{rec.get('trace_method') or ''}; {', '.join(traced)} judged by a trace "
                                        "of their attention kernels")
@@ -143,20 +143,19 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
 
 
 def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, run_dir: Path,
-                 n_workspaces: int) -> dict[str, str]:
-    """The edge (reserved.EDGES) of each card in `apart`, whose attention kernels differ from the
-    traced card's: cards whose kernels agree judged by a trace on the first of them. Not traced
-    where none of them holds the job's parameters and optimizer state (taken whatever the kernels),
-    nor where their kernels hold all the traced ones do (config.attention.holds_more) and none of
-    them holds the traced allocated peak (their workspaces' difference off): each is an OOM then."""
-
+                 n_workspaces: int, edges: dict[str, str]) -> list[str]:
+    """Into `edges`, the edge (reserved.EDGES) of each card in `apart`, whose attention kernels
+    differ from the traced card's: cards whose kernels agree judged by a trace on the first of them
+    (returns the keys of the cards so judged). Not traced where none of them holds the job's
+    parameters and optimizer state (taken whatever the kernels), nor where their kernels hold all
+    the traced ones do (config.attention.holds_more) and none of them holds the traced allocated
+    peak (their workspaces' difference off): each is an OOM then."""
     floor = (rec.get("params_bytes") or 0) + (rec.get("optimizer_bytes") or 0)
-    calls = attention.from_column(rec.get(ATTENTION_CALLS))
-    taken = [d["kernel"] for d in json.loads(rec[ATTENTION_CALLS])]
+    calls, taken = zip(*attention.taken(rec[ATTENTION_CALLS]), strict=True)
     alike: dict[tuple, list] = {}
     for c in apart:
         alike.setdefault(tuple(attention.kernel(c.capability, call) for call in calls), []).append(c)
-    edges: dict[str, str] = {}
+    traced: list[str] = []
     for kernels, group in alike.items():
         ranked = [nccl.on_rank(c, point.parallel) for c in group]
         # their allocations at every moment at least the traced ones', but for smaller workspaces
@@ -172,20 +171,21 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
             trace_store.apart_path(path, c.key).unlink(missing_ok=True)
             os.link(path, trace_store.apart_path(path, c.key))
         rows = trace_store.replay_rows(df)
-        edges.update(_edges_by_workspace(rows, settings, point, group, trace_store.workspace_bytes(rows),
+        edges.update(_edges_by_workspace(rows, settings, point, group, trace_store.workspaces(rows),
                                          m["peak_allocated_bytes"]))
-    return edges
+        traced += [c.key for c in group]
+    return traced
 
 
-def _edges_by_workspace(rows, settings: AllocSettings, point: Point, cards: list, traced_with: int | None,
-                        peak_tensor_bytes: int) -> dict[str, str]:
-    """The edge of each of `cards` from a trace whose cuBLAS workspaces are `traced_with` bytes each:
-    replayed with each card's own (config.cublas; the workspaces are one allocation each, made
-    where they were)."""
+def _edges_by_workspace(rows, settings: AllocSettings, point: Point, cards: list,
+                        workspaces: tuple[int | None, int], peak_tensor_bytes: int) -> dict[str, str]:
+    """The edge of each of `cards` from a trace of `workspaces` (trace_store.workspaces: the bytes
+    of each, how many): replayed with each card's own (config.cublas; the workspaces are one
+    allocation each, made where they were)."""
+    traced_with, n = workspaces
     sizes: dict[int | None, list] = {}
     for c in cards:  # a trace without workspaces (real CPU tensors): one replay for all
         sizes.setdefault(None if traced_with is None else cublas.workspace_bytes(c.capability), []).append(c)
-    n = trace_store.workspace_count(rows)
     edges: dict[str, str] = {}
     for nbytes, group in sizes.items():
         resized = rows if nbytes in (None, traced_with) else trace_store.with_workspaces(rows, nbytes)

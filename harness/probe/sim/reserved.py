@@ -61,16 +61,28 @@ def edge_columns(edges: dict[str, str]) -> dict:
             "retry_cards": [k for k, e in edges.items() if e == "after_retry"]}
 
 
+def _unlimited(rows: list[ReplayRow], settings: AllocSettings, total: int, catalog: list[Card],
+               peak_tensor_bytes: int):
+    """The trace's replays and its replay without a limit on a device of `total` bytes (what
+    expandable segments' address ranges are sized by). A card between the run's allocated and
+    reserved peaks takes a lean replay of its own, which goes on from where this one first asked for
+    more than the card holds (alike until then); a card under the storages' peak needs none."""
+    replays = Replays(rows, settings)
+    rooms = [c.room() for k in catalog for c in (k, k.at_worst())]
+    return replays, replays.run_unlimited(Device(total=total), [r for r in rooms if r >= peak_tensor_bytes])
+
+
+def _edges(replays: Replays, unlimited, catalog: list[Card]) -> dict[str, str]:
+    return {c.key: edge(lambda card: fits(replays, card, unlimited), unlimited.peak_reserved_bytes, c)
+            for c in catalog}
+
+
 def catalog_edges(rows: list[ReplayRow], settings: AllocSettings, catalog: list[Card],
                   peak_tensor_bytes: int = 0) -> dict[str, str]:
     """Each card's edge (EDGES) for a trace: its replay without a limit, and a lean one on each
     card that its peaks leave undecided (`peak_tensor_bytes`: the trace's storages' peak)."""
-    replays = Replays(rows, settings)
-    rooms = [c.room() for k in catalog for c in (k, k.at_worst())]
-    unlimited = replays.run_unlimited(Device(total=max(c.memory_bytes for c in catalog)),
-                                      [r for r in rooms if r >= peak_tensor_bytes])
-    return {c.key: edge(lambda card: fits(replays, card, unlimited), unlimited.peak_reserved_bytes, c)
-            for c in catalog}
+    replays, unlimited = _unlimited(rows, settings, max(c.memory_bytes for c in catalog), catalog, peak_tensor_bytes)
+    return _edges(replays, unlimited, catalog)
 
 
 def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog: list[Card],
@@ -78,13 +90,8 @@ def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog:
     """Record fields for the run's card and the whole catalog (`peak_tensor_bytes`: the trace's
     storages' peak, which the allocated peak is at least)."""
     # Unlimited memory, but the card's size for what depends on it (expandable address ranges).
-    replays = Replays(rows, settings)
-    without_limit, on_the_card = Device(total=card.memory_bytes), Device.for_card(card)
-    # A card between the run's allocated and reserved peaks takes a lean replay of its own, which
-    # goes on from where this one first asked for more than the card holds (alike until then);
-    # a card under the storages' peak needs none.
-    rooms = [c.room() for k in catalog for c in (k, k.at_worst())]
-    unlimited = replays.run_unlimited(without_limit, [r for r in rooms if r >= peak_tensor_bytes])
+    replays, unlimited = _unlimited(rows, settings, card.memory_bytes, catalog, peak_tensor_bytes)
+    on_the_card = Device.for_card(card)
     trace: list[dict] = []
 
     def on_event(action, addr, size, stream, tag):
@@ -113,8 +120,7 @@ def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog:
         "num_alloc_retries": on_card.num_alloc_retries,
         "num_ooms": len(on_card.ooms),
     }
-    out.update(edge_columns({c.key: edge(lambda card: fits(replays, card, unlimited),
-                                         unlimited.peak_reserved_bytes, c) for c in catalog}))
+    out.update(edge_columns(_edges(replays, unlimited, catalog)))
     if on_card.ooms:
         oom = on_card.ooms[0]
         phase, step, module, _kind = oom["where"]
