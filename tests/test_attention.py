@@ -110,6 +110,18 @@ def test_the_cublas_workspace_is_the_one_pytorch_takes_on_the_card(capability, c
     assert cublas.workspace_bytes(capability, config) == nbytes
 
 
+def test_an_emulated_card_is_given_its_own_cublas_workspace_on_another(monkeypatch):
+    """probe.cuda.run sets CUBLAS_WORKSPACE_CONFIG to the emulated card's (an A100 on an H200:
+    8,519,680 B, not 32 MiB; measured exact on an H200, tests/test_cuda.py's calibrate)."""
+    from harness.config import cublas
+
+    monkeypatch.delenv(cublas.ENV, raising=False)
+    assert cublas.config_for((8, 0)) == ":4096:2:16:8"  # torch's own string below Hopper
+    for card in cards.cards():
+        made = cublas.workspace_bytes((0, 0), cublas.config_for(card.capability))
+        assert made == cublas.workspace_bytes(card.capability), card.key
+
+
 def test_a_card_of_another_cublas_workspace_is_judged_by_the_trace_with_its_own(tmp_path):
     """An H100 traces 32 MiB workspaces where an A100 traces 8,519,680 B; the A100's row judges the
     H100 with its trace's workspaces resized, a plan's margin too."""

@@ -113,7 +113,10 @@ def test_calibrate_compares_two_points(tmp_path):
     for row in df.to_dict("records"):
         print(f"[gpu-check] calibrate: {json.dumps(row, default=str)}")
     assert len(df) == 2 and df["status_agrees"].all()
-    assert df["allocated_error"].abs().max() < 0.05  # the goal is 1%: the note reports the figure
+    # the bar: within max(0.1%, 256 KiB) of the card (an emulated A100 on a newer card included:
+    # its cuBLAS workspaces are the A100's)
+    off = (df["predicted_allocated_bytes"] - df["measured_allocated_bytes"]).abs()
+    assert (off <= (0.001 * df["measured_allocated_bytes"]).clip(lower=256 * 1024)).all(), off.tolist()
 
 
 def test_a_users_job_runs_for_real_with_its_value_reads(tmp_path):
@@ -123,7 +126,12 @@ def test_a_users_job_runs_for_real_with_its_value_reads(tmp_path):
     df = _rows(tmp_path)
     assert r.returncode == 0, r.stderr + str(df[["workload_target", "error"]])
     assert list(df["status"]) == ["ok", "ok"]  # .item() is fine on a card
-    assert set(df["model"]) >= {"GPT"}
+    # the job names itself as on the virtual GPU
+    virtual = run_cli("run", "workload=custom", "workload.target=examples.gpt:build", "batch_size=4", "seq_len=128",
+                      "backend=sim", f"results_dir={tmp_path / 'sim'}")
+    assert virtual.returncode == 0, virtual.stderr
+    named = df.set_index("workload_target")["model"]
+    assert named["examples.gpt:build"] == _rows(tmp_path / "sim").iloc[0]["model"]
 
 
 def test_a_side_streams_blocks_are_reused_as_on_the_virtual_gpu(tmp_path):

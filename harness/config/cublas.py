@@ -28,3 +28,10 @@ def workspace_bytes(capability: tuple[int, int] | None, config: str | None = Non
     if cap in ((9, 4), (9, 5)):  # no NVIDIA card has these: ROCm's gfx94x / gfx95x
         return ROCM_GFX94_BYTES
     return HOPPER_ON_BYTES if cap[0] in (9, 10, 12) else DEFAULT_BYTES
+
+
+def config_for(capability: tuple[int, int] | None) -> str:
+    """A CUBLAS_WORKSPACE_CONFIG that makes a card of `capability`'s default workspace (torch's
+    own string below Hopper; one workspace of the size otherwise): an emulated card's on another."""
+    size = workspace_bytes(capability, config="")
+    return ":4096:2:16:8" if size == DEFAULT_BYTES else f":{size // 1024}:1"

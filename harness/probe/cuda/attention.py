@@ -6,7 +6,9 @@ path, as a T4 has no other); every distinct call is noted for the row's attentio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
+import torch
 import torch.nn.functional as F
 
 from harness.config import attention
@@ -22,6 +24,14 @@ def pinned(card: tuple[int, int] | None, device: tuple[int, int] | None, call: a
     return want if want is not None and want != attention.kernel(device, call) else None
 
 
+def _as_cast(call: attention.Call, query) -> attention.Call:
+    """The call as its kernel sees it: under CUDA's autocast (amp_*) attention runs in the
+    autocast dtype (a lower-precision op), which casts this wrapper's fp32 arguments after it."""
+    if torch.is_autocast_enabled("cuda") and query.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return dataclasses.replace(call, dtype=str(torch.get_autocast_dtype("cuda")).removeprefix("torch."))
+    return call
+
+
 @contextlib.contextmanager
 def as_on(card: tuple[int, int] | None, device: tuple[int, int] | None, calls: list):
     """F.scaled_dot_product_attention taking, inside, the kernels a card of capability `card`
@@ -31,7 +41,7 @@ def as_on(card: tuple[int, int] | None, device: tuple[int, int] | None, calls: l
     original = F.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        call = attention.call_of(query, key, value, attn_mask, dropout_p, is_causal)
+        call = _as_cast(attention.call_of(query, key, value, attn_mask, dropout_p, is_causal), query)
         if call not in calls:
             calls.append(call)
         kernel = pinned(card, device, call)

@@ -4,6 +4,7 @@ the device and run under CudaWatch. An out-of-memory error ends the work, not th
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 
 import torch
@@ -83,6 +84,20 @@ def measure(point: Point, card: tuple[int, int] | None = None, device: tuple[int
     return out
 
 
+def _steps_on_host(optimizer) -> None:
+    """optimizer.step outside the job's default device: torch.optim makes each parameter's step
+    count with no device (the host, 512 B a parameter on the card otherwise) unless fused or
+    capturable, which place it themselves; a training script without a default device does so."""
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def on_host(*args, **kwargs):
+        with torch.device("cpu"):
+            return step(*args, **kwargs)
+
+    optimizer.step = on_host
+
+
 def _watch_training(optimizer, params, facts: dict) -> None:
     """Gradient bytes (they match the trainable weights) and the optimizer state after each step."""
     facts["grads_bytes"] = storage_bytes(p for p in params if p.requires_grad)
@@ -114,6 +129,7 @@ def _run(point: Point, watch: CudaWatch, facts: dict) -> None:
                          optimizer=type(opt).__name__ if opt is not None else None)
         if opt is not None:
             prepare_optimizer(opt, point.optimizer.impl, virtual=False)
+            _steps_on_host(opt)
             _watch_training(opt, params, facts)
             optimizer_phases(opt, watch)
             # The first gradient to land marks backward (a user's step calls backward itself).

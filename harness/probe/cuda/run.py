@@ -13,9 +13,11 @@ import os
 from pathlib import Path
 
 from harness.allocator.settings import AllocSettings
+from harness.config import cublas
 from harness.config.cards import emulation_fraction
 from harness.config.point import Point
 from harness.probe.cuda.job import measure
+from harness.record.row import WORKSPACE
 
 # Memory history entries kept for a snapshot: a 7B training step makes ~10^5 allocator events.
 SNAPSHOT_MAX_ENTRIES = 2_000_000
@@ -54,6 +56,8 @@ def run_cuda(point: Point, run_dir: Path) -> dict:
     fraction = emulation_fraction(point.gpu, props.name, props.total_memory)
     if fraction is not None:
         torch.cuda.set_per_process_memory_fraction(fraction, 0)
+        # the emulated card's cuBLAS workspaces (read at the first GEMM), unless the user set them
+        os.environ.setdefault(cublas.ENV, cublas.config_for(point.gpu.capability))
         out["emulated_gpu"] = True
         out["device_name"] = f"{point.gpu.device_name} (emulated on {props.name}, reserved capped at " \
                              f"{fraction * props.total_memory / 2**30:.2f} GiB)"
@@ -66,6 +70,7 @@ def run_cuda(point: Point, run_dir: Path) -> dict:
 
     # the point's card's attention kernels where it is emulated here, else this card's own
     device = torch.cuda.get_device_capability(0)
+    out[WORKSPACE] = cublas.workspace_bytes(point.gpu.capability if fraction is not None else device)
     try:
         out.update(measure(point, point.gpu.capability if fraction is not None else device, device))
     finally:

@@ -331,6 +331,8 @@ def _functions(live: LiveAllocator, original_summary) -> dict:
         "manual_seed": lambda seed: None,
         "manual_seed_all": lambda seed: None,
         "synchronize": lambda device=None: None,
+        # The virtual GPU captures no CUDA graphs (torch <= 2.12's optimizers ask torch.cuda here).
+        "is_current_stream_capturing": lambda: False,
         "Event": _Event,
         "Stream": live.Stream,
         "current_stream": lambda device=None: live.current_stream,
