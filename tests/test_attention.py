@@ -6,7 +6,7 @@ import json
 import pytest
 
 from harness.config import attention, cards
-from harness.config.attention import EFFICIENT, FLASH, MATH, Call
+from harness.config.attention import CUDNN, EFFICIENT, FLASH, MATH, Call
 from harness.plan import fit
 from harness.probe import worker
 from harness.probe.sim.trace import run_point
@@ -14,10 +14,12 @@ from harness.record.row import recorded_edge
 from tests.conftest import train_point
 
 A100, A10G, T4, SM130 = (8, 0), (8, 6), (7, 5), (13, 0)
+H100, B200, MI300X, RTX5090 = (9, 0), (10, 0), (9, 4), (12, 0)
 
 
-def _call(dtype="bfloat16", head_dim=128, mask=False, grad=True, dropout=False, enabled=(True, True, True)):
-    return Call(dtype=dtype, head_dim=head_dim, value_dim=head_dim, mask=mask, grad=grad, dropout=dropout,
+def _call(dtype="bfloat16", head_dim=128, mask=False, grad=True, dropout=False, enabled=(True, True, True, True),
+          value_dim=None):
+    return Call(dtype=dtype, head_dim=head_dim, value_dim=value_dim or head_dim, mask=mask, grad=grad, dropout=dropout,
                 causal_nonsquare=False, enabled=enabled)
 
 
@@ -34,8 +36,20 @@ def _call(dtype="bfloat16", head_dim=128, mask=False, grad=True, dropout=False, 
     (A10G, _call(head_dim=256), FLASH),
     (A10G, _call(head_dim=256, dropout=True), EFFICIENT),
     (A100, _call(head_dim=6), MATH),  # neither fused kernel takes a head dim off its alignment
-    (A100, _call(enabled=(False, True, True)), EFFICIENT),  # torch.backends.cuda / sdpa_kernel
-    (A100, _call(enabled=(False, False, False)), None),
+    (A100, _call(enabled=(False, True, True, True)), EFFICIENT),  # torch.backends.cuda / sdpa_kernel
+    (A100, _call(enabled=(False, False, False, False)), None),
+    (A100, _call(enabled=(False, False, False, True)), CUDNN),  # last in the order on an A100
+    # cuDNN first on sm90/sm10x (an H200 with torch 2.11 took it for every bf16 call measured)
+    (H100, _call(), CUDNN),
+    (B200, _call("float16", mask=True), CUDNN),
+    (H100, _call(head_dim=256), CUDNN),
+    (H100, _call(head_dim=224), FLASH),  # cuDNN's backward: <= 128, 192/128 or 256/256
+    (H100, _call(head_dim=192, value_dim=128), CUDNN),
+    (H100, _call(dropout=True), FLASH),  # cuDNN drops out only at multiples of 1/16
+    (H100, _call("float32"), EFFICIENT),
+    (H100, _call(enabled=(True, True, True, False)), FLASH),
+    (MI300X, _call(), FLASH),  # ROCm: no cuDNN
+    (RTX5090, _call(), FLASH),
     (SM130, _call(), MATH),  # past the architectures the fused kernels are built for
     (None, _call(), FLASH),  # a card of unknown capability: an A100's
 ])
@@ -43,17 +57,23 @@ def test_the_attention_kernel_is_the_one_cuda_picks_on_the_cards_capability(capa
     assert attention.kernel(capability, call) == kernel
 
 
-def test_cards_of_one_attention_class_choose_alike_and_a_t4_apart():
+def test_cards_of_one_attention_class_choose_alike_and_others_apart():
     calls = [_call(), _call("float32")]
-    column = attention.to_column(calls, (8, 0))  # a row's: each call with the kernel its run took
-    assert attention.takes_alike((9, 0), column) and not attention.takes_alike((7, 5), column)
-    assert attention.attention_class((8, 0)) == attention.attention_class((10, 0)) != attention.attention_class((7, 5))
-    # fp32: memory-efficient on both
-    assert attention.takes_alike((7, 5), attention.to_column([_call("float32")], (8, 0)))
+    column = attention.to_column(calls, A100)  # a row's: each call with the kernel its run took
+    assert not attention.takes_alike(T4, column) and not attention.takes_alike(H100, column)  # math, cuDNN
+    assert attention.attention_class(A100) == attention.attention_class(None) != attention.attention_class(T4)
+    assert attention.attention_class(H100) == attention.attention_class((9, 0)) != attention.attention_class(A100)
+    # fp32: memory-efficient on all three
+    fp32 = attention.to_column([_call("float32")], A100)
+    assert attention.takes_alike(T4, fp32) and attention.takes_alike(H100, fp32)
     assert attention.taken(column) == [(calls[0], FLASH), (calls[1], EFFICIENT)]
     assert attention.from_column(column) == calls
-    assert attention.takes_alike((9, 0), column) and not attention.takes_alike((7, 5), column)
-    assert attention.takes_alike((7, 5), None)  # a row without attention calls
+    assert attention.takes_alike(T4, None)  # a row without attention calls
+
+
+def test_a_row_from_before_cudnn_reads_with_cudnn_on():
+    old = json.dumps([{**json.loads(attention.to_column([_call()], A100))[0], "enabled": [True, False, True]}])
+    assert attention.from_column(old)[0].enabled == (True, False, True, True)
 
 
 def test_a_t4_emulated_on_a_bigger_card_pins_the_calls_it_would_take_otherwise():

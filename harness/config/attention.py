@@ -1,8 +1,11 @@
 """Which kernel CUDA's scaled-dot-product attention takes on a card: its compute capability decides
 (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, select_sdp_backend: flash, else
-memory-efficient, else math), and the kernels differ in memory: the math path materializes the
-B x H x S x S attention matrix that the fused kernels never hold. A T4 (sm75) has no flash
-attention and no bf16 memory-efficient one, so a bf16 model attends there with the math path.
+memory-efficient, else math; cuDNN first on Hopper and Blackwell datacenter cards, sm90/sm10x,
+where torch's cuDNN is newer than 9.15, as every CUDA 13 wheel's is: an H200 with torch 2.11 took it
+for every bf16 call measured), and the kernels differ in memory: the math path materializes the
+B x H x S x S attention matrix that the fused kernels never hold, and each fused backward has
+its own scratch (probe.sim.tracker's kernel scratch). A T4 (sm75) has no flash attention and no
+bf16 memory-efficient one, so a bf16 model attends there with the math path.
 
 A trace is taken under one card's choices; it holds for another card only where every attention
 call it made would take the same kernel there (`takes_alike`).
@@ -13,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
+FLASH, EFFICIENT, MATH, CUDNN = "flash", "efficient", "math", "cudnn"
 ATTENTION_CALLS = "attention_calls"  # the row's column, and a trace's finding (a list of Call as dicts)
 # A card of unknown capability answers as the commonest training card does (virtual_cuda: an A100's)
 DEFAULT_CAPABILITY = (8, 0)
@@ -30,8 +33,8 @@ class Call:
     grad: bool  # an input requires grad (training)
     dropout: bool  # dropout_p > 0
     causal_nonsquare: bool  # is_causal with fewer queries than keys (flash refuses it)
-    # torch.backends.cuda.{flash,mem_efficient,math}_sdp_enabled() at the call
-    enabled: tuple[bool, bool, bool] = (True, True, True)
+    # torch.backends.cuda.{flash,mem_efficient,math,cudnn}_sdp_enabled() at the call
+    enabled: tuple[bool, bool, bool, bool] = (True, True, True, True)
 
 
 def _in(cap: tuple[int, int], low: tuple[int, int], high: tuple[int, int]) -> bool:
@@ -63,35 +66,90 @@ def _efficient(cap: tuple[int, int], c: Call) -> bool:
     return c.head_dim > 0 and c.value_dim > 0 and not c.head_dim % align and not c.value_dim % align
 
 
+def _prefers_cudnn(cap: tuple[int, int]) -> bool:
+    # check_prefer_cudnn_attention: majors 9 and 10 (an MI300X's "9.4" is ROCm's: no cuDNN)
+    return cap[0] in (9, 10) and cap not in ((9, 4), (9, 5))
+
+
+def _cudnn(cap: tuple[int, int], c: Call) -> bool:
+    # can_use_cudnn_attention: fp16/bf16 from sm80, head dims %8 and <= 128 (256 on sm90/sm10x,
+    # backward then only for <= 128, 192/128 or 256/256); dropout only at multiples of 1/16, which
+    # a Call does not record: a call with dropout is left to flash.
+    if c.dtype not in _HALF or not _in(cap, (8, 0), (12, 1)) or c.dropout:
+        return False
+    if c.head_dim % 8 or c.value_dim % 8:
+        return False
+    wide = cap == (9, 0) or cap[0] == 10
+    if max(c.head_dim, c.value_dim) > (256 if wide else 128):
+        return False
+    dims = (c.head_dim, c.value_dim)
+    return not c.grad or max(dims) <= 128 or dims in ((192, 128), (256, 256))
+
+
 def kernel(capability: tuple[int, int] | None, call: Call) -> str | None:
     """The kernel `call` takes on a card of `capability` (None: unknown, an A100's); None where
     every kernel is disabled or refuses it (CUDA raises "No available kernel")."""
     cap = capability or DEFAULT_CAPABILITY
-    flash, efficient, math = call.enabled
+    flash, efficient, math, cudnn = call.enabled
+    if cudnn and _prefers_cudnn(cap) and _cudnn(cap, call):
+        return CUDNN
     if flash and _flash(cap, call):
         return FLASH
     if efficient and _efficient(cap, call):
         return EFFICIENT
-    return MATH if math else None
+    if math:
+        return MATH
+    # last in the default order: taken only where the others are off (sdpa_kernel(CUDNN_ATTENTION))
+    return CUDNN if cudnn and _cudnn(cap, call) else None
 
 
 # What each kernel holds, least first: flash keeps the output and a B x H x S log-sum-exp;
 # memory-efficient the same with the log-sum-exp padded to 32 and grouped K and V expanded; math
 # the B x H x S x S scores and their softmax. At every moment of a step, a heavier kernel's
-# allocations hold at least a lighter one's.
+# allocations hold at least a lighter one's. cuDNN's are ordered against its own only: its
+# scratch is unrounded where flash's rounds S to 128, and its seed and offset are two blocks.
 _WEIGHT = {FLASH: 0, EFFICIENT: 1, MATH: 2}
 
 
 def holds_more(kernels, than) -> bool:
     """Whether each call's kernel in `kernels` holds at least what it does in `than` (same calls)."""
-    return all(k is not None and t is not None and _WEIGHT[k] >= _WEIGHT[t] for k, t in zip(kernels, than, strict=True))
+    return all(k is not None and t is not None and (k == t or (k in _WEIGHT and t in _WEIGHT and _WEIGHT[k] >= _WEIGHT[t]))
+               for k, t in zip(kernels, than, strict=True))
+
+
+def swaps_fused(kernels, than) -> bool:
+    """Whether `kernels` differ from `than` (same calls) only by cuDNN for flash or back: the same
+    outputs and saved tensors, backward scratch of like size (below)."""
+    return all(k == t or {k, t} == {FLASH, CUDNN} for k, t in zip(kernels, than, strict=True))
+
+
+def _r(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def flash_backward_scratch(b: int, h: int, h_k: int, s_q: int, s_k: int, d: int, esize: int) -> list[int]:
+    """mha_bwd (flash_api.cpp) after dq, dk, dv: softmax_d (B x H x S_q fp32, S_q rounded to 128),
+    dq_accum (B x S_q x H x D fp32, D rounded to 32, above 128 to 64), and with grouped K and V
+    dk and dv for every query head in q's dtype. Measured exact on an H200 (torch 2.11), 5 shapes."""
+    d = _r(d, 8)
+    sizes = [b * h * _r(s_q, 128) * 4, b * _r(s_q, 128) * h * _r(d, 32 if d <= 128 else 64) * 4]
+    return sizes + ([b * s_k * h * d * esize] * 2 if h_k != h else [])
+
+
+def cudnn_backward_scratch(b: int, h: int, h_k: int, s_q: int, s_k: int, d: int, d_v: int, esize: int) -> int:
+    """cuDNN's backward workspace, one block after dq, dk, dv: dq accumulated in fp32, dk and dv
+    for every query head where K and V are grouped (q's dtype), the softmax sums (fp32), and 256 B.
+    Measured exact on an H200 (torch 2.11, cuDNN 9.19), 5 shapes."""
+    expanded = b * h * s_k * (d + d_v) * esize if h_k != h else 0
+    return b * h * s_q * d * 4 + expanded + b * h * s_q * 4 + 256
 
 
 def attention_class(capability: tuple[int, int] | None) -> str:
     """What of a capability the choice reads: cards of one class choose alike for every call."""
     cap = capability or DEFAULT_CAPABILITY
     bits = (cap[0] >= 8, cap[0] >= 7, _in(cap, (8, 0), (12, 1)), _in(cap, (5, 0), (12, 1)),
-            _in(cap, (8, 6), (8, 9)) or _in(cap, (12, 0), (12, 1)))
+            _in(cap, (8, 6), (8, 9)) or _in(cap, (12, 0), (12, 1)), _prefers_cudnn(cap),
+            cap == (9, 0) or cap[0] == 10)
     return "".join("1" if b else "0" for b in bits)
 
 
@@ -111,7 +169,7 @@ def call_of(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal
                 grad=torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)),
                 dropout=dropout_p > 0, causal_nonsquare=bool(is_causal) and query.shape[-2] != key.shape[-2],
                 enabled=(backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled(),
-                         backends.math_sdp_enabled()))
+                         backends.math_sdp_enabled(), backends.cudnn_sdp_enabled()))
 
 
 def to_column(calls: list[Call], capability: tuple[int, int] | None) -> str | None:
@@ -137,4 +195,5 @@ def from_column(text) -> list[Call]:
 
 def from_dicts(dicts: list[dict]) -> list[Call]:
     """Calls from their dicts (a trace's finding, as JSON holds it)."""
-    return [Call(**{**d, "enabled": tuple(d.get("enabled", (True, True, True)))}) for d in dicts]
+    # rows from before cuDNN was modelled record three flags: its own was on by default
+    return [Call(**{**d, "enabled": (*d.get("enabled", ()), True, True, True, True)[:4]}) for d in dicts]

@@ -13,10 +13,11 @@ import time
 import traceback
 from pathlib import Path
 
-from harness.allocator.settings import AllocSettings
+from harness.allocator.settings import K_LARGE_BUFFER, AllocSettings
 from harness.config import attention, cublas, nccl
 from harness.config import cards as catalog
 from harness.config.attention import ATTENTION_CALLS
+from harness.config.models import hf_config
 from harness.config.point import Backend, Point, WorkloadName
 from harness.probe import rank
 from harness.probe.cuda import run as cuda
@@ -133,7 +134,7 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
         edges.update(_edges_by_workspace(rows, settings, point, [c for c in cards if c not in apart and c not in here],
                                          (workspace, n_workspaces), rec["peak_tensor_bytes"]))
         if apart:
-            traced = _edges_apart(point, rec, settings, apart, run_dir, n_workspaces, edges)
+            traced = _edges_apart(point, rec, settings, apart, run_dir, (rows, n_workspaces), edges)
             if traced:
                 rec["trace_method"] = (f"{rec.get('trace_method') or ''}; {', '.join(traced)} judged by a trace "
                                        "of their attention kernels")
@@ -143,13 +144,16 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
 
 
 def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, run_dir: Path,
-                 n_workspaces: int, edges: dict[str, str]) -> list[str]:
+                 traced_rows: tuple[list, int], edges: dict[str, str]) -> list[str]:
     """Into `edges`, the edge (reserved.EDGES) of each card in `apart`, whose attention kernels
     differ from the traced card's: cards whose kernels agree judged by a trace on the first of them
     (returns the keys of the cards so judged). Not traced where none of them holds the job's
     parameters and optimizer state (taken whatever the kernels), nor where their kernels hold all
     the traced ones do (config.attention.holds_more) and none of them holds the traced allocated
-    peak (their workspaces' difference off): each is an OOM then."""
+    peak (their workspaces' difference off): each is an OOM then. Nor, where their kernels only
+    swap flash for cuDNN or back, for a card whose room lies further than `_swap_band` from the
+    traced peaks: the traced rows (`traced_rows`: and their workspaces' count) decide it."""
+    rows, n_workspaces = traced_rows
     floor = (rec.get("params_bytes") or 0) + (rec.get("optimizer_bytes") or 0)
     calls, taken = zip(*attention.taken(rec[ATTENTION_CALLS]), strict=True)
     alike: dict[tuple, list] = {}
@@ -165,6 +169,15 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
         if heavier or all(r.room() < floor for r in ranked):
             edges.update((c.key, "oom") for c in group)
             continue
+        band = _swap_band(point, rec, group, n_workspaces) if attention.swaps_fused(kernels, taken) else None
+        if band is not None:
+            far = [c for c, r in zip(group, ranked, strict=True) if r.at_worst().room() >= rec["peak_reserved_bytes"] + band
+                   or r.room() < rec["peak_allocated_bytes"] - band]
+            edges.update(_edges_by_workspace(rows, settings, point, far, (rec.get(WORKSPACE), n_workspaces),
+                                             rec["peak_tensor_bytes"]))
+            group = [c for c in group if c not in far]
+            if not group:
+                continue
         path = trace_store.apart_path(run_dir / trace_store.TRACE_FILE, group[0].key)
         df, m, _ = _traced(point.replace(gpu=group[0]), path)
         for c in group[1:]:  # each card's trace where a plan with a margin looks for it (plan.fit)
@@ -175,6 +188,24 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
                                          m["peak_allocated_bytes"]))
         traced += [c.key for c in group]
     return traced
+
+
+def _swap_band(point: Point, rec: dict, group: list, n_workspaces: int) -> int | None:
+    """How far the traced peaks must lie from a card's room to decide it for a card that attends
+    with cuDNN where the trace took flash (or back): the larger backward scratch of one call (one
+    lives at a time), two large segments (20 MiB each) that other block sizes may place otherwise,
+    and the cuBLAS workspaces' difference. None for a user's job (its attention shapes are its own)."""
+    if point.workload.name == WorkloadName.custom:
+        return None
+    c = hf_config(point.model)
+    h = c.num_attention_heads
+    h_k = getattr(c, "num_key_value_heads", None) or h
+    d = getattr(c, "head_dim", None) or c.hidden_size // h
+    b, s = point.batch_size, point.seq_len
+    scratch = max(sum(attention.flash_backward_scratch(b, h, h_k, s, s, d, 2)),
+                  attention.cudnn_backward_scratch(b, h, h_k, s, s, d, d, 2))
+    workspaces = n_workspaces * max(abs(cublas.workspace_bytes(k.capability) - (rec.get(WORKSPACE) or 0)) for k in group)
+    return scratch + 2 * K_LARGE_BUFFER + workspaces
 
 
 def _edges_by_workspace(rows, settings: AllocSettings, point: Point, cards: list,

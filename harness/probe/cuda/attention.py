@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from harness.config import attention
 
 # config.attention's kernels as torch.nn.attention.SDPBackend names them
-BACKENDS = {attention.FLASH: "FLASH_ATTENTION", attention.EFFICIENT: "EFFICIENT_ATTENTION", attention.MATH: "MATH"}
+BACKENDS = {attention.FLASH: "FLASH_ATTENTION", attention.EFFICIENT: "EFFICIENT_ATTENTION", attention.MATH: "MATH",
+            attention.CUDNN: "CUDNN_ATTENTION"}
 
 
 def pinned(card: tuple[int, int] | None, device: tuple[int, int] | None, call: attention.Call) -> str | None:

@@ -62,20 +62,32 @@ def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if chosen == attention.MATH:
         return torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
+    attn_mask = _additive(attn_mask, query.dtype)
+    if chosen == attention.CUDNN:  # grouped K and V as they are: cuDNN takes them
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(
+            query, key, value, attn_mask, grad, dropout_p, is_causal and attn_mask is None, False, scale=scale)[0]
     if key.shape[1] != query.shape[1]:
         # The memory-efficient kernel takes no grouped KV heads: expand them, as the
         # fallback does (one K- and one V-sized copy per layer).
         rep = query.shape[1] // key.shape[1]
         key = key.repeat_interleave(rep, dim=1)
         value = value.repeat_interleave(rep, dim=1)
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        # sdp::convert_boolean_attn_mask: a bool mask becomes an additive mask in q's dtype.
-        attn_mask = torch.where(attn_mask, 0.0, -math.inf).to(query.dtype)
     if attn_mask is not None:
         attn_mask = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     out = torch.ops.aten._scaled_dot_product_efficient_attention(
         query, key, value, attn_mask, query.requires_grad, dropout_p, is_causal, scale=scale)
     return out[0]
+
+
+def _additive(attn_mask, dtype):
+    """sdp::convert_boolean_attn_mask: a bool mask becomes an additive one in q's dtype, made from
+    two 0-dim tensors of that dtype (as a real trace shows: 2 B, 2 B, then the S x S mask)."""
+    if attn_mask is None or attn_mask.dtype != torch.bool:
+        return attn_mask
+    zero = torch.zeros((), dtype=dtype, device=attn_mask.device)
+    minus_inf = torch.full((), -math.inf, dtype=dtype, device=attn_mask.device)
+    return torch.where(attn_mask, zero, minus_inf)
 
 
 # ---- dropout ----------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_leaves
 # The CUDA caching allocator rounds every request up to kMinBlockSize (512 B): round_plain, what
 # max_memory_allocated counts. Segment-level rounding is the allocator model's business.
 from harness.allocator.model import round_plain
-from harness.config import cublas
+from harness.config import attention, cublas
 
 # cuBLAS workspace PyTorch allocates through its own allocator on a thread's first GEMM
 # (at::cuda::getNewWorkspace): 8,519,680 B per handle in real traces (fidelity.md, C.5).
@@ -78,6 +78,30 @@ _IN_PLACE_IN_EAGER = {
 _ADD = _aten.add.Tensor
 _ADD_IN_PLACE = _aten.add_.Tensor
 _SOLE_STORAGE_USES = 2  # a fake tensor alone on its storage counts 2 (the tensor and the fake's)
+
+
+
+def _flash_backward_scratch(args) -> list[int]:
+    q, k = args[1], args[2]
+    return attention.flash_backward_scratch(*q.shape[:2], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
+                                            q.element_size())
+
+
+def _cudnn_backward_scratch(args) -> list[int]:
+    q, k, v = args[1], args[2], args[3]
+    return [attention.cudnn_backward_scratch(*q.shape[:2], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
+                                             v.shape[3], q.element_size())]
+
+
+# Scratch a fused attention kernel allocates after its outputs and frees, in reverse, before it
+# returns: what neither its meta kernel nor the tracker sees.
+_KERNEL_SCRATCH = {
+    _aten._scaled_dot_product_flash_attention_backward.default: _flash_backward_scratch,
+    _aten._scaled_dot_product_cudnn_attention.default: lambda args: [256],
+    _aten._scaled_dot_product_cudnn_attention_backward.default: _cudnn_backward_scratch,
+}
+# cuDNN's forward makes its philox seed and offset (8 B each) before its output and log-sum-exp
+_CUDNN_FORWARD = _aten._scaled_dot_product_cudnn_attention.default
 _ENGINE_FILE = os.path.join("torch", "autograd", "graph.py")
 _WRAPPER_FILES = (os.path.join("torch", "_compile.py"), os.path.join("torch", "_dynamo", "eval_frame.py"))
 
@@ -380,10 +404,24 @@ class StorageTracker(TorchDispatchMode):
         if self.emulate_cublas_workspace and not host and func.overloadpacket.__name__ in _GEMM_OPS:
             self._workspace(func)
         kind = self._default_kind()
-        for t in _tensors((out,)):
+        made = _tensors((out[6], out[7], out[0], out[1]) if func is _CUDNN_FORWARD else (out,))
+        for t in made:
             if t.device.type != "meta":
                 self.track(t, kind, host or (self.real_is_host and not isinstance(t, FakeTensor)))
+        scratch = _KERNEL_SCRATCH.get(func)
+        if scratch is not None and not host:
+            self._scratch(scratch(args))
         return out
+
+    def _scratch(self, sizes: list[int]) -> None:
+        """A kernel's own allocations, freed in reverse before it returns."""
+        keys = []
+        for size in sizes:
+            keys.append(self._next_synthetic)
+            self._next_synthetic -= 1
+            self._record_alloc(keys[-1], size, "temporary")
+        for key in reversed(keys):
+            self._record_free(key)
 
     # ---- module attribution ----------------------------------------------------------
     def attach_modules(self, model: torch.nn.Module) -> list:
