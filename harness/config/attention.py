@@ -123,6 +123,13 @@ def swaps_fused(kernels, than) -> bool:
     return all(k == t or {k, t} == {FLASH, CUDNN} for k, t in zip(kernels, than, strict=True))
 
 
+def swaps_fused_on(capability: tuple[int, int] | None, column) -> bool:
+    """Whether a card of `capability` takes a row's attention_calls as its run did but for cuDNN
+    in flash's place or back (swaps_fused)."""
+    pairs = taken(column)
+    return swaps_fused([kernel(capability, call) for call, _ in pairs], [took for _, took in pairs])
+
+
 def _r(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 

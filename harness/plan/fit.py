@@ -38,7 +38,12 @@ def _fits_on(row: dict, c: Card) -> bool:
     if not attention.takes_alike(c.capability, row.get(ATTENTION_CALLS)):
         # a card of other attention kernels: its own trace (probe.worker), where one was taken
         apart = None if _missing(row.get("trace_path")) else trace_store.apart_path(Path(row["trace_path"]), c.key)
-        return apart is not None and apart.is_file() and _fits_by_trace({**row, "trace_path": str(apart)}, c, own)
+        if apart is not None and apart.is_file():
+            return _fits_by_trace({**row, "trace_path": str(apart)}, c, own)
+        if not attention.swaps_fused_on(c.capability, row.get(ATTENTION_CALLS)):
+            return False
+        # cuDNN for flash or back, left untraced far from its edge (probe.worker._swap_band): the
+        # traced run stands for it, within one call's scratch and a segment or two
     if own is not None and own != int(row[WORKSPACE]):  # another workspace: the trace replayed with it
         return not _missing(row.get("trace_path")) and _fits_by_trace(row, c, own)
     res, alloc = _peaks(row)

@@ -5,9 +5,10 @@ context manager so nothing leaks out of the trace:
 
 - optimizers: CUDA defaults to the foreach path (fused=False); on fake tensors torch picks the
   for-loop path, whose temporaries are one parameter's, not all of them (13% of a 7B peak);
-- scaled-dot-product attention: CUDA's kernel choice on the card (config.attention: flash for
-  fp16/bf16 without a mask from sm80 on, memory-efficient otherwise, math where neither takes
-  the call, a bf16 one on a T4) instead of the CPU kernels;
+- scaled-dot-product attention: CUDA's kernel choice on the card (config.attention: cuDNN first
+  on sm90/sm10x, flash for fp16/bf16 without a mask from sm80 on, memory-efficient otherwise,
+  math where none takes the call, a bf16 one on a T4) instead of the CPU kernels; each kernel's
+  own scratch is the tracker's (tracker._KERNEL_SCRATCH);
 - dropout: CUDA's fused kernel keeps a bool mask (1 B per element) for backward, where the CPU
   path keeps a noise tensor in the input's dtype (4 B in fp32);
 - autocast: CUDA's op lists (lower precision for GEMMs, fp32 for exp/pow/rsqrt/losses, fp32
@@ -39,8 +40,8 @@ _attention: dict = {"capability": None, "calls": None}
 
 def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):
-    """F.scaled_dot_product_attention as CUDA dispatches it on the traced card: flash, else
-    memory-efficient, else the math path, each only while enabled (torch.backends.cuda.*_sdp_enabled,
+    """F.scaled_dot_product_attention as CUDA dispatches it on the traced card: cuDNN first where
+    the card prefers it, flash, memory-efficient, the math path, each only while enabled (torch.backends.cuda.*_sdp_enabled,
     sdpa_kernel) and where the card's capability takes it (config.attention). A torch function
     as the one it stands for: the modes above it (CudaAutocast: CUDA's autocast casts SDPA's inputs
     to the lower precision) see it."""
@@ -57,7 +58,7 @@ def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
             query, key, value, dropout_p, is_causal, False, scale=scale)
         return out[0]
     if chosen is None:
-        raise RuntimeError("No available kernel for scaled_dot_product_attention: flash, memory-efficient "
+        raise RuntimeError("No available kernel for scaled_dot_product_attention: cuDNN, flash, memory-efficient "
                            "and math are all disabled or ineligible")
     if chosen == attention.MATH:
         return torch.ops.aten._scaled_dot_product_attention_math(
