@@ -265,6 +265,23 @@ def test_the_zygote_warms_up_on_the_model_asked_for_else_tiny_and_leaves_its_poi
     assert not set(imported) & {"pandas", "pyarrow", "torch", "transformers", "matplotlib"}, imported
 
 
+def test_the_zygotes_warm_up_leaves_autograd_working_in_the_points_it_forks():
+    """Autograd's engine decides at its first backward whether to start a thread per GPU, and a
+    child forked after that cannot run backward: the warm-up's first backward is a real one on
+    the host (a CUDA build of torch on a machine without a GPU counted one under FakeTensorMode,
+    and every point failed; with torch's CPU build, as here, it never did), and where a GPU driver
+    is present it traces inference, no backward at all."""
+    code = ("import os, sys, torch; from harness.launch import zygote, gpus; import harness.probe.sim.trace as t; "
+            "seen = []; run = t.run_point; t.run_point = lambda p, *a, **k: (seen.append(str(p.workload.name.value)), run(p, *a, **k))[1]; "
+            "gpus.driver_present = lambda: sys.argv[1] == 'driver'; zygote._warm_up('tiny'); pid = os.fork()\n"
+            "if pid == 0:\n (torch.ones(2, requires_grad=True) * 2).sum().backward(); os._exit(0)\n"
+            "print(seen, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))")
+    for host, workload in (("none", "train"), ("driver", "infer")):
+        out = subprocess.run([sys.executable, "-c", code, host], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split() == [f"['{workload}']", "0"]  # the child's backward ran
+
+
 def test_an_edit_to_a_module_the_job_imports_runs_the_job_again(tmp_path):
     """The identity of a job is its code, the modules it imports included: an edited helper
     is traced again, not served from the row and trace of the old model."""

@@ -207,10 +207,11 @@ def _warm_up(model: str | None = None) -> list[str]:
     from harness.probe.sim.shortcut import at_depth
     from harness.probe.sim.trace import run_point
 
+    workload = {"name": "train", "steps": 2} if _autograd_settled_on_the_host() else {"name": "infer", "new_tokens": 2}
+
     def point(name: str, batch_size: int, seq_len: int) -> Point:  # the card: any, nothing is replayed
         return Point.from_dict({"model": _yaml(CONF_DIR / "model" / f"{name}.yaml"), "batch_size": batch_size,
-                                "seq_len": seq_len, "workload": {"name": "train", "steps": 2},
-                                "gpu": cards.cards()[0]})
+                                "seq_len": seq_len, "workload": workload, "gpu": cards.cards()[0]})
 
     asked = model if model and "/" not in model and (CONF_DIR / "model" / f"{model}.yaml").is_file() else None
     for name in ([asked] if asked else []) + ["tiny"]:
@@ -220,6 +221,24 @@ def _warm_up(model: str | None = None) -> list[str]:
         except Exception:  # a warm-up only: a point that fails this way will say why in its own row
             continue
     return []
+
+
+def _autograd_settled_on_the_host() -> bool:
+    """Whether this process may run backward and still fork points whose backward works. Autograd's
+    engine decides at its first backward whether to start a thread per GPU its device guards
+    count, and a child forked after that raises "Unable to handle autograd's threading in
+    combination with fork-based multiprocessing" at its own first backward. Under FakeTensorMode a
+    CUDA build of torch counts a GPU even on a machine without one (every point then failed so): the
+    first backward here is a real one on the host, outside every mode, which counts none. Where a
+    GPU driver is present there are some to count: no backward runs here at all."""
+    from harness.launch.gpus import driver_present
+
+    if driver_present():
+        return False
+    import torch
+
+    torch.ones(1, requires_grad=True).sum().backward()
+    return True
 
 
 def _connect(path: Path) -> socket.socket | None:
