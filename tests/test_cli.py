@@ -272,7 +272,8 @@ def test_the_zygotes_warm_up_leaves_autograd_working_in_the_points_it_forks():
     and every point failed; with torch's CPU build, as here, it never did), and where a GPU driver
     is present it traces inference, no backward at all."""
     code = ("import os, sys, torch; from harness.launch import zygote, gpus; import harness.probe.sim.trace as t; "
-            "seen = []; run = t.run_point; t.run_point = lambda p, *a, **k: (seen.append(str(p.workload.name.value)), run(p, *a, **k))[1]; "
+            "seen = []; run = t.run_point; "
+            "t.run_point = lambda p, *a, **k: (seen.append(str(p.workload.name.value)), run(p, *a, **k))[1]; "
             "gpus.driver_present = lambda: sys.argv[1] == 'driver'; zygote._warm_up('tiny'); pid = os.fork()\n"
             "if pid == 0:\n (torch.ones(2, requires_grad=True) * 2).sum().backward(); os._exit(0)\n"
             "print(seen, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))")
