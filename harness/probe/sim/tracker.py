@@ -82,15 +82,15 @@ _SOLE_STORAGE_USES = 2  # a fake tensor alone on its storage counts 2 (the tenso
 
 
 def _flash_backward_scratch(args) -> list[int]:
-    q, k = args[1], args[2]
-    return attention.flash_backward_scratch(*q.shape[:2], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
-                                            q.element_size())
+    q, k = args[1], args[2]  # (B, H, S, D) as SDPA's backward op takes them
+    b, h, s_q, d = q.shape
+    return attention.flash_backward_scratch(b, h, k.shape[1], s_q, k.shape[2], d, q.element_size())
 
 
 def _cudnn_backward_scratch(args) -> list[int]:
     q, k, v = args[1], args[2], args[3]
-    return [attention.cudnn_backward_scratch(*q.shape[:2], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
-                                             v.shape[3], q.element_size())]
+    b, h, s_q, d = q.shape
+    return [attention.cudnn_backward_scratch(b, h, k.shape[1], s_q, k.shape[2], d, v.shape[3], q.element_size())]
 
 
 # Scratch a fused attention kernel allocates after its outputs and frees, in reverse, before it
