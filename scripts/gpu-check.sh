@@ -23,5 +23,5 @@ PY
 # -rA: each test's output in the summary (xdist's workers swallow -s)
 python -m pytest -m gpu tests/test_cuda.py -v -rA -p no:cacheprovider 2>&1 | tee "$LOG" || true
 python -m harness calibrate model=demo-1b "gpu=${native:+$native,}a100-80gb" batch_size=2 seq_len=1024 precision=bf16 \
-    checkpointing=false,true workload.steps=3 "results_dir=${GPU_CHECK_RESULTS:-gpu-check-results}" 2>&1 | tee -a "$LOG"
+    checkpointing=false,true workload.steps=3 "results_dir=${GPU_CHECK_RESULTS:-results/gpu-check}" 2>&1 | tee -a "$LOG"
 python benchmarks/cuda_watch_overhead.py | tee -a "$LOG"
