@@ -77,7 +77,8 @@ _IN_PLACE_IN_EAGER = {
 # 8 MiB a layer of demo-1b in bf16).
 _ADD = _aten.add.Tensor
 _ADD_IN_PLACE = _aten.add_.Tensor
-_SOLE_STORAGE_USES = 2  # a fake tensor alone on its storage counts 2 (the tensor and the fake's)
+# A tensor alone on its storage reads 2 uses, fake or real: it and the storage object the reading makes
+_SOLE_STORAGE_USES = 2
 
 
 
