@@ -6,11 +6,11 @@ import json
 import pytest
 
 from harness.config import attention, cards
-from harness.config.attention import CUDNN, EFFICIENT, FLASH, MATH, Call
+from harness.config.attention import ATTENTION_CALLS, CUDNN, EFFICIENT, FLASH, MATH, Call
 from harness.plan import fit
 from harness.probe import worker
 from harness.probe.sim.trace import run_point
-from harness.record.row import recorded_edge
+from harness.record.row import WORKSPACE, recorded_edge
 from tests.conftest import train_point
 
 A100, A10G, T4, SM130 = (8, 0), (8, 6), (7, 5), (13, 0)
@@ -191,3 +191,19 @@ def test_cudnn_cards_are_traced_apart_only_near_their_edge(tmp_path):
     # a plan's margin on the far card reads the traced run (no trace of its own to read)
     h200 = cards.by_key()["h200"]
     assert fit.fits(row, h200, margin=0.05) and not fit.fits(row, h200, margin=0.5)
+
+
+def test_a_real_run_on_a_cudnn_card_tells_the_flash_cards_far_from_their_edge():
+    """A cuda row measured on an H200 (cuDNN) says an A100 80GB fits a 10 GiB run (flash's scratch
+    differs by less than a band), not a T4 (math attention: what it holds the run does not tell),
+    and not an A100 40GB for a run whose reserved peak lies within the band of its room."""
+    point = train_point(batch_size=2, seq_len=1024).replace(gpu=cards.by_key()["h200"])
+    column = attention.to_column([_call()], H100)
+    gib = 2**30
+    small = worker.measured_edges(point, {ATTENTION_CALLS: column, "peak_reserved_bytes": 10 * gib,
+                                          "peak_allocated_bytes": 9 * gib, WORKSPACE: 32 * 2**20})
+    assert small["a100-80gb"] == "room" and small["h100-80gb"] == "room" and small["t4"] == "oom"
+    a100_40 = cards.by_key()["a100-40gb"]
+    edge_run = {ATTENTION_CALLS: column, "peak_reserved_bytes": a100_40.room() - 2**20,
+                "peak_allocated_bytes": a100_40.room() - 2 * gib, WORKSPACE: 32 * 2**20}
+    assert worker.measured_edges(point, edge_run)["a100-40gb"] == "oom"

@@ -236,24 +236,34 @@ def run_cuda(point: Point, run_dir: Path) -> dict:
     if point.workload.name == WorkloadName.custom:
         rec[USER_CODE] = provenance.as_column(provenance.user_modules())
     if rec["status"] == "ok":
-        # Measured reserved within a card's room settles it; between allocated and reserved only a
-        # replay could tell, and a cuda run has no trace: counted as not fitting. The card it ran
-        # on held it, flushing its cache where it retried.
-        def fits_on(c):  # as one of the job's GPUs (NCCL's memory: in the measured figure on its own card)
-            # a card that would take other attention kernels holds what this run does not tell
-            return attention.takes_alike(c.capability, rec.get(ATTENTION_CALLS)) and bool(reserved.fits_by_numbers(
-                nccl.on_rank(c, point.parallel), rec["peak_reserved_bytes"], rec["peak_allocated_bytes"]))
-
-        def edge(c):
-            if c.name == point.gpu.name:
-                return "after_retry" if rec.get("num_alloc_retries") else "room"
-            return reserved.edge(fits_on, rec["peak_reserved_bytes"], c)
-
-        rec.update(reserved.edge_columns({c.key: edge(c) for c in catalog.cards()}), catalog_sha=catalog.digest())
+        rec.update(reserved.edge_columns(measured_edges(point, rec)), catalog_sha=catalog.digest())
     else:  # how much it needed is unknown past the OOM: no card is known to hold it
         rec.update(fits_cards=[], tight_cards=[], retry_cards=[])
     rec["wall_s"] = time.perf_counter() - t0
     return rec
+
+
+def measured_edges(point: Point, rec: dict) -> dict[str, str]:
+    """Each catalog card's edge (reserved.EDGES) from a real run's peaks. Measured reserved within a
+    card's room settles it; between allocated and reserved only a replay could tell, and a cuda run
+    has no trace: counted as not fitting. The card it ran on held it, flushing its cache where it
+    retried. A card of other attention kernels holds what the run does not tell, but for cuDNN in
+    flash's place or back: its peaks a `_swap_band` (two workspaces: training's) higher must fit."""
+    calls = rec.get(ATTENTION_CALLS)
+
+    def fits_on(c):  # as one of the job's GPUs (NCCL's memory: in the measured figure on its own card)
+        band: int | None = 0
+        if not attention.takes_alike(c.capability, calls):
+            band = _swap_band(point, rec, [c], 2) if attention.swaps_fused_on(c.capability, calls) else None
+        return band is not None and bool(reserved.fits_by_numbers(
+            nccl.on_rank(c, point.parallel), rec["peak_reserved_bytes"] + band, rec["peak_allocated_bytes"] + band))
+
+    def edge(c):
+        if c.name == point.gpu.name:
+            return "after_retry" if rec.get("num_alloc_retries") else "room"
+        return reserved.edge(fits_on, rec["peak_reserved_bytes"], c)
+
+    return {c.key: edge(c) for c in catalog.cards()}
 
 
 _RUN = {Backend.cuda: run_cuda, Backend.cpu: run_cpu, Backend.sim: run_sim}
