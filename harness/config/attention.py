@@ -71,6 +71,11 @@ def _prefers_cudnn(cap: tuple[int, int]) -> bool:
     return cap[0] in (9, 10) and cap not in ((9, 4), (9, 5))
 
 
+def _cudnn_wide(cap: tuple[int, int]) -> bool:
+    # sm90 and sm10x: head dims to 256 (the bprop limits below)
+    return cap == (9, 0) or cap[0] == 10
+
+
 def _cudnn(cap: tuple[int, int], c: Call) -> bool:
     # can_use_cudnn_attention: fp16/bf16 from sm80, head dims %8 and <= 128 (256 on sm90/sm10x,
     # backward then only for <= 128, 192/128 or 256/256); dropout only at multiples of 1/16, which
@@ -79,8 +84,7 @@ def _cudnn(cap: tuple[int, int], c: Call) -> bool:
         return False
     if c.head_dim % 8 or c.value_dim % 8:
         return False
-    wide = cap == (9, 0) or cap[0] == 10
-    if max(c.head_dim, c.value_dim) > (256 if wide else 128):
+    if max(c.head_dim, c.value_dim) > (256 if _cudnn_wide(cap) else 128):
         return False
     dims = (c.head_dim, c.value_dim)
     return not c.grad or max(dims) <= 128 or dims in ((192, 128), (256, 256))
@@ -155,8 +159,7 @@ def attention_class(capability: tuple[int, int] | None) -> str:
     """What of a capability the choice reads: cards of one class choose alike for every call."""
     cap = capability or DEFAULT_CAPABILITY
     bits = (cap[0] >= 8, cap[0] >= 7, _in(cap, (8, 0), (12, 1)), _in(cap, (5, 0), (12, 1)),
-            _in(cap, (8, 6), (8, 9)) or _in(cap, (12, 0), (12, 1)), _prefers_cudnn(cap),
-            cap == (9, 0) or cap[0] == 10)
+            _in(cap, (8, 6), (8, 9)) or _in(cap, (12, 0), (12, 1)), _prefers_cudnn(cap), _cudnn_wide(cap))
     return "".join("1" if b else "0" for b in bits)
 
 

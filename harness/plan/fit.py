@@ -42,7 +42,7 @@ def _fits_on(row: dict, c: Card) -> bool:
             return _fits_by_trace({**row, "trace_path": str(apart)}, c, own)
         if not attention.swaps_fused_on(c.capability, row.get(ATTENTION_CALLS)):
             return False
-        # cuDNN for flash or back, left untraced far from its edge (probe.worker._swap_band): the
+        # cuDNN for flash or back, left untraced far from its edge (probe.worker._far_from_their_edge): the
         # traced run stands for it, within one call's scratch and a segment or two
     if own is not None and own != int(row[WORKSPACE]):  # another workspace: the trace replayed with it
         return not _missing(row.get("trace_path")) and _fits_by_trace(row, c, own)

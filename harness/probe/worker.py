@@ -18,7 +18,7 @@ from harness.config import attention, cublas, nccl
 from harness.config import cards as catalog
 from harness.config.attention import ATTENTION_CALLS
 from harness.config.models import hf_config
-from harness.config.point import Backend, Point, WorkloadName
+from harness.config.point import Backend, Card, Point, WorkloadName
 from harness.probe import rank
 from harness.probe.cuda import run as cuda
 from harness.probe.jobs import UserCodeError
@@ -131,10 +131,14 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
                                 snapshot, rec["peak_tensor_bytes"]), catalog_sha=catalog.digest())
     if len(here) < len(cards):
         edges = {c.key: recorded_edge(rec, c.key) for c in here}
+        # cards that only swap flash for cuDNN (or back), far from their edge: the traced rows decide
+        # them, in the same replay as the cards of their workspace size
+        far = _far_from_their_edge(point, rec, apart, n_workspaces)
+        apart = [c for c in apart if c not in far]
         edges.update(_edges_by_workspace(rows, settings, point, [c for c in cards if c not in apart and c not in here],
                                          (workspace, n_workspaces), rec["peak_tensor_bytes"]))
         if apart:
-            traced = _edges_apart(point, rec, settings, apart, run_dir, (rows, n_workspaces), edges)
+            traced = _edges_apart(point, rec, settings, apart, run_dir, n_workspaces, edges)
             if traced:
                 rec["trace_method"] = (f"{rec.get('trace_method') or ''}; {', '.join(traced)} judged by a trace "
                                        "of their attention kernels")
@@ -144,16 +148,13 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
 
 
 def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, run_dir: Path,
-                 traced_rows: tuple[list, int], edges: dict[str, str]) -> list[str]:
+                 n_workspaces: int, edges: dict[str, str]) -> list[str]:
     """Into `edges`, the edge (reserved.EDGES) of each card in `apart`, whose attention kernels
     differ from the traced card's: cards whose kernels agree judged by a trace on the first of them
     (returns the keys of the cards so judged). Not traced where none of them holds the job's
     parameters and optimizer state (taken whatever the kernels), nor where their kernels hold all
     the traced ones do (config.attention.holds_more) and none of them holds the traced allocated
-    peak (their workspaces' difference off): each is an OOM then. Nor, where their kernels only
-    swap flash for cuDNN or back, for a card whose room lies further than `_swap_band` from the
-    traced peaks: the traced rows (`traced_rows`: and their workspaces' count) decide it."""
-    rows, n_workspaces = traced_rows
+    peak (their workspaces' difference off): each is an OOM then."""
     floor = (rec.get("params_bytes") or 0) + (rec.get("optimizer_bytes") or 0)
     calls, taken = zip(*attention.taken(rec[ATTENTION_CALLS]), strict=True)
     alike: dict[tuple, list] = {}
@@ -169,15 +170,6 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
         if heavier or all(r.room() < floor for r in ranked):
             edges.update((c.key, "oom") for c in group)
             continue
-        band = _swap_band(point, rec, group, n_workspaces) if attention.swaps_fused(kernels, taken) else None
-        if band is not None:
-            far = [c for c, r in zip(group, ranked, strict=True) if r.at_worst().room() >= rec["peak_reserved_bytes"] + band
-                   or r.room() < rec["peak_allocated_bytes"] - band]
-            edges.update(_edges_by_workspace(rows, settings, point, far, (rec.get(WORKSPACE), n_workspaces),
-                                             rec["peak_tensor_bytes"]))
-            group = [c for c in group if c not in far]
-            if not group:
-                continue
         path = trace_store.apart_path(run_dir / trace_store.TRACE_FILE, group[0].key)
         df, m, _ = _traced(point.replace(gpu=group[0]), path)
         for c in group[1:]:  # each card's trace where a plan with a margin looks for it (plan.fit)
@@ -190,11 +182,25 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
     return traced
 
 
-def _swap_band(point: Point, rec: dict, group: list, n_workspaces: int) -> int | None:
-    """How far the traced peaks must lie from a card's room to decide it for a card that attends
-    with cuDNN where the trace took flash (or back): the larger backward scratch of one call (one
-    lives at a time), two large segments (20 MiB each) that other block sizes may place otherwise,
-    and the cuBLAS workspaces' difference. None for a user's job (its attention shapes are its own)."""
+def _far_from_their_edge(point: Point, rec: dict, cards: list, n_workspaces: int) -> list:
+    """Those of `cards` whose attention kernels only swap flash for cuDNN (or back) and whose room
+    lies further from the traced peaks than `_swap_band`: the traced run decides them."""
+    scratch = _attention_scratch(point) if cards else None
+    if scratch is None:
+        return []
+    far = []
+    for c in cards:
+        if not attention.swaps_fused_on(c.capability, rec.get(ATTENTION_CALLS)):
+            continue
+        band, r = _swap_band(scratch, rec, c, n_workspaces), nccl.on_rank(c, point.parallel)
+        if r.at_worst().room() >= rec["peak_reserved_bytes"] + band or r.room() < rec["peak_allocated_bytes"] - band:
+            far.append(c)
+    return far
+
+
+def _attention_scratch(point: Point) -> int | None:
+    """The larger backward scratch of one attention call of the point, flash's or cuDNN's (one
+    lives at a time); None for a user's job (its attention shapes are its own)."""
     if point.workload.name == WorkloadName.custom:
         return None
     c = hf_config(point.model)
@@ -202,9 +208,15 @@ def _swap_band(point: Point, rec: dict, group: list, n_workspaces: int) -> int |
     h_k = getattr(c, "num_key_value_heads", None) or h
     d = getattr(c, "head_dim", None) or c.hidden_size // h
     b, s = point.batch_size, point.seq_len
-    scratch = max(sum(attention.flash_backward_scratch(b, h, h_k, s, s, d, 2)),
-                  attention.cudnn_backward_scratch(b, h, h_k, s, s, d, d, 2))
-    workspaces = n_workspaces * max(abs(cublas.workspace_bytes(k.capability) - (rec.get(WORKSPACE) or 0)) for k in group)
+    return max(sum(attention.flash_backward_scratch(b, h, h_k, s, s, d, 2)),
+               attention.cudnn_backward_scratch(b, h, h_k, s, s, d, d, 2))
+
+
+def _swap_band(scratch: int, rec: dict, card: Card, n_workspaces: int) -> int:
+    """How far the traced peaks must lie from `card`'s room to decide it where it attends with
+    cuDNN and the trace with flash (or back): one call's `scratch`, two large segments (20 MiB
+    each) that other block sizes may place otherwise, and the cuBLAS workspaces' difference."""
+    workspaces = n_workspaces * abs(cublas.workspace_bytes(card.capability) - (rec.get(WORKSPACE) or 0))
     return scratch + 2 * K_LARGE_BUFFER + workspaces
 
 
@@ -249,12 +261,13 @@ def measured_edges(point: Point, rec: dict) -> dict[str, str]:
     has no trace: counted as not fitting. The card it ran on held it, flushing its cache where it
     retried. A card of other attention kernels holds what the run does not tell, but for cuDNN in
     flash's place or back: its peaks a `_swap_band` (two workspaces: training's) higher must fit."""
-    calls = rec.get(ATTENTION_CALLS)
+    calls, scratch = rec.get(ATTENTION_CALLS), _attention_scratch(point)
 
     def fits_on(c):  # as one of the job's GPUs (NCCL's memory: in the measured figure on its own card)
         band: int | None = 0
         if not attention.takes_alike(c.capability, calls):
-            band = _swap_band(point, rec, [c], 2) if attention.swaps_fused_on(c.capability, calls) else None
+            swaps = scratch is not None and attention.swaps_fused_on(c.capability, calls)
+            band = _swap_band(scratch, rec, c, 2) if swaps else None
         return band is not None and bool(reserved.fits_by_numbers(
             nccl.on_rank(c, point.parallel), rec["peak_reserved_bytes"] + band, rec["peak_allocated_bytes"] + band))
 
