@@ -151,6 +151,38 @@ def test_a_side_streams_blocks_are_reused_as_on_the_virtual_gpu(tmp_path):
     assert side_stream_readings(real.stdout) == side_stream_readings(virtual.stdout)
 
 
+
+@pytest.mark.parametrize("spread", ["parallel.dp_shard=4", "parallel.tp=2"], ids=["fsdp2", "tp"])
+def test_rank_0_on_the_card_its_peers_faked_allocates_what_the_virtual_gpus_rank_0_does(tmp_path, spread):
+    """One card plays rank 0 of a job over several (tests/scripts/fake_peers.py: torch's fake group
+    for its peers, as the virtual GPU has): its shards, FSDP2's buffers on their own streams or tensor
+    parallel's slices, decided by the real caching allocator. The virtual GPU's rank 0 within the bar
+    on allocated; reserved printed for the note."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    card = _native_card() or "a100-80gb"
+    args = ["run", "model=demo-1b", "batch_size=2", "seq_len=1024", "precision=bf16", "workload.steps=3",
+            f"gpu={card}", spread]
+    r = run_cli(*args, "backend=sim", f"results_dir={tmp_path / 'sim'}")
+    assert r.returncode == 0, r.stderr
+    sim = _rows(tmp_path / "sim").iloc[0].to_dict()
+    assert sim["status"] == "ok", sim.get("error")
+    (tmp_path / "cuda").mkdir()
+    real = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "fake_peers.py"),
+                           str(next((tmp_path / "sim").glob("**/point.json"))), str(tmp_path / "cuda")],
+                          capture_output=True, text=True, cwd=REPO)
+    assert real.returncode == 0, real.stderr[-4000:]
+    row = json.loads(real.stdout.strip().splitlines()[-1])
+    keys = ("peak_allocated_bytes", "peak_reserved_bytes", "params_bytes", "grads_bytes", "optimizer_bytes")
+    print(f"\n[gpu-check] rank 0 of {spread} (peers faked): real " + json.dumps(row, default=str)
+          + " sim " + json.dumps({k: sim.get(k) for k in keys}, default=str))
+    assert row["status"] == "ok", row.get("error")
+    measured = row["peak_allocated_bytes"]
+    assert abs(sim["peak_allocated_bytes"] - measured) <= max(0.001 * measured, 256 * 1024)
+
 def _two_gpus() -> bool:
     return len(gpus.visible_devices()) >= 2
 

@@ -360,3 +360,18 @@ def test_torchtitans_published_llama3_8b_fsdp_figure_is_reproduced_within_1_perc
     rec = run_sim(point, tmp_path)
     assert rec["status"] == "ok" and rec["trace_method"].startswith("synthesized")
     assert rec["peak_reserved_bytes"] / 1024**3 == pytest.approx(82.4, rel=0.01)
+
+
+
+def test_a_sharded_point_judged_on_a_card_of_fewer_gpus_a_node_spans_as_many_nodes_as_it_needs():
+    """A job over 4 H200s (cuDNN attention) judges an RTX 4060 (flash; one a node) near its edge by a
+    trace of its kernels: the same rank on 4 of its nodes, not a point refused for 4 GPUs on one
+    node (every such row failed: demo-1b b2 s1024 over 4 H200s)."""
+    from harness.config.cards import by_key
+    from harness.probe.worker import _on_card
+
+    point = _sharded(world=4).replace(gpu=by_key()["h200"])
+    moved = _on_card(point, by_key()["rtx4060"])
+    assert (moved.gpu.key, moved.parallel.nodes) == ("rtx4060", 4)
+    assert dataclasses.replace(moved.parallel, nodes=1) == point.parallel
+    assert _on_card(point, by_key()["a100-80gb"]).parallel == point.parallel  # 8 a node: as it was

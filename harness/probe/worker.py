@@ -6,6 +6,7 @@ Reads run_dir/point.json, writes run_dir/result.json (always, on failure too) an
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -18,7 +19,7 @@ from harness.config import attention, cublas, nccl
 from harness.config import cards as catalog
 from harness.config.attention import ATTENTION_CALLS
 from harness.config.models import hf_config
-from harness.config.point import Backend, Card, Point, WorkloadName
+from harness.config.point import Backend, Card, Point, WorkloadName, fewest_nodes
 from harness.probe import rank
 from harness.probe.cuda import run as cuda
 from harness.probe.jobs import UserCodeError
@@ -171,7 +172,7 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
             edges.update((c.key, "oom") for c in group)
             continue
         path = trace_store.apart_path(run_dir / trace_store.TRACE_FILE, group[0].key)
-        df, m, _ = _traced(point.replace(gpu=group[0]), path)
+        df, m, _ = _traced(_on_card(point, group[0]), path)
         for c in group[1:]:  # each card's trace where a plan with a margin looks for it (plan.fit)
             trace_store.apart_path(path, c.key).unlink(missing_ok=True)
             os.link(path, trace_store.apart_path(path, c.key))
@@ -180,6 +181,13 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
                                          m["peak_allocated_bytes"]))
         traced += [c.key for c in group]
     return traced
+
+
+def _on_card(point: Point, card: Card) -> Point:
+    """The point on `card`, its job on as many of `card`'s nodes as it needs (a node of RTX 4060s
+    holds one): one rank's trace is the same on any count of nodes."""
+    nodes = max(point.parallel.nodes, fewest_nodes(point.parallel.world_size, card.gpus_per_node))
+    return point.replace(gpu=card, parallel=dataclasses.replace(point.parallel, nodes=nodes))
 
 
 def _far_from_their_edge(point: Point, rec: dict, cards: list, n_workspaces: int) -> list:
