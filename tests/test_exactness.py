@@ -248,3 +248,64 @@ def test_fused_attention_allocates_what_it_does_on_an_h200(kernel, shape, measur
         out.transpose(1, 2).reshape(b, s, h * d).backward(g)  # out lives on, as on the card
         seen = " ".join(f"{e.action[0]}{e.size}" for e in tr.events[start:])
     assert seen == measured
+
+
+# ---- reductions' own allocations ---------------------------------------------------------------
+
+# x.sum(0) on an H200 (132 SMs) for a contiguous (rows, cols) x, and for bf16 x.float().sum(0) too:
+# every allocation and free in order, from the memory history (.devrun/sdpa2.py in stop 38's note).
+# Reduce.cuh splits a long column sum across blocks: a staging buffer and a semaphore per output block.
+H200_COLUMN_SUMS = [
+    ((2048, 2048), torch.bfloat16, "a4096 a33554432 a64 f64 f33554432 a16777216 a8192 a33554432 a64 f64 f33554432 "
+                                   "f16777216"),
+    ((2048, 2048), torch.float32, "a8192 a33554432 a64 f64 f33554432"),
+    ((8192, 4096), torch.bfloat16, "a8192 a138412032 a128 f128 f138412032 a134217728 a16384 a138412032 a128 f128 "
+                                   "f138412032 f134217728"),
+    ((512, 2048), torch.bfloat16, "a4096 a4194304 a8192 f4194304"),
+    ((2048, 512), torch.float32, "a2048 a8388608 a16 f16 f8388608"),
+    ((32768, 4096), torch.bfloat16, "a8192 a138412032 a128 f128 f138412032 a536870912 a16384 a138412032 a128 f128 "
+                                    "f138412032 f536870912"),
+    ((1024, 64), torch.float32, "a256"),
+    ((4096, 11008), torch.bfloat16, "a22016 a140902400 a344 f344 f140902400 a180355072 a44032 a140902400 a344 f344 "
+                                    "f140902400 f180355072"),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,measured", H200_COLUMN_SUMS,
+                         ids=[f"{'x'.join(map(str, s))}-{str(d)[6:]}" for s, d, _ in H200_COLUMN_SUMS])
+def test_a_column_sum_allocates_what_it_does_on_an_h200(shape, dtype, measured):
+    from harness.config import cards, kernels
+
+    tr = StorageTracker(emulate_cublas_workspace=False, geometry=kernels.geometry(cards.by_key()["h200"]))
+    with FakeTensorMode(), tr:
+        x = torch.randn(*shape, dtype=dtype)
+        start = len(tr.events)
+        y = x.sum(0)
+        z = x.float().sum(0) if dtype != torch.float32 else None  # (both live on, as they did)
+        seen = " ".join(f"{e.action[0]}{e.size}" for e in tr.events[start:])
+    assert seen == measured
+    assert y.shape == shape[1:] and (z is None or z.dtype == torch.float32)
+
+
+def test_a_reductions_scratch_follows_the_cards_sms_and_unknown_ones_take_the_most():
+    """RMSNorm's weight gradient over 8192 tokens of 4096: as many blocks an output as the card's SMs
+    fill (an A100's 108: fewer than an H200's 132), a T4 (40 SMs, 1024 threads each) fewer still."""
+    from harness.config import cards, kernels
+
+    r = kernels.Reduction(4, 4096, 8192, False, 1, 4)
+    by = {k: kernels.reduce_buffers(r, kernels.geometry(cards.by_key()[k]))[0] for k in ("t4", "a100-80gb", "h200")}
+    assert by["t4"] < by["a100-80gb"] < by["h200"] == 138412032
+    assert kernels.reduce_buffers(r, kernels.ANY_CARD)[0] >= by["h200"]
+
+
+def test_a_gemms_output_comes_before_its_handles_workspace():
+    """An H200's history: the first GEMM's product (the rotary embedding's 262,144 B), then the
+    cuBLAS workspace the handle makes at that call."""
+    tr = StorageTracker(workspace_bytes=33554432)
+    with FakeTensorMode(), tr:
+        a, b = torch.randn(64, 32), torch.randn(32, 1024)
+        tr.set_phase("forward")
+        start = len(tr.events)
+        _ = a @ b
+        seen = [(e.size, e.kind) for e in tr.events[start:]]
+    assert seen == [(262144, "activation"), (33554432, "workspace")]

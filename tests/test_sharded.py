@@ -375,3 +375,28 @@ def test_a_sharded_point_judged_on_a_card_of_fewer_gpus_a_node_spans_as_many_nod
     assert (moved.gpu.key, moved.parallel.nodes) == ("rtx4060", 4)
     assert dataclasses.replace(moved.parallel, nodes=1) == point.parallel
     assert _on_card(point, by_key()["a100-80gb"]).parallel == point.parallel  # 8 a node: as it was
+
+
+def test_fsdp2s_copies_allocate_their_launch_tables_as_on_four_h200s():
+    """demo-1b over 4 H200s, bf16 (tests/scripts/fake_peers.py's run, torch 2.11): each layer's
+    all-gather copy-out (split_with_sizes_copy) allocated a 33,792 B table and its reduce-scatter
+    copy-in (_chunk_cat) 100,816 B; the root's 32,112 B and 256,168 B. The trace of one layer has
+    them, each freed at once; another card's SMs size the copy-out's otherwise."""
+    import collections
+
+    from harness.config.cards import by_key
+    from harness.probe.sim.shortcut import at_depth
+    from harness.record import trace_store
+
+    point = train_point(model="demo-1b", batch_size=2, seq_len=1024, steps=2).replace(
+        parallel=Parallel(dp_shard=4), gpu=by_key()["h200"])
+    _m, tracker = run_point(at_depth(point, 1))
+    sizes = collections.Counter(e.size for e in tracker.events if e.action == "alloc")
+    # two steps: gathered for forward and again for backward, reduced once
+    assert {n: sizes[n] for n in (33792, 32112, 100816, 256168)} == {33792: 4, 32112: 4, 100816: 2, 256168: 2}
+    df = trace_store.to_frame(tracker.events)
+    # the copy-out's table and the RMSNorm weights' gradient sums follow the card's SMs
+    assert {c.split(":")[0] for c in trace_store.kernel_codes(df)} == {"split_copy", "reduce"}
+    on_t4 = trace_store.sized_for(df, by_key()["t4"])
+    assert 33792 not in set(on_t4["size"]) and len(on_t4) <= len(df)
+    assert trace_store.sized_for(df, by_key()["h100-80gb"]) is df  # 132 SMs, 2048 threads: the H200's sizes

@@ -184,6 +184,9 @@ class Card:
     source: str = ""
     non_pytorch_source: str = ""
     gpus_per_node: int = 8  # the most a node of these holds (a job over more spans nodes: parallel.nodes)
+    # torch.cuda.get_device_properties().multi_processor_count: how some kernels size their scratch
+    # (config.kernels); 0 where unknown (sized as the most any card allocates)
+    multiprocessors: int = 0
     slurm: Slurm = field(default_factory=Slurm)
     key: str = field(default="", metadata=RUNTIME)  # its name in the catalog (conf/gpu/<key>.yaml), where known
 
@@ -192,6 +195,8 @@ class Card:
             if getattr(self, key) < 0:
                 raise ConfigError(f"gpu.{key}", f"must be >= 0, got {getattr(self, key)}")
         _at_least("gpu.gpus_per_node", self.gpus_per_node, 1)
+        if self.multiprocessors < 0:
+            raise ConfigError("gpu.multiprocessors", f"must be >= 0 (0: unknown), got {self.multiprocessors}")
         cc = str(self.compute_capability)
         if cc and not (cc.count(".") == 1 and all(p.isdigit() for p in cc.split("."))):
             raise ConfigError("gpu.compute_capability", f"'major.minor' such as 8.0, got {cc!r}")

@@ -25,6 +25,7 @@ from harness.probe.cuda import run as cuda
 from harness.probe.jobs import UserCodeError
 from harness.probe.sim import reserved, shortcut, trace
 from harness.probe.sim.fake_code import where
+from harness.probe.sim.per_card import Sized
 from harness.probe.sim.trace import collector
 from harness.probe.sim.virtual_cuda import READS_CARD
 from harness.record import provenance, trace_store
@@ -114,18 +115,23 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
     import torch
     import transformers
 
-    rec["peak_tensor_bytes"] = rec["peak_allocated_bytes"]  # storages rounded to 512 B (the tracker)
     rec.update(status="ok", trace_path=str(run_dir / trace_store.TRACE_FILE), torch_version=torch.__version__,
                transformers_version=transformers.__version__)
     settings = AllocSettings.from_conf(point.allocator.conf)
     snapshot = run_dir / "snapshot.pickle" if point.snapshot else None
+    # The trace as the point's card runs it: its kernels' scratch sized there (config.kernels; a
+    # trace is shared by cards of other SM counts). The storages' peak is the traced one, less
+    # what that scratch is smaller by here.
+    cards, sized = catalog.cards(), Sized(df)
+    rows = sized.rows(point.gpu)
+    rec["peak_tensor_bytes"] = rec["peak_allocated_bytes"] - sized.band(point.gpu, larger=False)
     # The catalog's cards whose attention kernels this trace's calls would not take are judged
-    # apart, and those of another cuBLAS workspace by the trace with theirs
-    cards, rows = catalog.cards(), trace_store.replay_rows(df)
+    # apart, and those of another cuBLAS workspace or kernel scratch by the trace with theirs
     workspace, n_workspaces = trace_store.workspaces(rows)
     rec[WORKSPACE] = workspace
     apart = [c for c in cards if not attention.takes_alike(c.capability, rec.get(ATTENTION_CALLS))]
-    here = [c for c in cards if c not in apart and workspace in (None, cublas.workspace_bytes(c.capability))]
+    here = [c for c in cards if c not in apart and workspace in (None, cublas.workspace_bytes(c.capability))
+            and sized.alike(c, point.gpu)]
     # Each card as one of the job's GPUs sees it: NCCL's memory beside the CUDA context's
     rec.update(reserved.analyse(rows, settings, nccl.on_rank(point.gpu, point.parallel),
                                 [nccl.on_rank(c, point.parallel) for c in here], torch.__version__,
@@ -134,10 +140,10 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
         edges = {c.key: recorded_edge(rec, c.key) for c in here}
         # cards that only swap flash for cuDNN (or back), far from their edge: the traced rows decide
         # them, in the same replay as the cards of their workspace size
-        far = _far_from_their_edge(point, rec, apart, n_workspaces)
+        far = _far_from_their_edge(point, rec, apart, n_workspaces, sized)
         apart = [c for c in apart if c not in far]
-        edges.update(_edges_by_workspace(rows, settings, point, [c for c in cards if c not in apart and c not in here],
-                                         (workspace, n_workspaces), rec["peak_tensor_bytes"]))
+        edges.update(_edges_by_sizes(sized, settings, point, [c for c in cards if c not in apart and c not in here],
+                                     rec, far))
         if apart:
             traced = _edges_apart(point, rec, settings, apart, run_dir, n_workspaces, edges)
             if traced:
@@ -176,9 +182,7 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
         for c in group[1:]:  # each card's trace where a plan with a margin looks for it (plan.fit)
             trace_store.apart_path(path, c.key).unlink(missing_ok=True)
             os.link(path, trace_store.apart_path(path, c.key))
-        rows = trace_store.replay_rows(df)
-        edges.update(_edges_by_workspace(rows, settings, point, group, trace_store.workspaces(rows),
-                                         m["peak_allocated_bytes"]))
+        edges.update(_edges_by_sizes(Sized(df), settings, _on_card(point, group[0]), group, m, exact=True))
         traced += [c.key for c in group]
     return traced
 
@@ -190,9 +194,10 @@ def _on_card(point: Point, card: Card) -> Point:
     return point.replace(gpu=card, parallel=dataclasses.replace(point.parallel, nodes=nodes))
 
 
-def _far_from_their_edge(point: Point, rec: dict, cards: list, n_workspaces: int) -> list:
+def _far_from_their_edge(point: Point, rec: dict, cards: list, n_workspaces: int, sized: Sized) -> list:
     """Those of `cards` whose attention kernels only swap flash for cuDNN (or back) and whose room
-    lies further from the traced peaks than `_swap_band`: the traced run decides them."""
+    lies further from the traced peaks than `_swap_band` and their kernels' scratch's difference
+    (per_card.Sized.band): the traced run decides them."""
     scratch = _attention_scratch(point) if cards else None
     if scratch is None:
         return []
@@ -200,10 +205,17 @@ def _far_from_their_edge(point: Point, rec: dict, cards: list, n_workspaces: int
     for c in cards:
         if not attention.swaps_fused_on(c.capability, rec.get(ATTENTION_CALLS)):
             continue
-        band, r = _swap_band(scratch, rec, c, n_workspaces), nccl.on_rank(c, point.parallel)
-        if r.at_worst().room() >= rec["peak_reserved_bytes"] + band or r.room() < rec["peak_allocated_bytes"] - band:
+        band = _swap_band(scratch, rec, c, n_workspaces) + sized.band(c, point.gpu) + sized.band(c, point.gpu, False)
+        if _far(point, rec, c, band):
             far.append(c)
     return far
+
+
+def _far(point: Point, rec: dict, card: Card, band: int) -> bool:
+    """Whether `card`'s room lies further than `band` from the run's peaks: above its reserved or
+    below its allocated (as one of the job's GPUs)."""
+    r = nccl.on_rank(card, point.parallel)
+    return r.at_worst().room() >= rec["peak_reserved_bytes"] + band or r.room() < rec["peak_allocated_bytes"] - band
 
 
 def _attention_scratch(point: Point) -> int | None:
@@ -228,21 +240,32 @@ def _swap_band(scratch: int, rec: dict, card: Card, n_workspaces: int) -> int:
     return scratch + 2 * K_LARGE_BUFFER + workspaces
 
 
-def _edges_by_workspace(rows, settings: AllocSettings, point: Point, cards: list,
-                        workspaces: tuple[int | None, int], peak_tensor_bytes: int) -> dict[str, str]:
-    """The edge of each of `cards` from a trace of `workspaces` (trace_store.workspaces: the bytes
-    of each, how many): replayed with each card's own (config.cublas; the workspaces are one
-    allocation each, made where they were)."""
-    traced_with, n = workspaces
-    sizes: dict[int | None, list] = {}
-    for c in cards:  # a trace without workspaces (real CPU tensors): one replay for all
-        sizes.setdefault(None if traced_with is None else cublas.workspace_bytes(c.capability), []).append(c)
+def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: list, rec: dict,
+                    far: tuple | list = (), exact: bool = False) -> dict[str, str]:
+    """The edge of each of `cards` from the trace `sized` (of `point`'s card) with each card's cuBLAS
+    workspaces (config.cublas; one allocation each, made where they were) and, where the card lies
+    near its edge (or `exact`), its kernels' scratch (config.kernels); further from it than their
+    difference and two large segments, the point's card's scratch stands for its own, as it does
+    for the cards of other attention kernels in `far`."""
+    ref = point.gpu
+    traced_with, n = trace_store.workspaces(sized.rows(ref))
+    groups: dict[tuple, list] = {}
+    for c in cards:  # a trace without workspaces (real CPU tensors): theirs ignored
+        ws = None if traced_with is None else cublas.workspace_bytes(c.capability)
+        own = exact or (c not in far and not sized.alike(c, ref) and not _far(
+            point, rec, c, sized.band(c, ref) + sized.band(c, ref, False) + 2 * K_LARGE_BUFFER
+            + n * abs((ws or 0) - (traced_with or 0))))
+        groups.setdefault((ws, sized.sizes(c if own else ref)), []).append((c, own))
     edges: dict[str, str] = {}
-    for nbytes, group in sizes.items():
+    for (nbytes, _), group in groups.items():
+        sized_as = group[0][0] if group[0][1] else ref
+        rows = sized.rows(sized_as)
         resized = rows if nbytes in (None, traced_with) else trace_store.with_workspaces(rows, nbytes)
+        # the storages' peak at least: the traced one less smaller workspaces and scratch
         less = 0 if nbytes is None or traced_with is None else min(0, n * (nbytes - traced_with))
-        edges.update(reserved.catalog_edges(resized, settings, [nccl.on_rank(c, point.parallel) for c in group],
-                                            peak_tensor_bytes + less))
+        least = rec["peak_allocated_bytes"] + less - sized.band(sized_as, larger=False)
+        edges.update(reserved.catalog_edges(resized, settings, [nccl.on_rank(c, point.parallel) for c, _ in group],
+                                            least))
     return edges
 
 

@@ -17,15 +17,15 @@ if TYPE_CHECKING:  # the tracker imports torch; a trace file does not need it. N
 
 from harness.allocator.model import K_MIN_BLOCK
 from harness.allocator.replay import EventTag, ReplayRow
-from harness.config import attention, cublas
-from harness.config.point import Point
+from harness.config import attention, cublas, kernels
+from harness.config.point import Card, Point
 from harness.record import provenance
 from harness.record.provenance import USER_CODE
 from harness.record.row import point_identity
 
 TRACE_FILE = "trace.parquet"
 MEASUREMENTS_FILE = "measurements.json"
-COLUMNS = ["seq", "action", "key", "size", "kind", "phase", "step", "module", "stream"]
+COLUMNS = ["seq", "action", "key", "size", "kind", "phase", "step", "module", "stream", "kernel"]
 
 
 def trace_id(point: Point, reads_card: bool = False, attending: str | None = None) -> str:
@@ -59,9 +59,47 @@ def to_frame(events: list[TraceEvent]) -> pd.DataFrame:
     df["seq"] = range(len(df))  # dropped host-side allocations leave gaps
     # `size` is the requested bytes; `allocated` what the allocator's 512-B rounding hands out
     # (allocator.model.round_plain, on the whole column at once)
-    size = df["size"].astype("int64")
-    df["allocated"] = ((size + (K_MIN_BLOCK - 1)) // K_MIN_BLOCK * K_MIN_BLOCK).clip(lower=K_MIN_BLOCK)
+    df["allocated"] = _allocated(df["size"].astype("int64"))
     return df
+
+
+def _allocated(size: pd.Series) -> pd.Series:
+    return ((size + (K_MIN_BLOCK - 1)) // K_MIN_BLOCK * K_MIN_BLOCK).clip(lower=K_MIN_BLOCK)
+
+
+def kernel_codes(df: pd.DataFrame) -> dict[str, int]:
+    """The trace's kernel scratch whose bytes depend on the card (config.kernels): each launch's
+    code and its bytes on the card traced. Empty for a trace without (or before the column)."""
+    if "kernel" not in df:
+        return {}
+    marked = df[df["kernel"] != ""]
+    return dict(zip(marked["kernel"].tolist(), marked["size"].astype("int64").tolist()))
+
+
+def kernel_sizes(codes: dict[str, int], card: Card) -> dict[str, int]:
+    """Each of `codes`' (kernel_codes) bytes on `card` (0: its launch makes none there)."""
+    g = kernels.geometry(card)
+    return {c: kernels.scratch_bytes(c, g) for c in codes}
+
+
+def sized_for(df: pd.DataFrame, card: Card) -> pd.DataFrame:
+    """The trace as `card` runs it: each kernel's card-dependent scratch its bytes there, and gone
+    (its alloc and free) where that card's launch makes none."""
+    codes = kernel_codes(df)
+    sizes = kernel_sizes(codes, card)
+    if sizes == codes:
+        return df
+    marked = df["kernel"] != ""
+    # its alloc's and free's rows by key (scratch keys are the tracker's own, never another storage's)
+    by_key = dict(zip(df["key"][marked].tolist(), df["kernel"][marked].map(sizes).tolist()))
+    rows = df["key"].isin(by_key.keys())
+    out = df.copy()
+    out.loc[rows, "size"] = out["key"][rows].map(by_key)
+    gone = [k for k, n in by_key.items() if n == 0]
+    if gone:
+        out = out[~out["key"].isin(gone)]
+    out["allocated"] = _allocated(out["size"].astype("int64"))
+    return out
 
 
 def replay_rows(df: pd.DataFrame) -> list[ReplayRow]:

@@ -62,7 +62,7 @@ def splice(journal: list[TraceEvent], traced: list[TraceEvent]) -> list[TraceEve
     lasting = [i for i in theirs if i not in gone]
 
     def look(e: TraceEvent) -> tuple:
-        return (e.action, e.size, e.kind, e.phase, e.step, e.module, e.stream)
+        return (e.action, e.size, e.kind, e.phase, e.step, e.module, e.stream, e.kernel)
 
     if [look(traced[i]) for i in lasting] != [look(journal[i]) for i in mine]:
         raise NotRepeating(f"DDP's setup traced at depth is not the synthesized one ({len(lasting)} lasting "

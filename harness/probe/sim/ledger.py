@@ -28,7 +28,7 @@ def step_stats(journal: list[TraceEvent]) -> tuple[StepStats, list[StepStats]]:
     setup = s = StepStats(step=-1)
     steps: dict[int, StepStats] = {}
     at = -1  # the step `s` is (a journal's entries come a step at a time: looked up where it changes)
-    for _seq, action, key, size, kind, phase, step, module, _stream in journal:
+    for _seq, action, key, size, kind, phase, step, module, _stream, _kernel in journal:
         if step != at:
             s = setup if step < 0 else steps.setdefault(step, StepStats(step=step))
             at = step

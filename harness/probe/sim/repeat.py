@@ -59,7 +59,7 @@ class Template:
 
 
 def _token(e: TraceEvent) -> tuple:
-    return (e.action, e.size, e.kind, e.phase, e.step, e.module, e.stream)
+    return (e.action, e.size, e.kind, e.phase, e.step, e.module, e.stream, e.kernel)
 
 
 def _sizeless(e: TraceEvent) -> tuple:
@@ -396,7 +396,7 @@ def synthesize(t: Template, n_layers: int) -> list[TraceEvent]:
             if named is None:  # (a layer's few module names, each emitted thousands of times)
                 named = renamed[(module, layer)] = t.layer_names.sub(f"{t.layer_prefix}{t.depth + layer}", module)
             module = named
-        out.append(TraceEvent(len(out), e.action, key, size, e.kind, e.phase, e.step, module, e.stream))
+        out.append(TraceEvent(len(out), e.action, key, size, e.kind, e.phase, e.step, module, e.stream, e.kernel))
 
     starts = {blk.start: n for n, blk in enumerate(blocks)}
     joined: dict[tuple[int, int], list[_Block]] = {}  # (host block, offset) -> the junctions there
@@ -425,7 +425,7 @@ def canonical(entries: list[TraceEvent]) -> list[tuple]:
     """The entries with keys replaced by their alloc's position: equal for equal journals."""
     ref = referents(entries)
     return [(e.action, ref.get(i, i if e.action == "alloc" else -1), e.size, e.kind, e.phase, e.step, e.module,
-             e.stream) for i, e in enumerate(entries)]
+             e.stream, e.kernel) for i, e in enumerate(entries)]
 
 
 def skeleton(entries: list[TraceEvent]) -> str:
@@ -435,7 +435,8 @@ def skeleton(entries: list[TraceEvent]) -> str:
 
 
 def _less_sizes(entries: list[TraceEvent]) -> list[tuple]:
-    return [c[:2] + c[3:] for c in canonical(entries)]
+    # (a kernel's code holds its launch's sizes: another batch's differ)
+    return [c[:2] + c[3:-1] for c in canonical(entries)]
 
 
 def layout(t: Template) -> dict:
@@ -528,10 +529,11 @@ def deepen(shallower: list[TraceEvent], made_of: list[list]) -> list[TraceEvent]
     size_of: dict[int, int] = {}  # key -> its storage's size, while it lives
     for i, (action, key, src, kind, phase, step, module, stream) in enumerate(made_of):
         size = size_of[int(key)] if src == _ITS_STORAGE else shallower[int(src)].size
+        kernel = "" if src == _ITS_STORAGE else shallower[int(src)].kernel  # (a free's is none)
         if action == "alloc":
             size_of[int(key)] = size
         out.append(TraceEvent(i, str(action), int(key), size, str(kind), str(phase), int(step), str(module),
-                              int(stream)))
+                              int(stream), kernel))
     return out
 
 

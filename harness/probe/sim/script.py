@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.allocator.settings import AllocSettings
-from harness.config import cublas
+from harness.config import cublas, kernels
 from harness.config.point import Card
 from harness.probe.jobs import prepare_optimizer
 from harness.probe.sim import cuda_emulation as cu
@@ -156,7 +156,7 @@ def _as_main(path: Path, argv: list[str]):
 
 def run_script(path: Path, argv: list[str], card: Card, settings: AllocSettings) -> ScriptRun:
     """Run the script on the virtual `card` under `settings`; never raises for the script's own errors."""
-    tracker = StorageTracker(workspace_bytes=cublas.workspace_bytes(card.capability))
+    tracker = StorageTracker(workspace_bytes=cublas.workspace_bytes(card.capability), geometry=kernels.geometry(card))
     tracker.auto_backward = True
     live = LiveAllocator(tracker, settings, card, eager=True)
     run = ScriptRun(stats={})

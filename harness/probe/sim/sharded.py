@@ -223,8 +223,10 @@ def collectives_own_buffers(tracker):
             return out
         return call
 
-    with _patched([*((dist, name, inside(name, getattr(dist, name))) for name in _COLLECTIVES),
-                   *((funcol, name, functional(what, getattr(funcol, name))) for name, what in _FUNCTIONAL.items())]), \
+    # (a name this torch lacks is one its FSDP2 and DTensor do not call: all_gather_single on 2.11)
+    with _patched([*((dist, name, inside(name, getattr(dist, name))) for name in _COLLECTIVES if hasattr(dist, name)),
+                   *((funcol, name, functional(what, getattr(funcol, name))) for name, what in _FUNCTIONAL.items()
+                     if hasattr(funcol, name))]), \
             ddp_buckets_are_gradients(tracker):
         yield
 

@@ -53,7 +53,7 @@ def _copy_last(journal: list[TraceEvent], s: int) -> list[TraceEvent]:
             else:
                 raise NotRepeating(f"entry {i} of step {s} refers to a storage of step {journal[x].step} "
                                    "that no copy of it could refer to")
-        copy.append(TraceEvent(e.seq, e.action, key, e.size, e.kind, e.phase, s + 1, e.module, e.stream))
+        copy.append(TraceEvent(e.seq, e.action, key, e.size, e.kind, e.phase, s + 1, e.module, e.stream, e.kernel))
     return journal + copy
 
 

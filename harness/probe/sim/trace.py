@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
 
 from harness.allocator.settings import AllocSettings
-from harness.config import attention, cublas, nccl
+from harness.config import attention, cublas, kernels, nccl
 from harness.config.attention import ATTENTION_CALLS
 from harness.config.point import Leak, Point, WorkloadName
 from harness.probe.jobs import (
@@ -72,7 +72,8 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh,
     autocast_mode = cu.CudaAutocast(k.autocast_dtype) if k.autocast_dtype is not None else None
     region = (lambda: cu.autocast_region(autocast_mode)) if autocast_mode else contextlib.nullcontext
     tracker = StorageTracker(emulate_cublas_workspace=emulate_cuda,
-                             workspace_bytes=cublas.workspace_bytes(point.gpu.capability))
+                             workspace_bytes=cublas.workspace_bytes(point.gpu.capability),
+                             geometry=kernels.geometry(point.gpu))
     tracker.auto_backward = True
     # the card as this rank sees it: NCCL's memory (config/nccl.py) outside PyTorch from the start
     card = nccl.on_rank(point.gpu, point.parallel)

@@ -24,7 +24,8 @@ from torch.utils._pytree import tree_leaves
 # The CUDA caching allocator rounds every request up to kMinBlockSize (512 B): round_plain, what
 # max_memory_allocated counts. Segment-level rounding is the allocator model's business.
 from harness.allocator.model import round_plain
-from harness.config import attention, cublas
+from harness.config import cublas, kernels
+from harness.probe.sim import kernel_scratch
 
 # cuBLAS workspace PyTorch allocates through its own allocator on a thread's first GEMM
 # (at::cuda::getNewWorkspace): 8,519,680 B per handle in real traces (fidelity.md, C.5).
@@ -82,25 +83,6 @@ _SOLE_STORAGE_USES = 2
 
 
 
-def _flash_backward_scratch(args) -> list[int]:
-    q, k = args[1], args[2]  # (B, H, S, D) as SDPA's backward op takes them
-    b, h, s_q, d = q.shape
-    return attention.flash_backward_scratch(b, h, k.shape[1], s_q, k.shape[2], d, q.element_size())
-
-
-def _cudnn_backward_scratch(args) -> list[int]:
-    q, k, v = args[1], args[2], args[3]
-    b, h, s_q, d = q.shape
-    return [attention.cudnn_backward_scratch(b, h, k.shape[1], s_q, k.shape[2], d, v.shape[3], q.element_size())]
-
-
-# Scratch a fused attention kernel allocates after its outputs and frees, in reverse, before it
-# returns: what neither its meta kernel nor the tracker sees.
-_KERNEL_SCRATCH = {
-    _aten._scaled_dot_product_flash_attention_backward.default: _flash_backward_scratch,
-    _aten._scaled_dot_product_cudnn_attention.default: lambda args: [256],
-    _aten._scaled_dot_product_cudnn_attention_backward.default: _cudnn_backward_scratch,
-}
 # cuDNN's forward makes its philox seed and offset (8 B each) before its output and log-sum-exp
 _CUDNN_FORWARD = _aten._scaled_dot_product_cudnn_attention.default
 _ENGINE_FILE = os.path.join("torch", "autograd", "graph.py")
@@ -159,6 +141,9 @@ class TraceEvent(NamedTuple):
     step: int  # -1: before the first step
     module: str  # the innermost module running, "" outside any
     stream: int = 0  # the CUDA stream the storage was allocated on (0: the default stream)
+    # A kernel's own scratch whose bytes depend on the card: its launch (config.kernels' code), for
+    # another card's size (record.trace_store.sized_for); "" for any other storage
+    kernel: str = ""
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
@@ -177,7 +162,8 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 class StorageTracker(TorchDispatchMode):
     """Records alloc/free events per storage with kind, phase, step and module."""
 
-    def __init__(self, emulate_cublas_workspace: bool = True, workspace_bytes: int = CUBLAS_WORKSPACE_BYTES):
+    def __init__(self, emulate_cublas_workspace: bool = True, workspace_bytes: int = CUBLAS_WORKSPACE_BYTES,
+                 geometry: kernels.Geometry = kernels.ANY_CARD):
         super().__init__()
         self._wrap = _wrap_op()  # a functional collective's eager wrap (see _WAIT)
         self.events: list[TraceEvent] = []
@@ -201,6 +187,7 @@ class StorageTracker(TorchDispatchMode):
         self.stream = 0  # the current stream's id (virtual_cuda's streams set it); 0: the default
         self.emulate_cublas_workspace = emulate_cublas_workspace
         self.workspace_bytes = workspace_bytes  # one cuBLAS workspace on the card (config.cublas)
+        self.geometry = geometry  # what sizes kernels' scratch on the card (config.kernels)
         self._workspaces: set[tuple[str, int]] = set()
         self._next_synthetic = -1
         self._fresh_zeros = 0  # storage key of the last zeros a backward formula made
@@ -246,7 +233,7 @@ class StorageTracker(TorchDispatchMode):
         return self.phase
 
     # ---- bookkeeping -----------------------------------------------------------------
-    def _record_alloc(self, key: int, nbytes: int, kind: str) -> None:
+    def _record_alloc(self, key: int, nbytes: int, kind: str, kernel: str = "") -> None:
         alloc = round_plain(nbytes)
         self._live[key] = [nbytes, alloc, kind, self.stream]
         self.allocated += alloc
@@ -256,7 +243,7 @@ class StorageTracker(TorchDispatchMode):
         if not self.recording:
             return
         self.events.append(TraceEvent(self._seq, "alloc", key, nbytes, kind, self._phase(), self.step, module,
-                                      self.stream))
+                                      self.stream, kernel))
         self._seq += 1
         if self.after_alloc is not None:
             self.after_alloc()
@@ -402,25 +389,29 @@ class StorageTracker(TorchDispatchMode):
         if func in _ZEROS_OPS and _in_autograd_formula():
             self._fresh_zeros = out.untyped_storage()._cdata
         host = self._outputs_on_host(args, kwargs)
-        if self.emulate_cublas_workspace and not host and func.overloadpacket.__name__ in _GEMM_OPS:
-            self._workspace(func)
         kind = self._default_kind()
         made = _tensors((out[6], out[7], out[0], out[1]) if func is _CUDNN_FORWARD else (out,))
         for t in made:
             if t.device.type != "meta":
                 self.track(t, kind, host or (self.real_is_host and not isinstance(t, FakeTensor)))
-        scratch = _KERNEL_SCRATCH.get(func)
-        if scratch is not None and not host:
-            self._scratch(scratch(args))
+        # the GEMM's output is allocated first, then the handle's workspace (at its first call; an
+        # H200's snapshot: the rotary embedding's 262,144 B product, then 33,554,432 B)
+        if self.emulate_cublas_workspace and not host and func.overloadpacket.__name__ in _GEMM_OPS:
+            self._workspace(func)
+        if not host:
+            scratch = kernel_scratch.of(func, args, kwargs, self.geometry)
+            if scratch:
+                self._scratch(scratch)
         return out
 
-    def _scratch(self, sizes: list[int]) -> None:
-        """A kernel's own allocations, freed in reverse before it returns."""
+    def _scratch(self, made: list[tuple[int, str]]) -> None:
+        """A kernel's own allocations ((bytes, code) each: kernel_scratch), freed in reverse
+        before it returns."""
         keys = []
-        for size in sizes:
+        for size, code in made:
             keys.append(self._next_synthetic)
             self._next_synthetic -= 1
-            self._record_alloc(keys[-1], size, "temporary")
+            self._record_alloc(keys[-1], size, "temporary", code)
         for key in reversed(keys):
             self._record_free(key)
 

@@ -1,0 +1,176 @@
+"""What CUDA kernels allocate through the caching allocator for themselves, and how that depends on
+the card: scratch that no tensor of the trace owns, allocated inside one op and freed before it
+returns, yet counted by max_memory_allocated and placed by the allocator like any block.
+
+- A reduction that Reduce.cuh splits across blocks (a sum over leading dimensions: RMSNorm's weight
+  gradient, a bias's) allocates a staging buffer and a semaphore per output block
+  (aten/src/ATen/native/cuda/Reduce.cuh, setReduceConfig and gpu_reduce_kernel). How many blocks
+  share an output follows the card's SM count and threads per SM. Measured on an H200 (132 SMs):
+  a bf16 (2048, 2048) column sum 33,554,432 B + 64 B, (4096, 11008) 140,902,400 B + 344 B.
+- FSDP2's copy-out of an all-gather (split_with_sizes_copy) and copy-in of a reduce-scatter
+  (_chunk_cat) pack their launch tables into one int64 tensor on the card
+  (aten/src/ATen/native/cuda/TensorShape.cu, pack_vecs); split_with_sizes_copy's follows the SM
+  count too. Measured for demo-1b's layers over 4 H200s: 33,792 B and 100,816 B.
+
+Sizes here are requested bytes (the allocator rounds them). A trace records each such allocation
+with the launch's card-free description (a "kernel" string); `scratch_bytes` sizes it for any card,
+so one trace serves every card of the catalog (record.trace_store.sized_for).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from harness.config.point import Card
+
+# Where a card's SM count is not known (a card the user describes without gpu.multiprocessors): the
+# reductions are sized as on a card with SMs to spare, the largest any card allocates for them
+UNKNOWN_SMS = 0
+
+
+class Geometry(NamedTuple):
+    """What a launch's size reads of the card (torch.cuda.get_device_properties)."""
+    multiprocessors: int  # multi_processor_count; UNKNOWN_SMS where unknown
+    threads_per_multiprocessor: int  # max_threads_per_multi_processor
+    warp: int = 32
+    rocm: bool = False
+
+
+# A card nothing is known of: SM count unknown, 2048 threads each
+ANY_CARD = Geometry(UNKNOWN_SMS, 2048)
+
+
+def threads_per_multiprocessor(capability: tuple[int, int] | None) -> int:
+    """maxThreadsPerMultiProcessor by compute capability (CUDA C Programming Guide, "Technical
+    Specifications per Compute Capability"): 1024 on Turing, 1536 on sm86/sm89/sm12x, else 2048
+    (an AMD CDNA compute unit too)."""
+    if capability is None:
+        return 2048
+    if capability == (7, 5):
+        return 1024
+    if capability in ((8, 6), (8, 9)) or capability[0] == 12:
+        return 1536
+    return 2048
+
+
+def geometry(card: Card) -> Geometry:
+    cap = card.capability
+    rocm = cap in ((9, 4), (9, 5))  # MI300/MI350 as torch reports them (config.attention's test too)
+    return Geometry(card.multiprocessors, threads_per_multiprocessor(cap), 64 if rocm else 32, rocm)
+
+
+# ---- Reduce.cuh ---------------------------------------------------------------------------------
+
+class Reduction(NamedTuple):
+    """One gpu_reduce_kernel launch, as far as it does not depend on the card."""
+    arg_bytes: int  # sizeof(arg_t): the accumulator (float for a sum of bf16)
+    num_outputs: int
+    inputs_per_output: int
+    on_fastest: bool  # reducing along the input's fastest-moving dimension
+    input_vec: int  # elements a thread loads at once along a reduced fastest dimension (1: no)
+    output_vec: int  # outputs a thread makes at once along a kept fastest dimension (1: no)
+
+
+
+def _last_pow2(n: int) -> int:
+    return max(1, 1 << (int(n).bit_length() - 1))
+
+
+def reduce_buffers(r: Reduction, g: Geometry) -> tuple[int, int] | None:
+    """(staging buffer, semaphores) bytes a launch allocates on a card of geometry `g`, or None
+    where its blocks do not share outputs (setReduceConfig, ReduceConfig.global_memory_size)."""
+    max_threads = 512 // r.output_vec
+    dim0, dim1 = (r.inputs_per_output, r.num_outputs) if r.on_fastest else (r.num_outputs, r.inputs_per_output)
+    dim0 //= r.input_vec if r.input_vec > 1 else r.output_vec
+    dim0_pow2 = _last_pow2(dim0) if dim0 < max_threads else max_threads
+    dim1_pow2 = _last_pow2(dim1) if dim1 < max_threads else max_threads
+    width = min(dim0_pow2, g.warp)
+    height = min(dim1_pow2, max_threads // width)
+    width = min(dim0_pow2, max_threads // height)
+    threads = width * height
+    step_input, step_output = 1, 1
+    if r.on_fastest:
+        step_input *= width  # block_x_reduce
+    else:
+        step_output *= width
+    min_values = 128 if g.rocm else 16
+    if -(-r.inputs_per_output // step_input) < min(height * 16, 256):
+        return None  # each warp its own outputs: no block_y split, so none across blocks either
+    step_input *= height
+    values = -(-r.inputs_per_output // step_input)
+    grid = -(-(r.num_outputs // r.output_vec) // step_output)
+    if g.multiprocessors == UNKNOWN_SMS:  # as on a card with SMs to spare: the most blocks an output takes
+        target = None
+    else:
+        target = g.multiprocessors * (g.threads_per_multiprocessor // threads)
+    if values < 256 or (target is not None and grid > target):
+        return None
+    by_target = math.inf if target is None else -(-target // grid)
+    ctas = max(min(by_target, -(-values // min_values)), -(-values // 256))
+    if g.rocm and ctas > 1:
+        ctas = max(ctas, 64)
+    if ctas <= 1:
+        return None
+    buffer = r.arg_bytes * r.num_outputs * ctas
+    if not r.on_fastest:
+        buffer *= width * r.output_vec
+    return int(buffer), 4 * grid
+
+
+# ---- TensorShape.cu (FSDP2's copies) ------------------------------------------------------------
+
+_BLOCK, _BYTES_PER_THREAD = 128, 16
+_BYTES_PER_BLOCK = _BLOCK * _BYTES_PER_THREAD
+
+
+def chunk_cat_table(pad_chunk_bytes: list[int]) -> int:
+    """Bytes of _chunk_cat's launch table for tensors of these padded chunk sizes (bytes in the
+    output's dtype): sources, each block's tensor, start bytes, start blocks, sizes, chunk sizes and
+    blocks per tensor, int64 each. Main's source reads 5 a tensor + 2 + the blocks; an H200 on
+    torch 2.11 allocated one int64 more a tensor (demo-1b's 9 a layer: 100,816 B; its root's 3:
+    256,168 B): measured wins."""
+    n = len(pad_chunk_bytes)
+    return 8 * (6 * n + 2 + sum(-(-c // _BYTES_PER_BLOCK) for c in pad_chunk_bytes))
+
+
+def split_copy_table(chunk_bytes: list[int], num_chunks: int, g: Geometry) -> int:
+    """Bytes of split_with_sizes_copy's launch table: destinations, sources, chunk sizes, each
+    block's split and the blocks' running sums, int64 each; a block copies more of a chunk where the
+    whole copy would take more blocks than twice the card's threads fill."""
+    n = len(chunk_bytes)
+    blocks = sum(-(-c // _BYTES_PER_BLOCK) for c in chunk_bytes)
+    if g.multiprocessors == UNKNOWN_SMS:
+        iters = 1  # the largest table
+    else:
+        max_blocks = int(g.multiprocessors * g.threads_per_multiprocessor / _BLOCK * 2.0)
+        factor = -(-blocks * num_chunks // max_blocks)
+        per_block = min(math.ceil(math.sqrt(factor)), num_chunks)
+        iters = -(-factor // per_block)
+    return 8 * (4 * n + 1 + sum(-(-c // (_BYTES_PER_BLOCK * iters)) for c in chunk_bytes))
+
+
+# ---- a trace's record of them -------------------------------------------------------------------
+
+def scratch_bytes(code: str, g: Geometry) -> int:
+    """The bytes of the allocation a trace recorded as `code` (a kernel's, as the tracker wrote it)
+    on a card of geometry `g`; 0 where that card's launch makes none."""
+    kind, _, rest = code.partition(":")
+    part, _, args = rest.partition(":")
+    if kind == "reduce":
+        a, outs, ins, fastest, in_vec, out_vec = (int(v) for v in args.split(","))
+        found = reduce_buffers(Reduction(a, outs, ins, bool(fastest), in_vec, out_vec), g)
+        return 0 if found is None else found[int(part)]
+    if kind == "split_copy":
+        num_chunks, _, sizes = args.partition(":")
+        return split_copy_table([int(v) for v in sizes.split(",")], int(num_chunks), g)
+    raise ValueError(f"a trace's kernel scratch {code!r} is none this harness sizes")
+
+
+def reduce_code(r: Reduction, part: int) -> str:
+    """The code of a reduction's staging buffer (part 0) or semaphores (part 1)."""
+    return f"reduce:{part}:" + ",".join(str(int(v)) for v in r)
+
+
+def split_copy_code(chunk_bytes: list[int], num_chunks: int) -> str:
+    return f"split_copy:0:{num_chunks}:" + ",".join(str(int(c)) for c in chunk_bytes)

@@ -1,0 +1,184 @@
+"""What a CUDA kernel of the traced op allocates for itself and frees before it returns, which its
+meta kernel does not make: fused attention's scratch (config.attention), a reduction's staging
+buffer and semaphores, FSDP2's copy kernels' launch tables (config.kernels). From an aten call's
+arguments to (bytes on the traced card, code): a code ("" for none) names a launch whose bytes
+depend on the card, for record.trace_store.sized_for to size on another.
+
+A reduction splits across blocks on some cards and not on others only where its output grid lies
+between what their SMs fill (an output wider than ~2,000 x 128 columns); where the traced card's
+launch does not split, the trace holds no allocation for it, also for a card whose launch would.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+from harness.config import attention, kernels
+from harness.config.kernels import Geometry, Reduction
+
+_aten = torch.ops.aten
+
+
+def _flash_backward(args, g) -> list[tuple[int, str]]:
+    q, k = args[1], args[2]  # (B, H, S, D) as SDPA's backward op takes them
+    b, h, s_q, d = q.shape
+    return [(n, "") for n in attention.flash_backward_scratch(b, h, k.shape[1], s_q, k.shape[2], d, q.element_size())]
+
+
+def _cudnn_backward(args, g) -> list[tuple[int, str]]:
+    q, k, v = args[1], args[2], args[3]
+    b, h, s_q, d = q.shape
+    return [(attention.cudnn_backward_scratch(b, h, k.shape[1], s_q, k.shape[2], d, v.shape[3], q.element_size()), "")]
+
+
+# ---- reductions ---------------------------------------------------------------------------------
+
+def _dense(t: torch.Tensor) -> bool:
+    return bool(is_non_overlapping_and_dense_or_false(t))
+
+
+def reduction(x: torch.Tensor, dims, arg_bytes: int, input_vec: int) -> Reduction | None:
+    """The launch Reduce.cuh makes to reduce `x` over `dims` (None or empty: all), as TensorIterator
+    lays it out: size-1 dimensions dropped, the reduced ones first by stride, then the kept ones by
+    the (contiguous) output's, neighbours merged where their strides allow. None where it is not
+    modelled: an input not dense, or too large for 32-bit indexing (split into several launches)."""
+    n = x.dim()
+    if n == 0 or x.numel() < 2 or x.numel() >= 2**31 or not _dense(x):
+        return None
+    red = {d % n for d in dims} if dims else set(range(n))
+    kept = [d for d in range(n) if d not in red and x.shape[d] != 1]
+    out_stride, s = {}, 1
+    for d in reversed(kept):
+        out_stride[d], s = s, s * x.shape[d]
+    # (size, input stride, output stride), fastest first
+    layout = ([(x.shape[d], x.stride(d), 0) for d in sorted((d for d in red if x.shape[d] != 1), key=x.stride)]
+              + [(x.shape[d], x.stride(d), out_stride[d]) for d in sorted(kept, key=out_stride.__getitem__)])
+    merged: list[list[int]] = []
+    for size, st_in, st_out in layout:
+        if merged and (merged[-1][0] * merged[-1][1] == st_in) and (merged[-1][0] * merged[-1][2] == st_out) \
+                and (merged[-1][2] == 0) == (st_out == 0):
+            merged[-1][0] *= size
+        else:
+            merged.append([size, st_in, st_out])
+    n_red = sum(1 for m in merged if m[2] == 0)
+    if n_red == 0:
+        return None
+    num_outputs = 1
+    for size, _, st_out in merged:
+        num_outputs *= size if st_out else 1
+    inputs = x.numel() // num_outputs
+    on_fastest = n_red == len(merged) or merged[0][1] < merged[n_red][1]
+    fastest = merged[0][1] if on_fastest else merged[n_red][1]
+    in_vec = out_vec = 1
+    if fastest == 1:
+        if on_fastest and inputs >= 128 and n_red == 1:
+            in_vec = input_vec
+        elif not on_fastest:  # get_output_vec_size: the address, the output's fastest size, the other strides
+            out_vec = 4
+            for v in (x.storage_offset(), merged[n_red][0],
+                      *(m[1] for i, m in enumerate(merged) if i != n_red)):
+                while v % out_vec:
+                    out_vec //= 2
+    return Reduction(arg_bytes, num_outputs, inputs, on_fastest, in_vec, out_vec)
+
+
+def _accumulated_in(x: torch.Tensor) -> int:
+    """sizeof(acc_t) of a sum, mean or norm: float for floating types up to fp32, else 8."""
+    return 4 if x.is_floating_point() and x.element_size() <= 4 else 8
+
+
+def _sum_like(dims_at: int | None):
+    def scratch(args, g):
+        x = args[0]
+        dims = args[dims_at] if dims_at is not None and len(args) > dims_at else None
+        # 16-bit inputs load 8 at a time along a reduced fastest dimension (ReduceSumProdKernel.cu)
+        vec = 8 if x.element_size() == 2 else 4
+        return _reduction_scratch(reduction(x, dims, _accumulated_in(x), vec), g)
+    return scratch
+
+
+def _extremum(dims_at: int | None):
+    def scratch(args, g):  # amax/amin/max/min: the accumulator is the element
+        x = args[0]
+        dims = args[dims_at] if dims_at is not None and len(args) > dims_at else None
+        return _reduction_scratch(reduction(x, dims, x.element_size(), 4), g)
+    return scratch
+
+
+def _norm(args, g):
+    x = args[0]
+    dims = args[2] if len(args) > 2 else None
+    return _reduction_scratch(reduction(x, dims, _accumulated_in(x), 4), g)
+
+
+def _reduction_scratch(r: Reduction | None, g: Geometry) -> list[tuple[int, str]]:
+    found = kernels.reduce_buffers(r, g) if r is not None else None
+    if found is None:
+        return []
+    return [(found[0], kernels.reduce_code(r, 0)), (found[1], kernels.reduce_code(r, 1))]
+
+
+# ---- FSDP2's copies -----------------------------------------------------------------------------
+
+def _chunk_cat(args, g, out) -> list[tuple[int, str]]:
+    tensors, dim, num_chunks = args[0], args[1], args[2]
+    if out is None or not all(_dense(t) and t.is_contiguous() for t in tensors):
+        return []
+    if not (tensors[0].dtype == out.dtype or (tensors[0].dtype == torch.bfloat16 and out.dtype == torch.float32)):
+        return []  # the composite path: no table
+    dim = dim % tensors[0].dim()
+    pads = []
+    for t in tensors:
+        trailing = 1
+        for s in t.shape[dim + 1:]:
+            trailing *= s
+        pads.append(-(-t.shape[dim] // num_chunks) * num_chunks * trailing * out.element_size() // num_chunks)
+    return [(kernels.chunk_cat_table(pads), "")]
+
+
+def _split_copy(args, g, outs) -> list[tuple[int, str]]:
+    x, split_sizes = args[0], args[1]
+    dim = (args[2] if len(args) > 2 else 0) % x.dim()
+    if not outs or not _dense(x) or not all(_dense(o) and o.dtype == x.dtype for o in outs):
+        return []  # the composite path: no table
+    stride = 1
+    for s in x.shape[dim:]:
+        stride *= s
+    chunk_bytes = [int(s) * x.stride(dim) * x.element_size() for s in split_sizes]
+    num_chunks = x.numel() // stride
+    return [(kernels.split_copy_table(chunk_bytes, num_chunks, g), kernels.split_copy_code(chunk_bytes, num_chunks))]
+
+
+_BY_ARGS = {
+    _aten._scaled_dot_product_flash_attention_backward.default: _flash_backward,
+    _aten._scaled_dot_product_cudnn_attention.default: lambda args, g: [(256, "")],
+    _aten._scaled_dot_product_cudnn_attention_backward.default: _cudnn_backward,
+    _aten.sum.dim_IntList: _sum_like(1),
+    _aten.sum.default: _sum_like(None),
+    _aten.mean.dim: _sum_like(1),
+    _aten.mean.default: _sum_like(None),
+    _aten.nansum.default: _sum_like(1),
+    _aten.linalg_vector_norm.default: _norm,
+    _aten.amax.default: _extremum(1),
+    _aten.amin.default: _extremum(1),
+    _aten.max.default: _extremum(None),
+    _aten.min.default: _extremum(None),
+}
+
+
+# FSDP2's own ops (torch.distributed.fsdp registers them as fsdp::chunk_cat, fsdp::split_with_sizes_copy)
+_FSDP = {"chunk_cat": _chunk_cat, "split_with_sizes_copy": _split_copy}
+
+
+def of(func, args, kwargs, g: Geometry) -> list[tuple[int, str]]:
+    """The scratch an op's CUDA kernel allocates on a card of geometry `g`, in the order it
+    allocates it (each (bytes, code)); freed in reverse before the op returns."""
+    fn = _BY_ARGS.get(func)
+    if fn is not None:
+        return fn(args, g)
+    if func.namespace == "fsdp":
+        fsdp = _FSDP.get(func.overloadpacket.__name__)
+        if fsdp is not None:
+            return fsdp(args, g, (kwargs or {}).get("out"))
+    return []
