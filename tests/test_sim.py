@@ -41,7 +41,8 @@ def _phase_peak_temporaries(tracker, phase):
     """Largest sum of live `temporary` bytes during `phase` from step 2 on (step 1 creates
     the optimizer state, tagged temporary until that step ends)."""
     live, cur, peak = {}, 0, 0
-    for _s, action, key, size, kind, ph, st, _m, _stream in tracker.events:
+    for e in tracker.events:
+        action, key, size, kind, ph, st = e.action, e.key, e.size, e.kind, e.phase, e.step
         if action == "alloc":
             live[key] = (size, kind)
             if kind == "temporary" and ph == phase and st >= 1:

@@ -321,9 +321,13 @@ class CachingAllocator:
 
     # ---- addresses -------------------------------------------------------------------------
     def _bump(self, size: int) -> int:
-        addr = self._va
-        self._va += -(-size // K_SMALL_BUFFER) * K_SMALL_BUFFER + K_SMALL_BUFFER  # a gap: never adjacent
-        return addr
+        # Top down, as the CUDA driver hands out cudaMalloc's address ranges: the order matters
+        # where the best fit has equal-sized free blocks to choose from (the lowest address wins).
+        # Bottom-up, three real snapshots (an H200, torch 2.11, driver 580) replayed 0.54% and 0.63%
+        # off their reserved peaks; top-down, all three exactly (demo-1b bf16 and fp32 on one card,
+        # and rank 0 of FSDP2 over 4). A gap below each: never adjacent.
+        self._va -= -(-size // K_SMALL_BUFFER) * K_SMALL_BUFFER + K_SMALL_BUFFER
+        return self._va
 
     def _emit(self, action, addr, size, stream=0):
         if self.on_event is not None:
