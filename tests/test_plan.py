@@ -1,5 +1,6 @@
 """Capacity planning: KV-cache arithmetic, fits with a margin, frontiers against the exhaustive sweep."""
 
+import dataclasses
 import json
 
 import pandas as pd
@@ -210,3 +211,30 @@ def test_a_count_plan_finds_each_cards_fewest_gpus_checked_at_the_count_below(tm
     assert fewest > 1 and below == fewest // 2
     assert fit.fits(rows[fewest], cards["rtx4060"]) and not fit.fits(rows[below], cards["rtx4060"])
     assert fr.loc["rtx4060", "hi"] == 8 and fr.loc["rtx4060", "grid_points"] == 4  # 1, 2, 4, 8
+
+
+def test_a_card_of_other_sms_near_its_edge_is_decided_with_its_own_kernel_scratch(tmp_path):
+    """A 7.5 GiB tensor, then RMSNorm's weight gradient over 8192 tokens of 4096 traced on an H200
+    (132 SMs: a 132 MiB staging buffer); on a card of 40 SMs, 1024 threads each, 20 MiB. A card of
+    that kind with 7.6 GiB of room holds the run, which the H200's peaks alone would refuse."""
+    from harness.config import kernels
+    from harness.probe.sim.tracker import TraceEvent
+
+    r = kernels.Reduction(4, 4096, 8192, False, 1, 4)
+    h200 = kernels.Geometry(132, 2048)
+    buffer, sems = kernels.reduce_buffers(r, h200)
+    events = [TraceEvent(0, "alloc", 1, 15 * GIB // 2, "parameter", "setup", -1, ""),
+              TraceEvent(1, "alloc", 2, buffer, "temporary", "backward", 0, "", 0, kernels.reduce_code(r, 0)),
+              TraceEvent(2, "alloc", 3, sems, "temporary", "backward", 0, "", 0, kernels.reduce_code(r, 1)),
+              TraceEvent(3, "free", 3, sems, "temporary", "backward", 0, ""),
+              TraceEvent(4, "free", 2, buffer, "temporary", "backward", 0, "")]
+    path = tmp_path / "trace.parquet"
+    trace_store.to_frame(events).to_parquet(path)
+    peak = 15 * GIB // 2 + buffer + 512
+    row = {"run_id": "r", "peak_allocated_bytes": peak, "peak_reserved_bytes": peak + 2 * MIB,
+           "trace_path": str(path), "allocator_conf": ""}
+    small = dataclasses.replace(_card(memory=15 * GIB // 2 + 100 * MIB, non_pytorch=0), compute_capability="7.5",
+                                multiprocessors=40)
+    assert kernels.reduce_buffers(r, kernels.geometry(small))[0] < 32 * MIB < buffer
+    assert fit.fits(row, small) is True
+    assert fit.fits(row, dataclasses.replace(small, multiprocessors=132, compute_capability="9.0")) is False

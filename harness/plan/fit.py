@@ -9,12 +9,12 @@ import pandas as pd
 
 from harness.allocator.model import Device
 from harness.allocator.replay import ReplayRow, Replays
-from harness.allocator.settings import AllocSettings
+from harness.allocator.settings import K_LARGE_BUFFER, AllocSettings
 from harness.config import attention, cublas, nccl
 from harness.config import cards as catalog
 from harness.config.attention import ATTENTION_CALLS
 from harness.config.point import Card
-from harness.probe.sim import reserved
+from harness.probe.sim import per_card, reserved
 from harness.record import trace_store
 from harness.record.row import WORKSPACE, listed, recorded_edge
 
@@ -44,15 +44,46 @@ def _fits_on(row: dict, c: Card) -> bool:
             return False
         # cuDNN for flash or back, left untraced far from its edge (probe.worker._far_from_their_edge): the
         # traced run stands for it, within one call's scratch and a segment or two
-    if own is not None and own != int(row[WORKSPACE]):  # another workspace: the trace replayed with it
-        return not _missing(row.get("trace_path")) and _fits_by_trace(row, c, own)
     res, alloc = _peaks(row)
+    # another workspace, or kernels' scratch of another size near the card's edge: the trace replayed with theirs
+    scratch = _scratch_band(row, c)
+    near = scratch and not (c.at_worst().room() >= res + scratch or c.room() < alloc - scratch)
+    if (own is not None and own != int(row[WORKSPACE])) or near:
+        return not _missing(row.get("trace_path")) and _fits_by_trace(row, c, own)
     known = reserved.fits_by_numbers(c, res, alloc)
     if known is not None:
         return known
     if _missing(row.get("trace_path")):
         return False  # the peaks say it does not fit without a cache flush; no trace to check that
     return _fits_by_trace(row, c)
+
+
+@functools.lru_cache(maxsize=256)
+def _codes(path: str) -> dict[str, int]:
+    """A trace's kernel scratch whose bytes follow the card (trace_store.kernel_codes)."""
+    try:
+        return trace_store.kernel_codes(pd.read_parquet(path, columns=["kernel", "size"]))
+    except (OSError, ValueError, KeyError):  # no trace, or one from before the column: none
+        return {}
+
+
+def _sizing(row: dict, c: Card) -> tuple[int, str] | None:
+    """What sizes the trace's kernel scratch for `c` (its SM count and capability: config.kernels);
+    None where the trace's own sizes are the card's."""
+    if _missing(row.get("trace_path")):
+        return None
+    codes = _codes(str(row["trace_path"]))
+    return None if trace_store.kernel_sizes(codes, c) == codes else (c.multiprocessors, c.compute_capability)
+
+
+def _scratch_band(row: dict, c: Card) -> int:
+    """How far the run's peaks may move on `c` for its kernels' scratch of other sizes, and two
+    large segments those may place otherwise; 0 where the sizes are the traced card's."""
+    if _sizing(row, c) is None:
+        return 0
+    codes = _codes(str(row["trace_path"]))
+    return per_card.spread(tuple(trace_store.kernel_sizes(codes, c).values()), tuple(codes.values())) \
+        + 2 * K_LARGE_BUFFER
 
 
 def on_rank(row: dict, card: Card, margin: float = 0.0) -> Card:
@@ -88,10 +119,14 @@ def edge(row: dict, card: Card, margin: float = 0.0) -> str | None:
 
 
 @functools.lru_cache(maxsize=4)
-def _trace_rows(path: str, workspace: int | None = None) -> list[ReplayRow]:
-    """A run's trace as replay rows (each cuBLAS workspace `workspace` bytes, where given), read
-    once for all the cards a probe is checked against."""
-    rows = trace_store.replay_rows(pd.read_parquet(path))
+def _trace_rows(path: str, workspace: int | None = None, sizing: tuple[int, str] | None = None) -> list[ReplayRow]:
+    """A run's trace as replay rows (each cuBLAS workspace `workspace` bytes, and its kernels'
+    scratch sized for a card of `sizing`, where given), read once for all the cards a probe is
+    checked against."""
+    df = pd.read_parquet(path)
+    if sizing is not None:
+        df = trace_store.sized_for(df, Card(multiprocessors=sizing[0], compute_capability=sizing[1]))
+    rows = trace_store.replay_rows(df)
     return rows if workspace is None else trace_store.with_workspaces(rows, workspace)
 
 
@@ -99,13 +134,14 @@ def _replay(row: dict, card: Card, workspace: int | None = None):
     """The run's replay on a card (Device.for_card: its room and size): a plan asks for it when it
     searches, when it finds the edge and when it counts cache flushes (~0.3 s each for a 7B
     trace), and a card of another room often replays alike (Replays)."""
-    return _replays(str(row["trace_path"]), row.get("allocator_conf") or "", workspace).on(Device.for_card(card))
+    return _replays(str(row["trace_path"]), row.get("allocator_conf") or "", workspace,
+                    _sizing(row, card)).on(Device.for_card(card))
 
 
 @functools.lru_cache(maxsize=256)
-def _replays(path: str, conf: str, workspace: int | None = None) -> Replays:
+def _replays(path: str, conf: str, workspace: int | None = None, sizing: tuple[int, str] | None = None) -> Replays:
     # its results kept for every run a plan probes; the rows read again (_trace_rows keeps four)
-    return Replays(lambda: _trace_rows(path, workspace), AllocSettings.from_conf(conf))
+    return Replays(lambda: _trace_rows(path, workspace, sizing), AllocSettings.from_conf(conf))
 
 
 def _fits_by_trace(row: dict, card: Card, workspace: int | None = None) -> bool:

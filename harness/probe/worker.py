@@ -124,7 +124,7 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
     # what that scratch is smaller by here.
     cards, sized = catalog.cards(), Sized(df)
     rows = sized.rows(point.gpu)
-    rec["peak_tensor_bytes"] = rec["peak_allocated_bytes"] - sized.band(point.gpu, larger=False)
+    rec["peak_tensor_bytes"] = rec["peak_allocated_bytes"] - sized.less(point.gpu)
     # The catalog's cards whose attention kernels this trace's calls would not take are judged
     # apart, and those of another cuBLAS workspace or kernel scratch by the trace with theirs
     workspace, n_workspaces = trace_store.workspaces(rows)
@@ -197,7 +197,7 @@ def _on_card(point: Point, card: Card) -> Point:
 def _far_from_their_edge(point: Point, rec: dict, cards: list, n_workspaces: int, sized: Sized) -> list:
     """Those of `cards` whose attention kernels only swap flash for cuDNN (or back) and whose room
     lies further from the traced peaks than `_swap_band` and their kernels' scratch's difference
-    (per_card.Sized.band): the traced run decides them."""
+    (per_card.Sized.spread): the traced run decides them."""
     scratch = _attention_scratch(point) if cards else None
     if scratch is None:
         return []
@@ -205,7 +205,7 @@ def _far_from_their_edge(point: Point, rec: dict, cards: list, n_workspaces: int
     for c in cards:
         if not attention.swaps_fused_on(c.capability, rec.get(ATTENTION_CALLS)):
             continue
-        band = _swap_band(scratch, rec, c, n_workspaces) + sized.band(c, point.gpu) + sized.band(c, point.gpu, False)
+        band = _swap_band(scratch, rec, c, n_workspaces) + sized.spread(c, point.gpu)
         if _far(point, rec, c, band):
             far.append(c)
     return far
@@ -253,7 +253,7 @@ def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: 
     for c in cards:  # a trace without workspaces (real CPU tensors): theirs ignored
         ws = None if traced_with is None else cublas.workspace_bytes(c.capability)
         own = exact or (c not in far and not sized.alike(c, ref) and not _far(
-            point, rec, c, sized.band(c, ref) + sized.band(c, ref, False) + 2 * K_LARGE_BUFFER
+            point, rec, c, sized.spread(c, ref) + 2 * K_LARGE_BUFFER
             + n * abs((ws or 0) - (traced_with or 0))))
         groups.setdefault((ws, sized.sizes(c if own else ref)), []).append((c, own))
     edges: dict[str, str] = {}
@@ -263,7 +263,7 @@ def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: 
         resized = rows if nbytes in (None, traced_with) else trace_store.with_workspaces(rows, nbytes)
         # the storages' peak at least: the traced one less smaller workspaces and scratch
         less = 0 if nbytes is None or traced_with is None else min(0, n * (nbytes - traced_with))
-        least = rec["peak_allocated_bytes"] + less - sized.band(sized_as, larger=False)
+        least = rec["peak_allocated_bytes"] + less - sized.less(sized_as)
         edges.update(reserved.catalog_edges(resized, settings, [nccl.on_rank(c, point.parallel) for c, _ in group],
                                             least))
     return edges

@@ -34,10 +34,16 @@ class Sized:
             self._rows[sizes] = trace_store.replay_rows(trace_store.sized_for(self.df, card))
         return self._rows[sizes]
 
-    def band(self, card: Card, than: Card | None = None, larger: bool = True) -> int:
-        """How much more (`larger`) or less the scratch of one launch takes on `card` than on `than`
-        (None: the card traced): its staging buffer's difference and its semaphores' (one launch's
-        scratch lives at a time, so no moment's bytes differ by more)."""
-        base = tuple(self.codes.values()) if than is None else self.sizes(than)
-        diffs = [(a - b) if larger else (b - a) for a, b in zip(self.sizes(card), base, strict=True)]
-        return 2 * max([0, *diffs])
+    def less(self, card: Card) -> int:
+        """How much less one moment's bytes may be on `card` than in the trace as traced: one
+        launch's staging buffer and semaphores less (one launch's scratch lives at a time)."""
+        return spread(tuple(min(a, b) for a, b in zip(self.sizes(card), self.codes.values(), strict=True)),
+                      tuple(self.codes.values()))
+
+    def spread(self, a: Card, b: Card) -> int:
+        return spread(self.sizes(a), self.sizes(b))
+
+def spread(theirs: tuple[int, ...], ours: tuple[int, ...]) -> int:
+    """How far any moment's bytes may differ between two sizings of a trace's kernel scratch (one
+    launch's buffer and semaphores live at a time): twice the largest difference of one."""
+    return 2 * max([0, *(abs(a - b) for a, b in zip(theirs, ours, strict=True))])
