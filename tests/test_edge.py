@@ -103,3 +103,31 @@ def test_what_calibrate_measured_replaces_the_estimate(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "measured.json").read_text())["t4"]["non_pytorch_bytes"] == 409 * MiB
     composed = dataclasses.replace(t4, key="")
     assert cards.as_measured(composed).non_pytorch_bytes == 409 * MiB  # a point's card, composed from YAML
+
+
+def test_a_card_of_fewer_sms_near_its_edge_is_judged_with_its_own_kernel_scratch(tmp_path):
+    """A trace of an H200 (132 SMs): a tensor that leaves a T4 40 MiB of room, then RMSNorm's weight
+    gradient over 8192 tokens of 4096, whose staging buffer is 132 MiB there and 20 MiB on a T4
+    (40 SMs, 1024 threads each). The row holds the T4 (its own replay); a card of the H200's SMs
+    with that room would not."""
+    from harness.config import kernels
+    from harness.probe import worker
+    from harness.probe.sim.tracker import TraceEvent
+    from harness.record.row import base_record
+
+    t4, h200 = cards.by_key()["t4"], cards.by_key()["h200"]
+    r = kernels.Reduction(4, 4096, 8192, False, 1, 4)
+    buffer, sems = kernels.reduce_buffers(r, kernels.geometry(h200))
+    on_t4 = kernels.reduce_buffers(r, kernels.geometry(t4))[0]
+    tensor = (t4.at_worst().room() - 40 * MiB) // (2 * MiB) * 2 * MiB
+    assert on_t4 + 2 * MiB < 40 * MiB < buffer
+    events = [TraceEvent(0, "alloc", 1, tensor, "parameter", "setup", -1, ""),
+              TraceEvent(1, "alloc", 2, buffer, "temporary", "backward", 0, "", 0, kernels.reduce_code(r, 0)),
+              TraceEvent(2, "alloc", 3, sems, "temporary", "backward", 0, "", 0, kernels.reduce_code(r, 1)),
+              TraceEvent(3, "free", 3, sems, "temporary", "backward", 0, ""),
+              TraceEvent(4, "free", 2, buffer, "temporary", "backward", 0, "")]
+    point = train_point().replace(gpu=h200)
+    rec = {**base_record(point), "peak_allocated_bytes": tensor + buffer + 512, "attention_calls": None}
+    row = worker._replayed(point, rec, trace_store.to_frame(events), tmp_path, 0.0)
+    assert "t4" in row["fits_cards"] and "t4" not in row["tight_cards"]
+    assert row["peak_allocated_bytes"] == tensor + buffer + 512  # the H200's own, as traced

@@ -130,14 +130,17 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
     workspace, n_workspaces = trace_store.workspaces(rows)
     rec[WORKSPACE] = workspace
     apart = [c for c in cards if not attention.takes_alike(c.capability, rec.get(ATTENTION_CALLS))]
-    here = [c for c in cards if c not in apart and workspace in (None, cublas.workspace_bytes(c.capability))
-            and sized.alike(c, point.gpu)]
+    here = [c for c in cards if c not in apart and workspace in (None, cublas.workspace_bytes(c.capability))]
     # Each card as one of the job's GPUs sees it: NCCL's memory beside the CUDA context's
     rec.update(reserved.analyse(rows, settings, nccl.on_rank(point.gpu, point.parallel),
                                 [nccl.on_rank(c, point.parallel) for c in here], torch.__version__,
                                 snapshot, rec["peak_tensor_bytes"]), catalog_sha=catalog.digest())
-    if len(here) < len(cards):
+    # a card whose SMs size the kernels' scratch otherwise, near its edge: replayed with its own
+    own = [c for c in here if not sized.alike(c, point.gpu)
+           and not _far(point, rec, c, sized.spread(c, point.gpu) + 2 * K_LARGE_BUFFER)]
+    if len(here) < len(cards) or own:
         edges = {c.key: recorded_edge(rec, c.key) for c in here}
+        edges.update(_edges_by_sizes(sized, settings, point, own, rec, exact=True))
         # cards that only swap flash for cuDNN (or back), far from their edge: the traced rows decide
         # them, in the same replay as the cards of their workspace size
         far = _far_from_their_edge(point, rec, apart, n_workspaces, sized)

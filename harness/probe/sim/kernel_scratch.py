@@ -177,7 +177,7 @@ def of(func, args, kwargs, g: Geometry) -> list[tuple[int, str]]:
     fn = _BY_ARGS.get(func)
     if fn is not None:
         return fn(args, g)
-    if func.namespace == "fsdp":
+    if getattr(func, "namespace", None) == "fsdp":
         fsdp = _FSDP.get(func.overloadpacket.__name__)
         if fsdp is not None:
             return fsdp(args, g, (kwargs or {}).get("out"))
