@@ -46,8 +46,8 @@ def _fits_on(row: dict, c: Card) -> bool:
         # traced run stands for it, within one call's scratch and a segment or two
     res, alloc = _peaks(row)
     # another workspace, or kernels' scratch of another size near the card's edge: the trace replayed with theirs
-    scratch = _scratch_band(row, c)
-    near = scratch and not (c.at_worst().room() >= res + scratch or c.room() < alloc - scratch)
+    above, below = _scratch_band(row, c)
+    near = (above or below) and not (c.at_worst().room() >= res + above or c.room() < alloc - below)
     if (own is not None and own != int(row[WORKSPACE])) or near:
         return not _missing(row.get("trace_path")) and _fits_by_trace(row, c, own)
     known = reserved.fits_by_numbers(c, res, alloc)
@@ -76,14 +76,15 @@ def _sizing(row: dict, c: Card) -> tuple[int, str] | None:
     return None if trace_store.kernel_sizes(codes, c) == codes else (c.multiprocessors, c.compute_capability)
 
 
-def _scratch_band(row: dict, c: Card) -> int:
-    """How far the run's peaks may move on `c` for its kernels' scratch of other sizes, and two
-    large segments those may place otherwise; 0 where the sizes are the traced card's."""
+def _scratch_band(row: dict, c: Card) -> tuple[int, int]:
+    """How far the run's peaks may move on `c` for its kernels' scratch of other sizes (per_card.shift):
+    up by the most one launch takes more and two large segments those may place otherwise, down by
+    the most it takes less; (0, 0) where the sizes are the traced card's."""
     if _sizing(row, c) is None:
-        return 0
+        return 0, 0
     codes = _codes(str(row["trace_path"]))
-    return per_card.spread(tuple(trace_store.kernel_sizes(codes, c).values()), tuple(codes.values())) \
-        + 2 * K_LARGE_BUFFER
+    more, less = per_card.shift(list(codes), tuple(trace_store.kernel_sizes(codes, c).values()), tuple(codes.values()))
+    return more + 2 * K_LARGE_BUFFER, less
 
 
 def on_rank(row: dict, card: Card, margin: float = 0.0) -> Card:

@@ -124,7 +124,7 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
     # what that scratch is smaller by here.
     cards, sized = catalog.cards(), Sized(df)
     rows = sized.rows(point.gpu)
-    rec["peak_tensor_bytes"] = rec["peak_allocated_bytes"] - sized.less(point.gpu)
+    rec["peak_tensor_bytes"] = rec["peak_allocated_bytes"] - sized.shift(point.gpu)[1]
     # The catalog's cards whose attention kernels this trace's calls would not take are judged
     # apart, and those of another cuBLAS workspace or kernel scratch by the trace with theirs
     workspace, n_workspaces = trace_store.workspaces(rows)
@@ -136,8 +136,7 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
                                 [nccl.on_rank(c, point.parallel) for c in here], torch.__version__,
                                 snapshot, rec["peak_tensor_bytes"]), catalog_sha=catalog.digest())
     # a card whose SMs size the kernels' scratch otherwise, near its edge: replayed with its own
-    own = [c for c in here if not sized.alike(c, point.gpu)
-           and not _far(point, rec, c, sized.spread(c, point.gpu) + 2 * K_LARGE_BUFFER)]
+    own = [c for c in here if not sized.alike(c, point.gpu) and not _far(point, rec, c, *_scratch_band(sized, c, point.gpu))]
     if len(here) < len(cards) or own:
         edges = {c.key: recorded_edge(rec, c.key) for c in here}
         edges.update(_edges_by_sizes(sized, settings, point, own, rec, exact=True))
@@ -200,7 +199,7 @@ def _on_card(point: Point, card: Card) -> Point:
 def _far_from_their_edge(point: Point, rec: dict, cards: list, n_workspaces: int, sized: Sized) -> list:
     """Those of `cards` whose attention kernels only swap flash for cuDNN (or back) and whose room
     lies further from the traced peaks than `_swap_band` and their kernels' scratch's difference
-    (per_card.Sized.spread): the traced run decides them."""
+    (per_card.Sized.shift): the traced run decides them."""
     scratch = _attention_scratch(point) if cards else None
     if scratch is None:
         return []
@@ -208,17 +207,26 @@ def _far_from_their_edge(point: Point, rec: dict, cards: list, n_workspaces: int
     for c in cards:
         if not attention.swaps_fused_on(c.capability, rec.get(ATTENTION_CALLS)):
             continue
-        band = _swap_band(scratch, rec, c, n_workspaces) + sized.spread(c, point.gpu)
-        if _far(point, rec, c, band):
+        band = _swap_band(scratch, rec, c, n_workspaces)
+        more, less = sized.shift(c, point.gpu)
+        if _far(point, rec, c, band + more, band + less):
             far.append(c)
     return far
 
 
-def _far(point: Point, rec: dict, card: Card, band: int) -> bool:
-    """Whether `card`'s room lies further than `band` from the run's peaks: above its reserved or
-    below its allocated (as one of the job's GPUs)."""
+def _far(point: Point, rec: dict, card: Card, above: int, below: int) -> bool:
+    """Whether `card`'s room lies further from the run's peaks than they may move on it: `above` its
+    reserved, or `below` its allocated (as one of the job's GPUs)."""
     r = nccl.on_rank(card, point.parallel)
-    return r.at_worst().room() >= rec["peak_reserved_bytes"] + band or r.room() < rec["peak_allocated_bytes"] - band
+    return r.at_worst().room() >= rec["peak_reserved_bytes"] + above or r.room() < rec["peak_allocated_bytes"] - below
+
+
+def _scratch_band(sized: Sized, card: Card, than: Card, workspaces: int = 0) -> tuple[int, int]:
+    """How far the run's peaks may move on `card` for its kernels' scratch sized otherwise than on
+    `than` (and `workspaces` bytes of cuBLAS workspaces): up by the most one launch takes more and
+    two large segments those may place otherwise (reserved), down by the most it takes less."""
+    more, less = sized.shift(card, than)
+    return more + workspaces + 2 * K_LARGE_BUFFER, less + workspaces
 
 
 def _attention_scratch(point: Point) -> int | None:
@@ -256,8 +264,7 @@ def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: 
     for c in cards:  # a trace without workspaces (real CPU tensors): theirs ignored
         ws = None if traced_with is None else cublas.workspace_bytes(c.capability)
         own = exact or (c not in far and not sized.alike(c, ref) and not _far(
-            point, rec, c, sized.spread(c, ref) + 2 * K_LARGE_BUFFER
-            + n * abs((ws or 0) - (traced_with or 0))))
+            point, rec, c, *_scratch_band(sized, c, ref, n * abs((ws or 0) - (traced_with or 0)))))
         groups.setdefault((ws, sized.sizes(c if own else ref)), []).append((c, own))
     edges: dict[str, str] = {}
     for (nbytes, _), group in groups.items():
@@ -266,7 +273,7 @@ def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: 
         resized = rows if nbytes in (None, traced_with) else trace_store.with_workspaces(rows, nbytes)
         # the storages' peak at least: the traced one less smaller workspaces and scratch
         less = 0 if nbytes is None or traced_with is None else min(0, n * (nbytes - traced_with))
-        least = rec["peak_allocated_bytes"] + less - sized.less(sized_as)
+        least = rec["peak_allocated_bytes"] + less - sized.shift(sized_as)[1]
         edges.update(reserved.catalog_edges(resized, settings, [nccl.on_rank(c, point.parallel) for c, _ in group],
                                             least))
     return edges

@@ -34,16 +34,24 @@ class Sized:
             self._rows[sizes] = trace_store.replay_rows(trace_store.sized_for(self.df, card))
         return self._rows[sizes]
 
-    def less(self, card: Card) -> int:
-        """How much less one moment's bytes may be on `card` than in the trace as traced: one
-        launch's staging buffer and semaphores less (one launch's scratch lives at a time)."""
-        return spread(tuple(min(a, b) for a, b in zip(self.sizes(card), self.codes.values(), strict=True)),
-                      tuple(self.codes.values()))
+    def shift(self, card: Card, than: Card | None = None) -> tuple[int, int]:
+        """How much more and how much less one moment's bytes may be on `card` than on `than` (None:
+        the card traced): per_card.shift."""
+        base = tuple(self.codes.values()) if than is None else self.sizes(than)
+        return shift(list(self.codes), self.sizes(card), base)
 
-    def spread(self, a: Card, b: Card) -> int:
-        return spread(self.sizes(a), self.sizes(b))
 
-def spread(theirs: tuple[int, ...], ours: tuple[int, ...]) -> int:
-    """How far any moment's bytes may differ between two sizings of a trace's kernel scratch (one
-    launch's buffer and semaphores live at a time): twice the largest difference of one."""
-    return 2 * max([0, *(abs(a - b) for a, b in zip(theirs, ours, strict=True))])
+def _launch(code: str) -> str:
+    """A launch's codes (its staging buffer's and its semaphores') alike but for the part."""
+    kind, _, rest = code.partition(":")
+    return f"{kind}:{rest.partition(':')[2]}"
+
+
+def shift(codes: list[str], theirs: tuple[int, ...], ours: tuple[int, ...]) -> tuple[int, int]:
+    """(more, less): how much more and how much less any moment's bytes may be with a trace's kernel
+    scratch sized `theirs` than `ours` (in the order of `codes`): one launch's scratch lives at a
+    time, so no moment differs by more than one launch's."""
+    by_launch: dict[str, int] = {}
+    for code, a, b in zip(codes, theirs, ours, strict=True):
+        by_launch[_launch(code)] = by_launch.get(_launch(code), 0) + a - b
+    return max([0, *by_launch.values()]), max([0, *(-d for d in by_launch.values())])
