@@ -131,3 +131,22 @@ def test_a_card_of_fewer_sms_near_its_edge_is_judged_with_its_own_kernel_scratch
     row = worker._replayed(point, rec, trace_store.to_frame(events), tmp_path, 0.0)
     assert "t4" in row["fits_cards"] and "t4" not in row["tight_cards"]
     assert row["peak_allocated_bytes"] == tensor + buffer + 512  # the H200's own, as traced
+
+
+def test_a_real_run_promises_no_card_the_room_its_larger_reduction_buffers_need():
+    """demo-1b at 8 x 8192 tokens measured on an A100 80GB (108 SMs): each RMSNorm weight's
+    gradient stages 113 MB there, 138 MB on an H100 (132 SMs). A run reserving 30 MiB under the
+    H100's room is not said to fit it; a card of fewer SMs (the A100 40GB's 108) takes the peaks."""
+    from harness.probe import worker
+    from harness.record.row import WORKSPACE
+
+    a100, h100 = cards.by_key()["a100-80gb"], cards.by_key()["h100-80gb"]
+    point = train_point(model="demo-1b", batch_size=8, seq_len=8192).replace(gpu=a100)
+    run = {"attention_calls": None, "peak_reserved_bytes": h100.room() - 30 * MiB,
+           "peak_allocated_bytes": h100.room() - 2 * GiB, WORKSPACE: 33554432, "device_multiprocessors": 108}
+    edges = worker.measured_edges(point, run)
+    assert edges["h100-80gb"] == "oom"
+    assert edges["a100-80gb"] == "room"  # the card it ran on
+    fewer = {**run, "peak_reserved_bytes": cards.by_key()["a100-40gb"].room() - 30 * MiB,
+             "peak_allocated_bytes": cards.by_key()["a100-40gb"].room() - 2 * GiB}
+    assert worker.measured_edges(point, fewer)["a100-40gb"] in ("room", "tight")

@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 from harness.allocator.settings import K_LARGE_BUFFER, AllocSettings
-from harness.config import attention, cublas, nccl
+from harness.config import attention, cublas, kernels, nccl
 from harness.config import cards as catalog
 from harness.config.attention import ATTENTION_CALLS
 from harness.config.models import hf_config
@@ -170,12 +170,12 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
     for c in apart:
         alike.setdefault(tuple(attention.kernel(c.capability, call) for call in calls), []).append(c)
     traced: list[str] = []
-    for kernels, group in alike.items():
+    for attending, group in alike.items():
         ranked = [nccl.on_rank(c, point.parallel) for c in group]
         # their allocations at every moment at least the traced ones', but for smaller workspaces
         least = rec["peak_allocated_bytes"] - n_workspaces * max(
             0, (rec.get(WORKSPACE) or 0) - min(cublas.workspace_bytes(c.capability) for c in group))
-        heavier = attention.holds_more(kernels, taken) and all(r.room() < least for r in ranked)
+        heavier = attention.holds_more(attending, taken) and all(r.room() < least for r in ranked)
         if heavier or all(r.room() < floor for r in ranked):
             edges.update((c.key, "oom") for c in group)
             continue
@@ -243,6 +243,20 @@ def _attention_scratch(point: Point) -> int | None:
                attention.cudnn_backward_scratch(b, h, h_k, s, s, d, d, 2))
 
 
+def _reductions_more(point: Point, card: Card, than: Card) -> int:
+    """How much more a preset's largest reduction split across blocks (each RMSNorm weight's
+    gradient: a column sum over the step's tokens) allocates on `card` than on `than`, with two
+    large segments where it does (0 for a user's job: its reductions are its own)."""
+    if point.workload.name != WorkloadName.train:
+        return 0
+    hidden = int(hf_config(point.model).hidden_size)
+    tokens = point.batch_size * point.seq_len
+    r = kernels.Reduction(4, hidden, tokens, False, 1, 4 if hidden % 4 == 0 else 1)
+    sizes = [sum(kernels.reduce_buffers(r, kernels.geometry(c)) or (0, 0)) for c in (card, than)]
+    more = sizes[0] - sizes[1]
+    return more + 2 * K_LARGE_BUFFER if more > 0 else 0
+
+
 def _swap_band(scratch: int, rec: dict, card: Card, n_workspaces: int) -> int:
     """How far the traced peaks must lie from `card`'s room to decide it where it attends with
     cuDNN and the trace with flash (or back): one call's `scratch`, two large segments (20 MiB
@@ -303,12 +317,14 @@ def measured_edges(point: Point, rec: dict) -> dict[str, str]:
     retried. A card of other attention kernels holds what the run does not tell, but for cuDNN in
     flash's place or back: its peaks a `_swap_band` (two workspaces: training's) higher must fit."""
     calls, scratch = rec.get(ATTENTION_CALLS), _attention_scratch(point)
+    # the device's launches: its own SMs, whatever card it stood for
+    ran_on = dataclasses.replace(point.gpu, multiprocessors=rec.get("device_multiprocessors") or point.gpu.multiprocessors)
 
     def fits_on(c):  # as one of the job's GPUs (NCCL's memory: in the measured figure on its own card)
-        band: int | None = 0
+        band: int | None = _reductions_more(point, c, ran_on)
         if not attention.takes_alike(c.capability, calls):
             swaps = scratch is not None and attention.swaps_fused_on(c.capability, calls)
-            band = _swap_band(scratch, rec, c, 2) if swaps else None
+            band = band + _swap_band(scratch, rec, c, 2) if swaps else None
         return band is not None and bool(reserved.fits_by_numbers(
             nccl.on_rank(c, point.parallel), rec["peak_reserved_bytes"] + band, rec["peak_allocated_bytes"] + band))
 

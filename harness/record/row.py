@@ -43,7 +43,9 @@ COLUMNS = (
     "num_alloc_retries", "num_ooms", "oom_phase", "oom_step", "oom_module", "oom_tried_bytes", "oom_message",
     # cuda only: the OOM message's own numbers, the device, per-step reserved and times
     "oom_allocated_bytes", "oom_reserved_bytes", "oom_capacity_bytes", "oom_free_bytes", "oom_allowed_bytes",
-    "oom_verdict", "device_memory_bytes", "measured_non_pytorch_bytes", "step_reserved_bytes", "step_times_s",
+    "oom_verdict", "device_memory_bytes",
+    "device_multiprocessors",  # the device's SM count (a card emulated on it runs its kernels' launches)
+    "measured_non_pytorch_bytes", "step_reserved_bytes", "step_times_s",
     "step_time_s", "tokens_per_s", "wall_s", "torch_version", "transformers_version",
     "harness_version", "workload_target", "workload_args", "user_code",
     "trace_path", "trace_reused", "trace_method",

@@ -52,7 +52,7 @@ def run_cuda(point: Point, run_dir: Path) -> dict:
         torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_MAX_ENTRIES, stacks="python")
     props = torch.cuda.get_device_properties(0)
     out: dict = {"device_name": props.name, "device_memory_bytes": props.total_memory,
-                 "torch_version": torch.__version__}
+                 "device_multiprocessors": props.multi_processor_count, "torch_version": torch.__version__}
     fraction = emulation_fraction(point.gpu, props.name, props.total_memory)
     if fraction is not None:
         torch.cuda.set_per_process_memory_fraction(fraction, 0)
