@@ -315,7 +315,8 @@ def measured_edges(point: Point, rec: dict) -> dict[str, str]:
     card's room settles it; between allocated and reserved only a replay could tell, and a cuda run
     has no trace: counted as not fitting. The card it ran on held it, flushing its cache where it
     retried. A card of other attention kernels holds what the run does not tell, but for cuDNN in
-    flash's place or back: its peaks a `_swap_band` (two workspaces: training's) higher must fit."""
+    flash's place or back: its peaks a `_swap_band` (two workspaces: training's) higher must fit; a
+    card of more SMs than the device, its larger reduction buffers more (`_reductions_more`)."""
     calls, scratch = rec.get(ATTENTION_CALLS), _attention_scratch(point)
     # the device's launches: its own SMs, whatever card it stood for
     ran_on = dataclasses.replace(point.gpu, multiprocessors=rec.get("device_multiprocessors") or point.gpu.multiprocessors)
