@@ -150,3 +150,25 @@ def test_a_real_run_promises_no_card_the_room_its_larger_reduction_buffers_need(
     fewer = {**run, "peak_reserved_bytes": cards.by_key()["a100-40gb"].room() - 30 * MiB,
              "peak_allocated_bytes": cards.by_key()["a100-40gb"].room() - 2 * GiB}
     assert worker.measured_edges(point, fewer)["a100-40gb"] in ("room", "tight")
+
+
+def test_edges_from_lean_replays_within_bounds_are_the_unlimited_replays_edges():
+    """reserved.lean_edges (bounds on the peaks, lean replays from another replay's checkpoints where
+    the bounds leave a card open) gives each card the edge catalog_edges does, for cards around a
+    real trace's allocated and reserved peaks."""
+    point = train_point(model="tiny", batch_size=4, seq_len=128)
+    _, tracker = run_point(point)
+    rows = trace_store.replay_rows(trace_store.to_frame(tracker.events))
+    settings = AllocSettings.from_conf("")
+    unlimited = reserved.replay_events(rows, settings, reserved.Device(total=80 * GiB))[0]
+    res, alloc = unlimited.peak_reserved_bytes, unlimited.peak_allocated_bytes
+    probe = [_card(room, spread=s) for room in (alloc - MiB, alloc + MiB, (alloc + res) // 2, res + 4 * MiB)
+             for s in (0, 8 * MiB)]
+    probe = [dataclasses.replace(c, key=f"c{i}") for i, c in enumerate(probe)]
+    exact = reserved.catalog_edges(rows, settings, probe, alloc)
+    assert {"oom", "room"} <= set(exact.values()) and len(set(exact.values())) >= 3
+    checkpoints: list = []
+    reserved.analyse(rows, settings, probe[0], probe, "2.13", None, alloc, checkpoints)
+    assert checkpoints  # some card lies between the peaks
+    assert reserved.lean_edges(rows, settings, probe, checkpoints, res, alloc) == exact
+    assert reserved.lean_edges(rows, settings, probe, [], res + 64 * MiB, alloc - 64 * MiB) == exact

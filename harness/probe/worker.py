@@ -132,14 +132,15 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
     apart = [c for c in cards if not attention.takes_alike(c.capability, rec.get(ATTENTION_CALLS))]
     here = [c for c in cards if c not in apart and workspace in (None, cublas.workspace_bytes(c.capability))]
     # Each card as one of the job's GPUs sees it: NCCL's memory beside the CUDA context's
+    checkpoints: list = []
     rec.update(reserved.analyse(rows, settings, nccl.on_rank(point.gpu, point.parallel),
                                 [nccl.on_rank(c, point.parallel) for c in here], torch.__version__,
-                                snapshot, rec["peak_tensor_bytes"]), catalog_sha=catalog.digest())
+                                snapshot, rec["peak_tensor_bytes"], checkpoints), catalog_sha=catalog.digest())
     # a card whose SMs size the kernels' scratch otherwise, near its edge: replayed with its own
     own = [c for c in here if not sized.alike(c, point.gpu) and not _far(point, rec, c, *_scratch_band(sized, c, point.gpu))]
     if len(here) < len(cards) or own:
         edges = {c.key: recorded_edge(rec, c.key) for c in here}
-        edges.update(_edges_by_sizes(sized, settings, point, own, rec, exact=True))
+        edges.update(_own_sized_edges(sized, settings, point, own, rec, checkpoints))
         # cards that only swap flash for cuDNN (or back), far from their edge: the traced rows decide
         # them, in the same replay as the cards of their workspace size
         far = _far_from_their_edge(point, rec, apart, n_workspaces, sized)
@@ -263,6 +264,26 @@ def _swap_band(scratch: int, rec: dict, card: Card, n_workspaces: int) -> int:
     each) that other block sizes may place otherwise, and the cuBLAS workspaces' difference."""
     workspaces = n_workspaces * abs(cublas.workspace_bytes(card.capability) - (rec.get(WORKSPACE) or 0))
     return scratch + 2 * K_LARGE_BUFFER + workspaces
+
+
+def _own_sized_edges(sized: Sized, settings: AllocSettings, point: Point, cards: list, rec: dict,
+                     checkpoints: list) -> dict[str, str]:
+    """The edge of each of `cards` (of the point's workspaces, other kernel scratch, near their
+    edge) from the trace sized for it: its peaks bounded by the point's and the scratch's shift,
+    else lean replays going on from the point's replay's `checkpoints` taken before the first row
+    the sizing changes (alike up to there: no unlimited replay of its own)."""
+    groups: dict[tuple, list] = {}
+    for c in cards:
+        groups.setdefault(sized.sizes(c), []).append(c)
+    edges: dict[str, str] = {}
+    for group in groups.values():
+        first = sized.first_change(group[0], point.gpu)
+        more, less = sized.shift(group[0], point.gpu)
+        edges.update(reserved.lean_edges(
+            sized.rows(group[0]), settings, [nccl.on_rank(c, point.parallel) for c in group],
+            [k for k in checkpoints if k.event <= first],
+            rec["peak_reserved_bytes"] + more + 2 * K_LARGE_BUFFER, rec["peak_allocated_bytes"] - less))
+    return edges
 
 
 def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: list, rec: dict,

@@ -34,6 +34,12 @@ class Sized:
             self._rows[sizes] = trace_store.replay_rows(trace_store.sized_for(self.df, card))
         return self._rows[sizes]
 
+    def first_change(self, card: Card, than: Card) -> int:
+        """The first row at which the trace on `card` differs from it on `than` (their row count
+        where none does): a replay of either is the other's up to there."""
+        a, b = self.rows(card), self.rows(than)
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x[:3] != y[:3]), min(len(a), len(b)))
+
     def shift(self, card: Card, than: Card | None = None) -> tuple[int, int]:
         """How much more and how much less one moment's bytes may be on `card` than on `than` (None:
         the card traced): per_card.shift."""

@@ -8,7 +8,7 @@ from pathlib import Path
 from harness.allocator import oom_message
 from harness.allocator import snapshot as snap
 from harness.allocator.model import Device
-from harness.allocator.replay import ReplayRow, Replays, replay_events
+from harness.allocator.replay import Checkpoint, ReplayRow, Replays, replay_events
 from harness.allocator.settings import AllocSettings
 from harness.config.point import Card
 
@@ -86,11 +86,15 @@ def catalog_edges(rows: list[ReplayRow], settings: AllocSettings, catalog: list[
 
 
 def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog: list[Card],
-            torch_version: str, snapshot_path: Path | None = None, peak_tensor_bytes: int = 0) -> dict:
+            torch_version: str, snapshot_path: Path | None = None, peak_tensor_bytes: int = 0,
+            checkpoints: list[Checkpoint] | None = None) -> dict:
     """Record fields for the run's card and the whole catalog (`peak_tensor_bytes`: the trace's
-    storages' peak, which the allocated peak is at least)."""
+    storages' peak, which the allocated peak is at least); into `checkpoints`, where given, the
+    states its unlimited replay kept on the way to each card's room (lean_edges goes on from them)."""
     # Unlimited memory, but the card's size for what depends on it (expandable address ranges).
     replays, unlimited = _unlimited(rows, settings, card.memory_bytes, catalog, peak_tensor_bytes)
+    if checkpoints is not None:
+        checkpoints.extend(replays.kept)
     on_the_card = Device.for_card(card)
     trace: list[dict] = []
 
@@ -129,4 +133,31 @@ def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog:
     if snapshot_path is not None:
         snap.write(snapshot_path, alloc, trace)
         out["snapshot_path"] = str(snapshot_path)
+    return out
+
+
+def lean_edges(rows: list[ReplayRow], settings: AllocSettings, cards: list[Card], checkpoints: list[Checkpoint],
+               reserved_at_most: int, allocated_at_least: int) -> dict[str, str]:
+    """Each card's edge (EDGES) for a trace whose peaks are known only within bounds (another
+    card's trace, its kernels' scratch sized otherwise): settled by the bounds where they can, else
+    by lean replays on the card and at its low end, going on from `checkpoints` (states of a replay
+    of rows alike up to there). After a cache flush at the low end: after_retry."""
+    replays = Replays(rows, settings)
+    replays.kept = list(checkpoints)
+
+    def fits(card: Card) -> bool:
+        known = fits_by_numbers(card, reserved_at_most, allocated_at_least)
+        return known if known is not None else not replays.on(Device.for_card(card)).ooms
+
+    out = {}
+    for c in cards:
+        worst = c.at_worst()
+        if not fits(c):
+            out[c.key] = "oom"
+        elif fits_by_numbers(worst, reserved_at_most, allocated_at_least):
+            out[c.key] = "room"
+        elif not fits(worst):
+            out[c.key] = "tight"
+        else:
+            out[c.key] = "after_retry" if replays.on(Device.for_card(worst)).num_alloc_retries else "room"
     return out
