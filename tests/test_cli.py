@@ -455,3 +455,26 @@ def test_the_launcher_refuses_bad_input_before_importing_the_report():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_a_zygote_serves_only_its_own_clone_and_configuration(tmp_path):
+    """The zygote's socket is keyed by where harness lies and its conf/ too: another clone of the
+    same sources (or its card catalog edited) gets a zygote of its own, not one that read another
+    clone's cards."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    def key(root):
+        return subprocess.run([sys.executable, "-c", "from harness.launch.zygote import _code_key; print(_code_key())"],
+                              capture_output=True, text=True, check=True, cwd=tmp_path,
+                              env={**os.environ, "PYTHONPATH": str(root)}).stdout.strip()
+
+    clone = tmp_path / "clone"
+    shutil.copytree(REPO / "harness", clone / "harness", ignore=shutil.ignore_patterns("__pycache__"))
+    here, there = key(REPO), key(clone)
+    card = clone / "harness" / "conf" / "gpu" / "t4.yaml"
+    card.write_text(card.read_text().replace("multiprocessors: 40", "multiprocessors: 41"))
+    assert len({here, there, key(clone)}) == 3

@@ -39,10 +39,18 @@ START_TIMEOUT_S = 60
 
 def _code_key() -> str:
     """This interpreter and the code it would load (provenance.versions: torch, transformers and
-    harness's sources): another install or an edit to harness gets a zygote of its own."""
+    harness's sources), where harness lies and its configuration (conf/: the card catalog, the
+    models): another install, another clone or an edit to either gets a zygote of its own (a zygote
+    reads the catalog once; one of another clone's served this one's points with its cards)."""
+    import harness
     from harness.record.provenance import versions
 
-    return hashlib.sha1(f"{sys.executable}:{sorted(versions().items())}".encode()).hexdigest()[:12]
+    root = Path(harness.__file__).resolve().parent
+    h = hashlib.sha1(f"{sys.executable}:{root}:{sorted(versions().items())}".encode())
+    for path in sorted((root / "conf").rglob("*.yaml")):
+        h.update(path.relative_to(root).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def socket_path() -> Path:
