@@ -26,12 +26,16 @@ def _card(room: int, spread: int = 64 * MiB) -> Card:
                 non_pytorch_spread_bytes=spread, key="c")
 
 
-def test_the_edge_of_a_card_from_a_real_trace():
-    point = train_point(model="tiny", batch_size=4, seq_len=128)
-    _, tracker = run_point(point)
+def _tiny_trace():
+    """A real trace (the tiny model, 4 x 128 tokens), its settings and its replay without a limit."""
+    _, tracker = run_point(train_point(model="tiny", batch_size=4, seq_len=128))
     rows = trace_store.replay_rows(trace_store.to_frame(tracker.events))
     settings = AllocSettings.from_conf("")
-    unlimited = reserved.replay_events(rows, settings, reserved.Device(total=80 * GiB))[0]
+    return rows, settings, reserved.replay_events(rows, settings, reserved.Device(total=80 * GiB))[0]
+
+
+def test_the_edge_of_a_card_from_a_real_trace():
+    rows, settings, unlimited = _tiny_trace()
     res, alloc = unlimited.peak_reserved_bytes, unlimited.peak_allocated_bytes
 
     replays = Replays(rows, settings)
@@ -156,11 +160,7 @@ def test_edges_from_lean_replays_within_bounds_are_the_unlimited_replays_edges()
     """reserved.lean_edges (bounds on the peaks, lean replays from another replay's checkpoints where
     the bounds leave a card open) gives each card the edge catalog_edges does, for cards around a
     real trace's allocated and reserved peaks."""
-    point = train_point(model="tiny", batch_size=4, seq_len=128)
-    _, tracker = run_point(point)
-    rows = trace_store.replay_rows(trace_store.to_frame(tracker.events))
-    settings = AllocSettings.from_conf("")
-    unlimited = reserved.replay_events(rows, settings, reserved.Device(total=80 * GiB))[0]
+    rows, settings, unlimited = _tiny_trace()
     res, alloc = unlimited.peak_reserved_bytes, unlimited.peak_allocated_bytes
     probe = [_card(room, spread=s) for room in (alloc - MiB, alloc + MiB, (alloc + res) // 2, res + 4 * MiB)
              for s in (0, 8 * MiB)]

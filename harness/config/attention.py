@@ -4,7 +4,7 @@ memory-efficient, else math; cuDNN first on Hopper and Blackwell datacenter card
 where torch's cuDNN is newer than 9.15, as every CUDA 13 wheel's is: an H200 with torch 2.11 took it
 for every bf16 call measured), and the kernels differ in memory: the math path materializes the
 B x H x S x S attention matrix that the fused kernels never hold, and each fused backward has
-its own scratch (probe.sim.tracker's kernel scratch). A T4 (sm75) has no flash attention and no
+its own scratch (probe.sim.kernel_scratch). A T4 (sm75) has no flash attention and no
 bf16 memory-efficient one, so a bf16 model attends there with the math path.
 
 A trace is taken under one card's choices; it holds for another card only where every attention

@@ -9,7 +9,7 @@ import pandas as pd
 
 from harness.allocator.model import Device
 from harness.allocator.replay import ReplayRow, Replays
-from harness.allocator.settings import K_LARGE_BUFFER, AllocSettings
+from harness.allocator.settings import AllocSettings
 from harness.config import attention, cublas, nccl
 from harness.config import cards as catalog
 from harness.config.attention import ATTENTION_CALLS
@@ -67,24 +67,26 @@ def _codes(path: str) -> dict[str, int]:
         return {}
 
 
+def _sizes(row: dict, c: Card) -> tuple[dict[str, int], dict[str, int]]:
+    """The trace's kernel scratch whose bytes follow the card (config.kernels): as traced, and on `c`."""
+    codes = {} if _missing(row.get("trace_path")) else _codes(str(row["trace_path"]))
+    return codes, trace_store.kernel_sizes(codes, c)
+
+
 def _sizing(row: dict, c: Card) -> tuple[int, str] | None:
-    """What sizes the trace's kernel scratch for `c` (its SM count and capability: config.kernels);
-    None where the trace's own sizes are the card's."""
-    if _missing(row.get("trace_path")):
-        return None
-    codes = _codes(str(row["trace_path"]))
-    return None if trace_store.kernel_sizes(codes, c) == codes else (c.multiprocessors, c.compute_capability)
+    """What sizes the trace's kernel scratch for `c` (its SM count and capability); None where the
+    trace's own sizes are the card's."""
+    codes, sizes = _sizes(row, c)
+    return None if sizes == codes else (c.multiprocessors, c.compute_capability)
 
 
 def _scratch_band(row: dict, c: Card) -> tuple[int, int]:
-    """How far the run's peaks may move on `c` for its kernels' scratch of other sizes (per_card.shift):
-    up by the most one launch takes more and two large segments those may place otherwise, down by
-    the most it takes less; (0, 0) where the sizes are the traced card's."""
-    if _sizing(row, c) is None:
+    """How far the run's peaks may move on `c` for its kernels' scratch of other sizes
+    (per_card.band); (0, 0) where the sizes are the traced card's."""
+    codes, sizes = _sizes(row, c)
+    if sizes == codes:
         return 0, 0
-    codes = _codes(str(row["trace_path"]))
-    more, less = per_card.shift(list(codes), tuple(trace_store.kernel_sizes(codes, c).values()), tuple(codes.values()))
-    return more + 2 * K_LARGE_BUFFER, less
+    return per_card.band(per_card.shift(list(codes), tuple(sizes.values()), tuple(codes.values())))
 
 
 def on_rank(row: dict, card: Card, margin: float = 0.0) -> Card:

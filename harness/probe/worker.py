@@ -127,7 +127,7 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
     rec["peak_tensor_bytes"] = rec["peak_allocated_bytes"] - sized.shift(point.gpu)[1]
     # The catalog's cards whose attention kernels this trace's calls would not take are judged
     # apart, and those of another cuBLAS workspace or kernel scratch by the trace with theirs
-    workspace, n_workspaces = trace_store.workspaces(rows)
+    workspace, n_workspaces = sized.workspaces(point.gpu)
     rec[WORKSPACE] = workspace
     apart = [c for c in cards if not attention.takes_alike(c.capability, rec.get(ATTENTION_CALLS))]
     here = [c for c in cards if c not in apart and workspace in (None, cublas.workspace_bytes(c.capability))]
@@ -137,7 +137,7 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
                                 [nccl.on_rank(c, point.parallel) for c in here], torch.__version__,
                                 snapshot, rec["peak_tensor_bytes"], checkpoints), catalog_sha=catalog.digest())
     # a card whose SMs size the kernels' scratch otherwise, near its edge: replayed with its own
-    own = [c for c in here if not sized.alike(c, point.gpu) and not _far(point, rec, c, *_scratch_band(sized, c, point.gpu))]
+    own = [c for c in here if not sized.alike(c, point.gpu) and not _far(point, rec, c, *sized.band(c, point.gpu))]
     if len(here) < len(cards) or own:
         edges = {c.key: recorded_edge(rec, c.key) for c in here}
         edges.update(_own_sized_edges(sized, settings, point, own, rec, checkpoints))
@@ -222,14 +222,6 @@ def _far(point: Point, rec: dict, card: Card, above: int, below: int) -> bool:
     return r.at_worst().room() >= rec["peak_reserved_bytes"] + above or r.room() < rec["peak_allocated_bytes"] - below
 
 
-def _scratch_band(sized: Sized, card: Card, than: Card, workspaces: int = 0) -> tuple[int, int]:
-    """How far the run's peaks may move on `card` for its kernels' scratch sized otherwise than on
-    `than` (and `workspaces` bytes of cuBLAS workspaces): up by the most one launch takes more and
-    two large segments those may place otherwise (reserved), down by the most it takes less."""
-    more, less = sized.shift(card, than)
-    return more + workspaces + 2 * K_LARGE_BUFFER, less + workspaces
-
-
 def _attention_scratch(point: Point) -> int | None:
     """The larger backward scratch of one attention call of the point, flash's or cuDNN's (one
     lives at a time); None for a user's job (its attention shapes are its own)."""
@@ -244,15 +236,25 @@ def _attention_scratch(point: Point) -> int | None:
                attention.cudnn_backward_scratch(b, h, h_k, s, s, d, d, 2))
 
 
-def _reductions_more(point: Point, card: Card, than: Card) -> int:
-    """How much more a preset's largest reduction split across blocks (each RMSNorm weight's
-    gradient: a column sum over the step's tokens) allocates on `card` than on `than`, with two
-    large segments where it does (0 for a user's job: its reductions are its own)."""
+def _weight_gradient_sum(point: Point) -> kernels.Reduction | None:
+    """A preset's largest reduction split across blocks: each RMSNorm weight's gradient, a column
+    sum over the step's tokens (None for a user's job, whose reductions are its own, and without
+    training)."""
     if point.workload.name != WorkloadName.train:
+        return None
+    import torch
+
+    from harness.probe.sim.kernel_scratch import reduction
+
+    grad = torch.empty(point.batch_size * point.seq_len, int(hf_config(point.model).hidden_size), device="meta")
+    return reduction(grad, [0], 4, 4)
+
+
+def _reductions_more(r: kernels.Reduction | None, card: Card, than: Card) -> int:
+    """How much more the reduction `r` stages on `card` than on `than`, with two large segments
+    where it does (0 without one)."""
+    if r is None:
         return 0
-    hidden = int(hf_config(point.model).hidden_size)
-    tokens = point.batch_size * point.seq_len
-    r = kernels.Reduction(4, hidden, tokens, False, 1, 4 if hidden % 4 == 0 else 1)
     sizes = [sum(kernels.reduce_buffers(r, kernels.geometry(c)) or (0, 0)) for c in (card, than)]
     more = sizes[0] - sizes[1]
     return more + 2 * K_LARGE_BUFFER if more > 0 else 0
@@ -278,11 +280,11 @@ def _own_sized_edges(sized: Sized, settings: AllocSettings, point: Point, cards:
     edges: dict[str, str] = {}
     for group in groups.values():
         first = sized.first_change(group[0], point.gpu)
-        more, less = sized.shift(group[0], point.gpu)
+        above, below = sized.band(group[0], point.gpu)
         edges.update(reserved.lean_edges(
             sized.rows(group[0]), settings, [nccl.on_rank(c, point.parallel) for c in group],
             [k for k in checkpoints if k.event <= first],
-            rec["peak_reserved_bytes"] + more + 2 * K_LARGE_BUFFER, rec["peak_allocated_bytes"] - less))
+            rec["peak_reserved_bytes"] + above, rec["peak_allocated_bytes"] - below))
     return edges
 
 
@@ -294,12 +296,12 @@ def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: 
     difference and two large segments, the point's card's scratch stands for its own, as it does
     for the cards of other attention kernels in `far`."""
     ref = point.gpu
-    traced_with, n = trace_store.workspaces(sized.rows(ref))
+    traced_with, n = sized.workspaces(ref)
     groups: dict[tuple, list] = {}
     for c in cards:  # a trace without workspaces (real CPU tensors): theirs ignored
         ws = None if traced_with is None else cublas.workspace_bytes(c.capability)
         own = exact or (c not in far and not sized.alike(c, ref) and not _far(
-            point, rec, c, *_scratch_band(sized, c, ref, n * abs((ws or 0) - (traced_with or 0)))))
+            point, rec, c, *sized.band(c, ref, n * abs((ws or 0) - (traced_with or 0)))))
         groups.setdefault((ws, sized.sizes(c if own else ref)), []).append((c, own))
     edges: dict[str, str] = {}
     for (nbytes, _), group in groups.items():
@@ -338,12 +340,12 @@ def measured_edges(point: Point, rec: dict) -> dict[str, str]:
     retried. A card of other attention kernels holds what the run does not tell, but for cuDNN in
     flash's place or back: its peaks a `_swap_band` (two workspaces: training's) higher must fit; a
     card of more SMs than the device, its larger reduction buffers more (`_reductions_more`)."""
-    calls, scratch = rec.get(ATTENTION_CALLS), _attention_scratch(point)
+    calls, scratch, summed = rec.get(ATTENTION_CALLS), _attention_scratch(point), _weight_gradient_sum(point)
     # the device's launches: its own SMs, whatever card it stood for
     ran_on = dataclasses.replace(point.gpu, multiprocessors=rec.get("device_multiprocessors") or point.gpu.multiprocessors)
 
     def fits_on(c):  # as one of the job's GPUs (NCCL's memory: in the measured figure on its own card)
-        band: int | None = _reductions_more(point, c, ran_on)
+        band: int | None = _reductions_more(summed, c, ran_on)
         if not attention.takes_alike(c.capability, calls):
             swaps = scratch is not None and attention.swaps_fused_on(c.capability, calls)
             band = band + _swap_band(scratch, rec, c, 2) if swaps else None

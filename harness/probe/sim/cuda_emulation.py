@@ -8,7 +8,7 @@ context manager so nothing leaks out of the trace:
 - scaled-dot-product attention: CUDA's kernel choice on the card (config.attention: cuDNN first
   on sm90/sm10x, flash for fp16/bf16 without a mask from sm80 on, memory-efficient otherwise,
   math where none takes the call, a bf16 one on a T4) instead of the CPU kernels; each kernel's
-  own scratch is the tracker's (tracker._KERNEL_SCRATCH);
+  own scratch is the tracker's (probe.sim.kernel_scratch);
 - dropout: CUDA's fused kernel keeps a bool mask (1 B per element) for backward, where the CPU
   path keeps a noise tensor in the input's dtype (4 B in fp32);
 - autocast: CUDA's op lists (lower precision for GEMMs, fp32 for exp/pow/rsqrt/losses, fp32

@@ -11,6 +11,8 @@ launch does not split, the trace holds no allocation for it, also for a card who
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
@@ -88,28 +90,21 @@ def _accumulated_in(x: torch.Tensor) -> int:
     return 4 if x.is_floating_point() and x.element_size() <= 4 else 8
 
 
-def _sum_like(dims_at: int | None):
+def _reducing(dims_at: int | None, accumulator, input_vec):
+    """A reduction op's scratch: its dims at argument `dims_at` (None: all), sizeof(acc_t) and the
+    elements a thread loads at once along a reduced fastest dimension, each of the input."""
     def scratch(args, g):
         x = args[0]
         dims = args[dims_at] if dims_at is not None and len(args) > dims_at else None
-        # 16-bit inputs load 8 at a time along a reduced fastest dimension (ReduceSumProdKernel.cu)
-        vec = 8 if x.element_size() == 2 else 4
-        return _reduction_scratch(reduction(x, dims, _accumulated_in(x), vec), g)
+        return _reduction_scratch(reduction(x, dims, accumulator(x), input_vec(x)), g)
     return scratch
 
 
-def _extremum(dims_at: int | None):
-    def scratch(args, g):  # amax/amin/max/min: the accumulator is the element
-        x = args[0]
-        dims = args[dims_at] if dims_at is not None and len(args) > dims_at else None
-        return _reduction_scratch(reduction(x, dims, x.element_size(), 4), g)
-    return scratch
-
-
-def _norm(args, g):
-    x = args[0]
-    dims = args[2] if len(args) > 2 else None
-    return _reduction_scratch(reduction(x, dims, _accumulated_in(x), 4), g)
+# sum and mean load 16-bit inputs 8 at a time (ReduceSumProdKernel.cu); amax/amin/max/min accumulate
+# in the element's type
+_sum_like = functools.partial(_reducing, accumulator=_accumulated_in,
+                              input_vec=lambda x: 8 if x.element_size() == 2 else 4)
+_extremum = functools.partial(_reducing, accumulator=lambda x: x.element_size(), input_vec=lambda x: 4)
 
 
 def _reduction_scratch(r: Reduction | None, g: Geometry) -> list[tuple[int, str]]:
@@ -159,7 +154,7 @@ _BY_ARGS = {
     _aten.mean.dim: _sum_like(1),
     _aten.mean.default: _sum_like(None),
     _aten.nansum.default: _sum_like(1),
-    _aten.linalg_vector_norm.default: _norm,
+    _aten.linalg_vector_norm.default: _reducing(2, _accumulated_in, lambda x: 4),
     _aten.amax.default: _extremum(1),
     _aten.amin.default: _extremum(1),
     _aten.max.default: _extremum(None),

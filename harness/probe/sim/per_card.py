@@ -5,6 +5,7 @@ distinct sizing (cards of one SM count and kind share them)."""
 from __future__ import annotations
 
 from harness.allocator.replay import ReplayRow
+from harness.allocator.settings import K_LARGE_BUFFER
 from harness.config.point import Card
 from harness.record import trace_store
 
@@ -17,6 +18,7 @@ class Sized:
         self.codes = trace_store.kernel_codes(df)  # code -> bytes on the card traced
         self._sizes: dict[tuple, tuple[int, ...]] = {}
         self._rows: dict[tuple[int, ...], list[ReplayRow]] = {}
+        self._workspaces: dict[tuple[int, ...], tuple[int | None, int]] = {}
 
     def sizes(self, card: Card) -> tuple[int, ...]:
         """The trace's card-dependent scratch on `card`, in the order of `codes`."""
@@ -34,6 +36,13 @@ class Sized:
             self._rows[sizes] = trace_store.replay_rows(trace_store.sized_for(self.df, card))
         return self._rows[sizes]
 
+    def workspaces(self, card: Card) -> tuple[int | None, int]:
+        """The trace's cuBLAS workspaces on `card` (trace_store.workspaces: the bytes of one, how many)."""
+        sizes = self.sizes(card)
+        if sizes not in self._workspaces:
+            self._workspaces[sizes] = trace_store.workspaces(self.rows(card))
+        return self._workspaces[sizes]
+
     def first_change(self, card: Card, than: Card) -> int:
         """The first row at which the trace on `card` differs from it on `than` (their row count
         where none does): a replay of either is the other's up to there."""
@@ -45,6 +54,9 @@ class Sized:
         the card traced): per_card.shift."""
         base = tuple(self.codes.values()) if than is None else self.sizes(than)
         return shift(list(self.codes), self.sizes(card), base)
+
+    def band(self, card: Card, than: Card, workspaces: int = 0) -> tuple[int, int]:
+        return band(self.shift(card, than), workspaces)
 
 
 def _launch(code: str) -> str:
@@ -61,3 +73,12 @@ def shift(codes: list[str], theirs: tuple[int, ...], ours: tuple[int, ...]) -> t
     for code, a, b in zip(codes, theirs, ours, strict=True):
         by_launch[_launch(code)] = by_launch.get(_launch(code), 0) + a - b
     return max([0, *by_launch.values()]), max([0, *(-d for d in by_launch.values())])
+
+
+def band(shifted: tuple[int, int], workspaces: int = 0) -> tuple[int, int]:
+    """(above, below): how far a run's peaks may move where its kernels' scratch is sized otherwise
+    (`shifted`: shift's (more, less)) and its cuBLAS workspaces differ by `workspaces` bytes: its
+    reserved up by the more and two large segments those may place otherwise, its allocated down by
+    the less."""
+    more, less = shifted
+    return more + workspaces + 2 * K_LARGE_BUFFER, less + workspaces

@@ -151,13 +151,9 @@ def lean_edges(rows: list[ReplayRow], settings: AllocSettings, cards: list[Card]
 
     out = {}
     for c in cards:
-        worst = c.at_worst()
-        if not fits(c):
-            out[c.key] = "oom"
-        elif fits_by_numbers(worst, reserved_at_most, allocated_at_least):
-            out[c.key] = "room"
-        elif not fits(worst):
-            out[c.key] = "tight"
-        else:
-            out[c.key] = "after_retry" if replays.on(Device.for_card(worst)).num_alloc_retries else "room"
+        e = edge(fits, reserved_at_most, c)
+        # the bound says its reserved may pass the low end's room: whether it does, the replay there says
+        if e == "after_retry" and not replays.on(Device.for_card(c.at_worst())).num_alloc_retries:
+            e = "room"
+        out[c.key] = e
     return out

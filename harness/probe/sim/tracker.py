@@ -81,8 +81,6 @@ _ADD_IN_PLACE = _aten.add_.Tensor
 # A tensor alone on its storage reads 2 uses, fake or real: it and the storage object the reading makes
 _SOLE_STORAGE_USES = 2
 
-
-
 # cuDNN's forward makes its philox seed and offset (8 B each) before its output and log-sum-exp
 _CUDNN_FORWARD = _aten._scaled_dot_product_cudnn_attention.default
 _ENGINE_FILE = os.path.join("torch", "autograd", "graph.py")
@@ -365,9 +363,12 @@ class StorageTracker(TorchDispatchMode):
         if handle in self._workspaces:
             return
         self._workspaces.add(handle)
-        key = self._next_synthetic
+        self._record_alloc(self._synthetic_key(), self.workspace_bytes, "workspace")
+
+    def _synthetic_key(self) -> int:
+        # an allocation no storage owns (a workspace, a kernel's scratch): keys below 0, never reused
         self._next_synthetic -= 1
-        self._record_alloc(key, self.workspace_bytes, "workspace")
+        return self._next_synthetic + 1
 
     # ---- dispatch --------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -409,8 +410,7 @@ class StorageTracker(TorchDispatchMode):
         before it returns."""
         keys = []
         for size, code in made:
-            keys.append(self._next_synthetic)
-            self._next_synthetic -= 1
+            keys.append(self._synthetic_key())
             self._record_alloc(keys[-1], size, "temporary", code)
         for key in reversed(keys):
             self._record_free(key)
