@@ -172,3 +172,23 @@ def test_edges_from_lean_replays_within_bounds_are_the_unlimited_replays_edges()
     assert checkpoints  # some card lies between the peaks
     assert reserved.lean_edges(rows, settings, probe, checkpoints, res, alloc) == exact
     assert reserved.lean_edges(rows, settings, probe, [], res + 64 * MiB, alloc - 64 * MiB) == exact
+
+
+def test_a_cards_rows_resize_its_kernel_scratch_and_drop_the_launches_it_makes_none_of():
+    """per_card.Sized.rows (the traced rows copied, the scratch rows resized) agrees with the frame
+    sized for the card (trace_store.sized_for), where a card's launch makes no staging buffer too."""
+    from harness.probe.sim.per_card import Sized
+    from harness.probe.sim.tracker import TraceEvent
+
+    code = "reduce:0:4,8192,4096,0,1,4"  # 70B's RMSNorm weight gradient: none on a card of one SM
+    events = [TraceEvent(0, "alloc", 1, 4096, "activation", "backward", 0, "norm"),
+              TraceEvent(1, "alloc", 2, 113246208, "temporary", "backward", 0, "norm", kernel=code),
+              TraceEvent(2, "free", 2, 113246208, "temporary", "backward", 0, "norm", kernel=code),
+              TraceEvent(3, "free", 1, 4096, "activation", "backward", 0, "norm")]
+    df = trace_store.to_frame(events)
+    sized = Sized(df)
+    one_sm = Card(multiprocessors=1, compute_capability="8.0")
+    for card in (*cards.cards(), one_sm):
+        assert sized.rows(card) == trace_store.replay_rows(trace_store.sized_for(df, card)), card.key
+    assert [r.key for r in sized.rows(one_sm)] == [1, 1]
+    assert {r.size for r in sized.rows(cards.by_key()["l4"]) if r.key == 2} == {46137344}

@@ -385,6 +385,7 @@ def test_fsdp2s_copies_allocate_their_launch_tables_as_on_four_h200s():
     import collections
 
     from harness.config.cards import by_key
+    from harness.probe.sim.per_card import Sized
     from harness.probe.sim.shortcut import at_depth
     from harness.record import trace_store
 
@@ -400,3 +401,7 @@ def test_fsdp2s_copies_allocate_their_launch_tables_as_on_four_h200s():
     on_t4 = trace_store.sized_for(df, by_key()["t4"])
     assert 33792 not in set(on_t4["size"]) and len(on_t4) <= len(df)
     assert trace_store.sized_for(df, by_key()["h100-80gb"]) is df  # 132 SMs, 2048 threads: the H200's sizes
+    # the rows each card's replay takes, made from the traced ones: the frame's sized for it
+    sized = Sized(df)
+    for card in by_key().values():
+        assert sized.rows(card) == trace_store.replay_rows(trace_store.sized_for(df, card)), card.key

@@ -131,22 +131,26 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
     rec[WORKSPACE] = workspace
     apart = [c for c in cards if not attention.takes_alike(c.capability, rec.get(ATTENTION_CALLS))]
     here = [c for c in cards if c not in apart and workspace in (None, cublas.workspace_bytes(c.capability))]
-    # Each card as one of the job's GPUs sees it: NCCL's memory beside the CUDA context's
+    def own_sized(peaks: dict) -> list:  # a card whose SMs size the kernels' scratch otherwise, near its edge
+        return [c for c in here if not sized.alike(c, point.gpu) and not _far(point, peaks, c, *sized.band(c, point.gpu))]
+
+    # Each card as one of the job's GPUs sees it: NCCL's memory beside the CUDA context's; those
+    # judged by the trace with their own scratch sizes are left to _own_sized_edges
     checkpoints: list = []
-    rec.update(reserved.analyse(rows, settings, nccl.on_rank(point.gpu, point.parallel),
-                                [nccl.on_rank(c, point.parallel) for c in here], torch.__version__,
-                                snapshot, rec["peak_tensor_bytes"], checkpoints), catalog_sha=catalog.digest())
-    # a card whose SMs size the kernels' scratch otherwise, near its edge: replayed with its own
-    own = [c for c in here if not sized.alike(c, point.gpu) and not _far(point, rec, c, *sized.band(c, point.gpu))]
+    rec.update(reserved.analyse(
+        rows, settings, nccl.on_rank(point.gpu, point.parallel), [nccl.on_rank(c, point.parallel) for c in here],
+        torch.__version__, snapshot, rec["peak_tensor_bytes"], checkpoints,
+        elsewhere=lambda res, alloc: {c.key for c in own_sized(_peaks(res, alloc))}), catalog_sha=catalog.digest())
+    own = own_sized(rec)
     if len(here) < len(cards) or own:
         edges = {c.key: recorded_edge(rec, c.key) for c in here}
         edges.update(_own_sized_edges(sized, settings, point, own, rec, checkpoints))
-        # cards that only swap flash for cuDNN (or back), far from their edge: the traced rows decide
-        # them, in the same replay as the cards of their workspace size
+        # cards that only swap flash for cuDNN (or back), far from their edge: the traced peaks decide them
         far = _far_from_their_edge(point, rec, apart, n_workspaces, sized)
-        apart = [c for c in apart if c not in far]
+        edges.update(far)
+        apart = [c for c in apart if c.key not in far]
         edges.update(_edges_by_sizes(sized, settings, point, [c for c in cards if c not in apart and c not in here],
-                                     rec, far))
+                                     rec))
         if apart:
             traced = _edges_apart(point, rec, settings, apart, run_dir, n_workspaces, edges)
             if traced:
@@ -197,29 +201,41 @@ def _on_card(point: Point, card: Card) -> Point:
     return point.replace(gpu=card, parallel=dataclasses.replace(point.parallel, nodes=nodes))
 
 
-def _far_from_their_edge(point: Point, rec: dict, cards: list, n_workspaces: int, sized: Sized) -> list:
-    """Those of `cards` whose attention kernels only swap flash for cuDNN (or back) and whose room
-    lies further from the traced peaks than `_swap_band` and their kernels' scratch's difference
-    (per_card.Sized.shift): the traced run decides them."""
+def _far_from_their_edge(point: Point, rec: dict, cards: list, n_workspaces: int, sized: Sized) -> dict[str, str]:
+    """The edge (room or oom) of those of `cards` whose attention kernels only swap flash for cuDNN
+    (or back) and whose room lies further from the traced peaks than `_swap_band` and their
+    kernels' scratch's difference (per_card.Sized.shift): the traced run decides them."""
     scratch = _attention_scratch(point) if cards else None
     if scratch is None:
-        return []
-    far = []
+        return {}
+    far = {}
     for c in cards:
         if not attention.swaps_fused_on(c.capability, rec.get(ATTENTION_CALLS)):
             continue
         band = _swap_band(scratch, rec, c, n_workspaces)
         more, less = sized.shift(c, point.gpu)
-        if _far(point, rec, c, band + more, band + less):
-            far.append(c)
+        known = _by_bounds(point, rec, c, band + more, band + less)
+        if known is not None:
+            far[c.key] = known
     return far
 
 
-def _far(point: Point, rec: dict, card: Card, above: int, below: int) -> bool:
-    """Whether `card`'s room lies further from the run's peaks than they may move on it: `above` its
-    reserved, or `below` its allocated (as one of the job's GPUs)."""
+def _by_bounds(point: Point, rec: dict, card: Card, above: int, below: int) -> str | None:
+    """`card`'s edge where its room lies further from the run's peaks than they may move on it
+    (`above` its reserved: room; `below` its allocated: oom), as one of the job's GPUs; else None."""
     r = nccl.on_rank(card, point.parallel)
-    return r.at_worst().room() >= rec["peak_reserved_bytes"] + above or r.room() < rec["peak_allocated_bytes"] - below
+    if r.at_worst().room() >= rec["peak_reserved_bytes"] + above:
+        return "room"
+    return "oom" if r.room() < rec["peak_allocated_bytes"] - below else None
+
+
+def _far(point: Point, rec: dict, card: Card, above: int, below: int) -> bool:
+    return _by_bounds(point, rec, card, above, below) is not None
+
+
+def _peaks(reserved_bytes: int, allocated_bytes: int) -> dict:
+    """A row's two peaks, as _far reads them."""
+    return {"peak_reserved_bytes": reserved_bytes, "peak_allocated_bytes": allocated_bytes}
 
 
 def _attention_scratch(point: Point) -> int | None:
@@ -289,29 +305,29 @@ def _own_sized_edges(sized: Sized, settings: AllocSettings, point: Point, cards:
 
 
 def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: list, rec: dict,
-                    far: tuple | list = (), exact: bool = False) -> dict[str, str]:
+                    exact: bool = False) -> dict[str, str]:
     """The edge of each of `cards` from the trace `sized` (of `point`'s card) with each card's cuBLAS
-    workspaces (config.cublas; one allocation each, made where they were) and, where the card lies
-    near its edge (or `exact`), its kernels' scratch (config.kernels); further from it than their
-    difference and two large segments, the point's card's scratch stands for its own, as it does
-    for the cards of other attention kernels in `far`."""
+    workspaces (config.cublas; one allocation each, made where they were) and its kernels' scratch
+    (config.kernels); but where the card's room lies further from the traced peaks than their
+    differences and two large segments (unless `exact`): those peaks decide it."""
     ref = point.gpu
     traced_with, n = sized.workspaces(ref)
     groups: dict[tuple, list] = {}
+    edges: dict[str, str] = {}
     for c in cards:  # a trace without workspaces (real CPU tensors): theirs ignored
         ws = None if traced_with is None else cublas.workspace_bytes(c.capability)
-        own = exact or (c not in far and not sized.alike(c, ref) and not _far(
-            point, rec, c, *sized.band(c, ref, n * abs((ws or 0) - (traced_with or 0)))))
-        groups.setdefault((ws, sized.sizes(c if own else ref)), []).append((c, own))
-    edges: dict[str, str] = {}
+        known = None if exact else _by_bounds(point, rec, c, *sized.band(c, ref, n * abs((ws or 0) - (traced_with or 0))))
+        if known is not None:
+            edges[c.key] = known
+        else:
+            groups.setdefault((ws, sized.sizes(c)), []).append(c)
     for (nbytes, _), group in groups.items():
-        sized_as = group[0][0] if group[0][1] else ref
-        rows = sized.rows(sized_as)
+        rows = sized.rows(group[0])
         resized = rows if nbytes in (None, traced_with) else trace_store.with_workspaces(rows, nbytes)
         # the storages' peak at least: the traced one less smaller workspaces and scratch
         less = 0 if nbytes is None or traced_with is None else min(0, n * (nbytes - traced_with))
-        least = rec["peak_allocated_bytes"] + less - sized.shift(sized_as)[1]
-        edges.update(reserved.catalog_edges(resized, settings, [nccl.on_rank(c, point.parallel) for c, _ in group],
+        least = rec["peak_allocated_bytes"] + less - sized.shift(group[0])[1]
+        edges.update(reserved.catalog_edges(resized, settings, [nccl.on_rank(c, point.parallel) for c in group],
                                             least))
     return edges
 

@@ -76,6 +76,12 @@ def kernel_codes(df: pd.DataFrame) -> dict[str, int]:
     return dict(zip(marked["kernel"].tolist(), marked["size"].astype("int64").tolist()))
 
 
+def scratch_keys(df: pd.DataFrame) -> dict:
+    """Each kernel scratch storage's key and its launch's code (kernel_codes)."""
+    marked = df[df["kernel"] != ""] if "kernel" in df else df.iloc[:0]
+    return dict(zip(marked["key"].tolist(), marked["kernel"].tolist()))
+
+
 def kernel_sizes(codes: dict[str, int], card: Card) -> dict[str, int]:
     """Each of `codes`' (kernel_codes) bytes on `card` (0: its launch makes none there)."""
     g = kernels.geometry(card)
@@ -89,9 +95,8 @@ def sized_for(df: pd.DataFrame, card: Card) -> pd.DataFrame:
     sizes = kernel_sizes(codes, card)
     if sizes == codes:
         return df
-    marked = df["kernel"] != ""
     # its alloc's and free's rows by key (scratch keys are the tracker's own, never another storage's)
-    by_key = dict(zip(df["key"][marked].tolist(), df["kernel"][marked].map(sizes).tolist()))
+    by_key = {k: sizes[c] for k, c in scratch_keys(df).items()}
     rows = df["key"].isin(by_key.keys())
     out = df.copy()
     out.loc[rows, "size"] = out["key"][rows].map(by_key)

@@ -18,6 +18,7 @@ class Sized:
         self.codes = trace_store.kernel_codes(df)  # code -> bytes on the card traced
         self._sizes: dict[tuple, tuple[int, ...]] = {}
         self._rows: dict[tuple[int, ...], list[ReplayRow]] = {}
+        self._marked: list[tuple[int, str]] | None = None  # (row, its launch's code) as traced
         self._workspaces: dict[tuple[int, ...], tuple[int | None, int]] = {}
 
     def sizes(self, card: Card) -> tuple[int, ...]:
@@ -31,10 +32,33 @@ class Sized:
         return self.sizes(a) == self.sizes(b)
 
     def rows(self, card: Card) -> list[ReplayRow]:
+        """The trace's rows as `card` runs it (trace_store.sized_for's, made from the traced rows:
+        a copy with the scratch rows resized, not the frame sized again)."""
         sizes = self.sizes(card)
         if sizes not in self._rows:
-            self._rows[sizes] = trace_store.replay_rows(trace_store.sized_for(self.df, card))
+            self._rows[sizes] = self._resized(sizes)
         return self._rows[sizes]
+
+    def _resized(self, sizes: tuple[int, ...]) -> list[ReplayRow]:
+        traced = tuple(self.codes.values())
+        if traced not in self._rows:
+            self._rows[traced] = trace_store.replay_rows(self.df)
+        base = self._rows[traced]
+        if sizes == traced:
+            return base
+        if self._marked is None:  # every row of a scratch key: its alloc and its free
+            codes = trace_store.scratch_keys(self.df)
+            self._marked = [(i, codes[r.key]) for i, r in enumerate(base) if r.key in codes]
+        nbytes = dict(zip(self.codes, sizes, strict=True))
+        rows = list(base)
+        gone = set()
+        for i, code in self._marked:
+            n = nbytes[code]
+            if n == 0:  # this card's launch makes none
+                gone.add(rows[i].key)
+            else:
+                rows[i] = rows[i]._replace(size=n)
+        return [r for r in rows if r.key not in gone] if gone else rows
 
     def workspaces(self, card: Card) -> tuple[int | None, int]:
         """The trace's cuBLAS workspaces on `card` (trace_store.workspaces: the bytes of one, how many)."""

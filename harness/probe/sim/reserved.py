@@ -3,6 +3,7 @@ unlimited device (what the job reserves) and on each card (whether it fits, and 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from harness.allocator import oom_message
@@ -87,10 +88,13 @@ def catalog_edges(rows: list[ReplayRow], settings: AllocSettings, catalog: list[
 
 def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog: list[Card],
             torch_version: str, snapshot_path: Path | None = None, peak_tensor_bytes: int = 0,
-            checkpoints: list[Checkpoint] | None = None) -> dict:
+            checkpoints: list[Checkpoint] | None = None,
+            elsewhere: Callable[[int, int], Collection[str]] | None = None) -> dict:
     """Record fields for the run's card and the whole catalog (`peak_tensor_bytes`: the trace's
     storages' peak, which the allocated peak is at least); into `checkpoints`, where given, the
-    states its unlimited replay kept on the way to each card's room (lean_edges goes on from them)."""
+    states its unlimited replay kept on the way to each card's room (lean_edges goes on from them).
+    `elsewhere(peak reserved, peak allocated)`: the keys of catalog cards the caller judges itself
+    (left out of the edge columns)."""
     # Unlimited memory, but the card's size for what depends on it (expandable address ranges).
     replays, unlimited = _unlimited(rows, settings, card.memory_bytes, catalog, peak_tensor_bytes)
     if checkpoints is not None:
@@ -124,6 +128,9 @@ def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog:
         "num_alloc_retries": on_card.num_alloc_retries,
         "num_ooms": len(on_card.ooms),
     }
+    if elsewhere is not None:
+        leave = elsewhere(unlimited.peak_reserved_bytes, unlimited.peak_allocated_bytes)
+        catalog = [c for c in catalog if c.key not in leave]
     out.update(edge_columns(_edges(replays, unlimited, catalog)))
     if on_card.ooms:
         oom = on_card.ooms[0]
