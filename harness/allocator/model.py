@@ -384,28 +384,28 @@ class CachingAllocator:
         return self.device.allowed is not None and self.settings.garbage_collection_threshold > 0
 
     def _get_free_block(self, pool: Pool, stream: int, size: int) -> Block | None:
-        s = self.settings
+        s, free = self.settings, pool.free
         if self._gc_active():
             pool.get_free_blocks_calls += 1
-        i = bisect_left(pool.free, (stream, size, 0))
-        if i == len(pool.free) or pool.free[i][0] != stream:
+        i = bisect_left(free, (stream, size, 0))
+        if i == len(free) or free[i][0] != stream:
             return None
-        b = self.blocks[pool.free[i][2]]
+        b = self.blocks[free[i][2]]
         if b.es is not None:
             # Best fit counts an expandable block as big as it can grow (next unmapped).
             def grow(x: Block) -> int:
                 return x.size + (x.next.size if x.next is not None and not x.next.mapped else 0)
             j = i + 1
-            while b.es is not None and j < len(pool.free) and pool.free[j][0] == stream:
-                nb = self.blocks[pool.free[j][2]]
+            while b.es is not None and j < len(free) and free[j][0] == stream:
+                nb = self.blocks[free[j][2]]
                 if grow(nb) >= grow(b):
                     break
-                b, j = nb, j + 1
+                b, i, j = nb, j, j + 1
         if size < s.max_split_size and b.size >= s.max_split_size:
             return None  # never hand an oversize block to a normal request
         if size >= s.max_split_size and b.size >= size + s.max_non_split_rounding:
             return None  # oversize reuse only within max_non_split_rounding
-        pool.remove(b)
+        del free[i]  # (pool.remove, its place known)
         return b
 
     def _should_split(self, b: Block, size: int) -> bool:
