@@ -37,6 +37,24 @@ def test_a_card_between_allocated_and_reserved_fits_by_the_retry_ladder():
     assert out["num_alloc_retries"] >= 1 and "status" not in out and out["fits_cards"] == ["c200"]
 
 
+def test_cards_the_caller_judges_itself_are_left_out_of_the_edge_columns_given_the_peaks():
+    """analyse asks `elsewhere` with the unlimited replay's peaks which cards it should not judge
+    (probe.worker judges those with their own kernel scratch): they are absent from every edge
+    column, the others' edges as without it."""
+    rows, settings = _small_then_large(), AllocSettings()
+    cards = [_card(100), _card(200), _card(300)]
+    asked = []
+
+    def elsewhere(res, alloc):
+        asked.append((res, alloc))
+        return {"c200"}
+
+    out = reserved.analyse(rows, settings, _card(300), cards, "2.6", elsewhere=elsewhere)
+    assert asked == [(256 * MiB, 128 * MiB)]
+    assert out["fits_cards"] == ["c300"] and out["retry_cards"] == [] and out["tight_cards"] == []
+    assert reserved.analyse(rows, settings, _card(300), cards, "2.6")["fits_cards"] == ["c200", "c300"]
+
+
 def test_a_capacity_that_decides_every_cudamalloc_alike_reuses_a_replay_and_its_verdict():
     """Cards every 8 MiB from 96 to 320 MiB, each of its own total size: each answer (OOM or not,
     cache flushes, peaks) is what a replay of its own gives, from fewer replays than cards. Under
