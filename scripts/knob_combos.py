@@ -1,0 +1,89 @@
+"""Random combinations of the documented knobs, each run as a user runs it:
+`python scripts/knob_combos.py [N] [SEED] [backend=cpu ...]`.
+
+Each combination is one `python -m harness run model=tiny ...` (two at a time). A run must end in a
+row (exit 0: ok or OOM) or be refused before anything runs (exit 2, one line naming the key); an
+error row (exit 1) or any other exit is a bug, and the script exits 1 after listing them. Prints
+each run's exit code and overrides, then the refusals by message.
+"""
+
+import collections
+import json
+import random
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def combination(rng: random.Random) -> list[str]:
+    """One point's overrides, drawn from README's table of knobs (tiny: 4 heads, 2 key/value heads)."""
+    o = ["model=tiny", f"seq_len={rng.choice([64, 96, 128])}", f"batch_size={rng.choice([1, 2, 4])}",
+         f"precision={rng.choice(['fp32', 'bf16', 'fp16', 'amp_bf16', 'amp_fp16'])}",
+         f"allocator={rng.choice(['default', 'expandable', 'max_split_512', 'roundup4', 'gc80'])}",
+         f"gpu={rng.choice(['a100-80gb', 't4', 'h100-80gb', 'rtx4060', 'mi300x', 'l4'])}"]
+    if rng.random() < 0.25:
+        o.append("workload=infer")
+        if rng.random() < 0.5:
+            o.append(f"workload.new_tokens={rng.choice([1, 4])}")
+        return o
+    if rng.random() < 0.5:
+        o.append("checkpointing=true")
+        if rng.random() < 0.5:
+            o.append("checkpointing_policy=op")
+    o.append(f"optimizer={rng.choice(['adamw', 'sgd', 'adafactor'])}")
+    if rng.random() < 0.4:
+        o.append(f"optimizer.impl={rng.choice(['foreach', 'fused', 'forloop'])}")
+    if rng.random() < 0.2:
+        o.append(f"workload.leak={rng.choice(['graph', 'cycle'])}")
+    shard, replicate, tp = (rng.choice([1, 1, 2]) for _ in range(3))
+    o += [f"parallel.dp_shard={shard}"] if shard > 1 else []
+    o += [f"parallel.dp_replicate={replicate}"] if replicate > 1 else []
+    if tp > 1:
+        o.append(f"parallel.tp={tp}")
+        o += ["parallel.sequence_parallel=true"] if rng.random() < 0.4 else []
+        o += ["parallel.loss_parallel=true"] if rng.random() < 0.4 else []
+    if shard > 1:
+        o += ["parallel.reshard_after_forward=false"] if rng.random() < 0.3 else []
+        o += [f"parallel.param_dtype={rng.choice(['bf16', 'fp16'])}"] if rng.random() < 0.3 else []
+    return o
+
+
+def run(overrides: list[str], results: Path) -> tuple[int, str, str | None]:
+    """(exit code, the last line it printed to stderr, the row's status)."""
+    r = subprocess.run([sys.executable, "-m", "harness", "run", *overrides, f"results_dir={results}"],
+                       cwd=REPO, capture_output=True, text=True)
+    said = [line for line in r.stderr.splitlines() if line.strip() and not line.startswith("[rank")]
+    rows = [json.loads(p.read_text()).get("status") for p in results.rglob("result.json")]
+    return r.returncode, said[-1] if said else "", rows[0] if rows else None
+
+
+def main(args: list[str]) -> int:
+    n = int(args[0]) if args else 40
+    rng = random.Random(int(args[1]) if len(args) > 1 else 0)
+    extra = args[2:]
+    combos = [combination(rng) + extra for _ in range(n)]
+    refused: collections.Counter = collections.Counter()
+    bad = []
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(2) as pool:
+        outcomes = pool.map(lambda ic: run(ic[1], Path(tmp) / str(ic[0])), enumerate(combos))
+        for overrides, (rc, said, status) in zip(combos, outcomes, strict=True):
+            print(rc, status or "-", " ".join(overrides), flush=True)
+            if rc == 2 and said.startswith("harness: error: "):
+                refused[said] += 1
+            elif rc != 0:
+                bad.append(f"exit {rc} ({status}): {' '.join(overrides)}: {said}")
+    print(f"\n{n} combinations: {n - sum(refused.values()) - len(bad)} rows, {sum(refused.values())} refused, "
+          f"{len(bad)} failed")
+    for said, count in refused.most_common():
+        print(f"{count:4d}  {said}")
+    for line in bad:
+        print("FAILED", line)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
