@@ -192,3 +192,31 @@ def test_a_cards_rows_resize_its_kernel_scratch_and_drop_the_launches_it_makes_n
         assert sized.rows(card) == trace_store.replay_rows(trace_store.sized_for(df, card)), card.key
     assert [r.key for r in sized.rows(one_sm)] == [1, 1]
     assert {r.size for r in sized.rows(cards.by_key()["l4"]) if r.key == 2} == {46137344}
+
+
+def test_cards_of_another_workspace_far_from_their_edge_are_decided_as_their_own_replay_decides_them():
+    """worker._edges_by_sizes decides a card of another cuBLAS workspace by the traced peaks where
+    its room lies further from them than the workspaces' and scratch's band, else by a replay with
+    its workspaces: either way each card's edge is that replay's (the tiny model, 16 x 1024 tokens, on an A100; cards
+    of Hopper's 32 MiB workspace every 8 MiB of room from below its allocated to past its reserved)."""
+    import dataclasses
+
+    from harness.config import cublas
+    from harness.probe import worker
+    from harness.probe.sim.per_card import Sized
+
+    a100 = cards.by_key()["a100-80gb"]
+    point = train_point(model="tiny", batch_size=16, seq_len=1024).replace(gpu=a100)
+    _, tracker = run_point(point)
+    df = trace_store.to_frame(tracker.events)
+    rows, settings = trace_store.replay_rows(df), AllocSettings.from_conf("")
+    unlimited = reserved.replay_events(rows, settings, reserved.Device(total=80 * GiB))[0]
+    rec = {"peak_reserved_bytes": unlimited.peak_reserved_bytes, "peak_allocated_bytes": unlimited.peak_allocated_bytes}
+    hopper = [dataclasses.replace(_card(room), key=f"c{room // MiB}", compute_capability="9.0")
+              for room in range(8 * MiB, unlimited.peak_reserved_bytes + 240 * MiB, 8 * MiB)]
+    got = worker._edges_by_sizes(Sized(df), settings, point, hopper, rec)
+    own = trace_store.with_workspaces(rows, cublas.workspace_bytes((9, 0)))
+    assert got == reserved.catalog_edges(own, settings, hopper)
+    decided = [c for c in hopper if worker._by_bounds(point, rec, c, *Sized(df).band(
+        c, a100, 2 * abs(cublas.workspace_bytes((9, 0)) - cublas.workspace_bytes((8, 0)))))]
+    assert 0 < len(decided) < len(hopper) and {got[c.key] for c in decided} == {"room", "oom"}
