@@ -207,3 +207,69 @@ def test_a_real_run_on_a_cudnn_card_tells_the_flash_cards_far_from_their_edge():
     edge_run = {ATTENTION_CALLS: column, "peak_reserved_bytes": a100_40.room() - 2**20,
                 "peak_allocated_bytes": a100_40.room() - 2 * gib, WORKSPACE: 32 * 2**20}
     assert worker.measured_edges(point, edge_run)["a100-40gb"] == "oom"
+
+
+def _swap_variants():
+    import dataclasses
+
+    from harness.config.point import Parallel, Workload
+
+    base = train_point(batch_size=2, seq_len=128)  # tiny: 4 heads, 2 key/value heads
+    return {"train": base, "recomputed": base.replace(checkpointing=True),
+            "no grad": base.replace(workload=Workload(name="infer", new_tokens=4)),
+            "leaked graph": base.replace(workload=dataclasses.replace(base.workload, leak="graph")),
+            "fsdp2 recomputed": base.replace(parallel=Parallel(dp_shard=2), checkpointing=True),
+            "tp sequence parallel": base.replace(parallel=Parallel(tp=2, sequence_parallel=True)),
+            "heads alike": train_point(batch_size=2, seq_len=128, num_key_value_heads=4)}
+
+
+@pytest.mark.parametrize("variant", list(_swap_variants()))
+def test_a_trace_with_its_flash_rows_rewritten_for_cudnn_is_the_cudnn_trace_and_back(variant):
+    """probe.sim.fused_swap: the tiny model traced on an A100 (flash) with its fused calls' rows
+    rewritten is, row for row (which alloc each free ends), its trace on an H100 (cuDNN), and back;
+    but for the cuBLAS workspaces' bytes, which each card's own are."""
+    from harness.probe.sim import fused_swap, repeat
+
+    point = _swap_variants()[variant]
+
+    def trace(card):
+        _, tracker = run_point(point.replace(gpu=cards.by_key()[card]))
+        return [e._replace(size=0) if e.kind == "workspace" else e for e in tracker.events]
+
+    flash, cudnn = trace("a100-80gb"), trace("h100-80gb")
+    assert any(e.kernel == attention.fused_code("fwd", "rng") for e in flash)
+    assert repeat.canonical(fused_swap.swapped(flash, CUDNN)) == repeat.canonical(cudnn)
+    assert repeat.canonical(fused_swap.swapped(cudnn, FLASH)) == repeat.canonical(flash)
+
+
+def test_cards_that_only_take_flash_for_cudnn_are_judged_by_the_rewritten_trace_as_by_their_own(tmp_path, monkeypatch):
+    """An H100's row (cuDNN) judges cards of flash attention near its peaks by its own trace with the
+    fused calls' rows rewritten: each card's edge is the one a trace on it gives (cards every 10 MiB
+    of room around the tiny model's 16 x 1024 tokens)."""
+    import dataclasses
+
+    import pandas as pd
+
+    from harness.allocator.settings import AllocSettings
+    from harness.probe.sim import fused_swap
+    from harness.probe.sim.per_card import Sized
+
+    h100, mib = cards.by_key()["h100-80gb"], 2**20
+    point = train_point(batch_size=16, seq_len=1024).replace(gpu=h100)
+    for d in ("point", "rewritten", "traced"):
+        (tmp_path / d).mkdir()
+    row = worker.run_sim(point, tmp_path / "point")
+    sized = Sized(pd.read_parquet(row["trace_path"]))
+    flash_cards = [dataclasses.replace(cards.by_key()["a100-80gb"], key=f"f{room}", memory_bytes=(room + 512) * mib,
+                                       non_pytorch_bytes=512 * mib, non_pytorch_spread_bytes=32 * mib,
+                                       memory_spread_bytes=0)
+                   for room in range(row["peak_allocated_bytes"] // mib - 60, row["peak_reserved_bytes"] // mib + 90, 10)]
+    n = sized.workspaces(h100)[1]
+    rewritten: dict[str, str] = {}
+    ways = worker._edges_apart(point, row, AllocSettings(), flash_cards, tmp_path / "rewritten", n, rewritten, sized)
+    assert ways == ([], [c.key for c in flash_cards])
+    monkeypatch.setattr(fused_swap, "frame", lambda df, to: None)  # as for a trace from before the codes
+    traced: dict[str, str] = {}
+    ways = worker._edges_apart(point, row, AllocSettings(), flash_cards, tmp_path / "traced", n, traced, sized)
+    assert ways == ([c.key for c in flash_cards], [])
+    assert rewritten == traced and {"room", "oom"} <= set(traced.values())

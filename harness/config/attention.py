@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 FLASH, EFFICIENT, MATH, CUDNN = "flash", "efficient", "math", "cudnn"
 ATTENTION_CALLS = "attention_calls"  # the row's column, and a trace's finding (a list of Call as dicts)
@@ -127,11 +128,55 @@ def swaps_fused(kernels, than) -> bool:
     return all(k == t or {k, t} == {FLASH, CUDNN} for k, t in zip(kernels, than, strict=True))
 
 
+def swapped_to(kernels, than) -> str | None:
+    """The fused kernel every fused call of `than` takes in `kernels` where each swaps flash for
+    cuDNN (or back), one way for all, and every other call keeps its kernel: a trace of `than`
+    rewritten for it (probe.sim.fused_swap) is one of `kernels`. None otherwise."""
+    fused = {t for t in than if t in (FLASH, CUDNN)}
+    if len(fused) != 1:
+        return None
+    to = CUDNN if fused == {FLASH} else FLASH
+    ok = all((t in fused and k == to) or (t not in fused and k == t) for k, t in zip(kernels, than, strict=True))
+    return to if ok else None
+
+
 def swaps_fused_on(capability: tuple[int, int] | None, column) -> bool:
     """Whether a card of `capability` takes a row's attention_calls as its run did but for cuDNN
     in flash's place or back (swaps_fused)."""
     pairs = taken(column)
     return swaps_fused([kernel(capability, call) for call, _ in pairs], [took for _, took in pairs])
+
+
+# A fused kernel's rows in a trace (TraceEvent.kernel), for the trace as the other fused kernel runs
+# it (probe.sim.fused_swap): "attn:fwd:<output>" for its forward's outputs and scratch,
+# "attn:bwd:<kernel>:<shape>[:<block>]" for its backward's scratch. Not sized by the card's SMs.
+FUSED_PREFIX = "attn:"
+
+
+class FusedShape(NamedTuple):
+    """A fused call's shapes, as its backward's scratch is sized: batch, heads, key/value heads,
+    query and key lengths, head and value dims, bytes an element."""
+    b: int
+    h: int
+    h_k: int
+    s_q: int
+    s_k: int
+    d: int
+    d_v: int
+    esize: int
+
+
+def fused_code(phase: str, what: str, shape: FusedShape | None = None, block: int | None = None) -> str:
+    parts = [phase, what, *([",".join(map(str, shape))] if shape is not None else []),
+             *([str(block)] if block is not None else [])]
+    return FUSED_PREFIX + ":".join(parts)
+
+
+def fused_parts(code: str) -> tuple[str, str, FusedShape | None, int | None]:
+    """fused_code's (phase, what, shape, block) from its code."""
+    phase, what, *rest = code[len(FUSED_PREFIX):].split(":")
+    shape = FusedShape(*(int(v) for v in rest[0].split(","))) if rest else None
+    return phase, what, shape, int(rest[1]) if len(rest) > 1 else None
 
 
 def _r(x: int, m: int) -> int:

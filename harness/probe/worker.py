@@ -23,7 +23,7 @@ from harness.config.point import Backend, Card, Point, WorkloadName, fewest_node
 from harness.probe import rank
 from harness.probe.cuda import run as cuda
 from harness.probe.jobs import UserCodeError
-from harness.probe.sim import reserved, shortcut, trace
+from harness.probe.sim import fused_swap, reserved, shortcut, trace
 from harness.probe.sim.fake_code import where
 from harness.probe.sim.per_card import Sized
 from harness.probe.sim.trace import collector
@@ -152,20 +152,25 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
         edges.update(_edges_by_sizes(sized, settings, point, [c for c in cards if c not in apart and c not in here],
                                      rec))
         if apart:
-            traced = _edges_apart(point, rec, settings, apart, run_dir, n_workspaces, edges)
+            traced, rewritten = _edges_apart(point, rec, settings, apart, run_dir, n_workspaces, edges, sized)
             if traced:
                 rec["trace_method"] = (f"{rec.get('trace_method') or ''}; {', '.join(traced)} judged by a trace "
                                        "of their attention kernels")
+            if rewritten:
+                rec["trace_method"] = (f"{rec.get('trace_method') or ''}; {', '.join(rewritten)} judged by this "
+                                       "trace with its fused attention's rows as their kernel makes them")
         rec.update(reserved.edge_columns({c.key: edges[c.key] for c in cards}))
     rec["wall_s"] = time.perf_counter() - t0
     return rec
 
 
 def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, run_dir: Path,
-                 n_workspaces: int, edges: dict[str, str]) -> list[str]:
+                 n_workspaces: int, edges: dict[str, str], sized: Sized) -> tuple[list[str], list[str]]:
     """Into `edges`, the edge (reserved.EDGES) of each card in `apart`, whose attention kernels
-    differ from the traced card's: cards whose kernels agree judged by a trace on the first of them
-    (returns the keys of the cards so judged). Not traced where none of them holds the job's
+    differ from the traced card's: cards whose kernels agree judged by a trace on the first of them,
+    or, where they only take cuDNN for flash or back, by the point's trace (`sized`) with those
+    calls' rows rewritten (probe.sim.fused_swap); returns the keys of the cards judged each way.
+    Not traced where none of them holds the job's
     parameters and optimizer state (taken whatever the kernels), nor where their kernels hold all
     the traced ones do (config.attention.holds_more) and none of them holds the traced allocated
     peak (their workspaces' difference off): each is an OOM then."""
@@ -175,6 +180,7 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
     for c in apart:
         alike.setdefault(tuple(attention.kernel(c.capability, call) for call in calls), []).append(c)
     traced: list[str] = []
+    rewritten: list[str] = []
     for attending, group in alike.items():
         ranked = [nccl.on_rank(c, point.parallel) for c in group]
         # their allocations at every moment at least the traced ones', but for smaller workspaces
@@ -185,13 +191,20 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
             edges.update((c.key, "oom") for c in group)
             continue
         path = trace_store.apart_path(run_dir / trace_store.TRACE_FILE, group[0].key)
-        df, m, _ = _traced(_on_card(point, group[0]), path)
+        to = attention.swapped_to(attending, taken)
+        swapped = None if to is None else fused_swap.frame(sized.df, to)
+        if swapped is not None:  # only flash for cuDNN or back: the point's trace, its calls' rows rewritten
+            df, m = swapped, {**rec, "peak_allocated_bytes": trace_store.storages_peak(swapped)}
+            df.to_parquet(path, index=False)
+            rewritten += [c.key for c in group]
+        else:
+            df, m, _ = _traced(_on_card(point, group[0]), path)
+            traced += [c.key for c in group]
         for c in group[1:]:  # each card's trace where a plan with a margin looks for it (plan.fit)
             trace_store.apart_path(path, c.key).unlink(missing_ok=True)
             os.link(path, trace_store.apart_path(path, c.key))
         edges.update(_edges_by_sizes(Sized(df), settings, _on_card(point, group[0]), group, m, exact=True))
-        traced += [c.key for c in group]
-    return traced
+    return traced, rewritten
 
 
 def _on_card(point: Point, card: Card) -> Point:

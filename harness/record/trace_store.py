@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # the tracker imports torch; a trace file does not need it. N
 from harness.allocator.model import K_MIN_BLOCK
 from harness.allocator.replay import EventTag, ReplayRow
 from harness.config import attention, cublas, kernels
+from harness.config.attention import FUSED_PREFIX
 from harness.config.point import Card, Point
 from harness.record import provenance
 from harness.record.provenance import USER_CODE
@@ -63,6 +64,13 @@ def to_frame(events: list[TraceEvent]) -> pd.DataFrame:
     return df
 
 
+def storages_peak(df: pd.DataFrame) -> int:
+    """The most bytes the trace's storages held at once, as the allocator rounds each (the
+    tracker's peak_allocated_bytes for the trace it wrote)."""
+    signed = df["allocated"].where(df["action"] == "alloc", -df["allocated"])
+    return int(signed.cumsum().max()) if len(df) else 0
+
+
 def _allocated(size: pd.Series) -> pd.Series:
     return ((size + (K_MIN_BLOCK - 1)) // K_MIN_BLOCK * K_MIN_BLOCK).clip(lower=K_MIN_BLOCK)
 
@@ -70,15 +78,21 @@ def _allocated(size: pd.Series) -> pd.Series:
 def kernel_codes(df: pd.DataFrame) -> dict[str, int]:
     """The trace's kernel scratch whose bytes depend on the card (config.kernels): each launch's
     code and its bytes on the card traced. Empty for a trace without (or before the column)."""
-    if "kernel" not in df:
-        return {}
-    marked = df[df["kernel"] != ""]
+    marked = _sized_by_card(df)
     return dict(zip(marked["kernel"].tolist(), marked["size"].astype("int64").tolist()))
+
+
+def _sized_by_card(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of kernel scratch whose bytes follow the card's SMs (a fused attention kernel's rows
+    carry codes too: config.attention.FUSED_PREFIX)."""
+    if "kernel" not in df:
+        return df.iloc[:0]
+    return df[(df["kernel"] != "") & ~df["kernel"].str.startswith(FUSED_PREFIX)]
 
 
 def scratch_keys(df: pd.DataFrame) -> dict:
     """Each kernel scratch storage's key and its launch's code (kernel_codes)."""
-    marked = df[df["kernel"] != ""] if "kernel" in df else df.iloc[:0]
+    marked = _sized_by_card(df)
     return dict(zip(marked["key"].tolist(), marked["kernel"].tolist()))
 
 

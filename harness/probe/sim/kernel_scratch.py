@@ -22,16 +22,21 @@ from harness.config.kernels import Geometry, Reduction
 _aten = torch.ops.aten
 
 
-def _flash_backward(args, g) -> list[tuple[int, str]]:
-    q, k = args[1], args[2]  # (B, H, S, D) as SDPA's backward op takes them
+def _fused_shape(args) -> attention.FusedShape:
+    q, k, v = args[1], args[2], args[3]  # (B, H, S, D) as SDPA's backward ops take them
     b, h, s_q, d = q.shape
-    return [(n, "") for n in attention.flash_backward_scratch(b, h, k.shape[1], s_q, k.shape[2], d, q.element_size())]
+    return attention.FusedShape(b, h, k.shape[1], s_q, k.shape[2], d, v.shape[3], q.element_size())
+
+
+def _flash_backward(args, g) -> list[tuple[int, str]]:
+    shape = _fused_shape(args)  # (its code: for the trace as cuDNN runs it, probe.sim.fused_swap)
+    return [(n, attention.fused_code("bwd", attention.FLASH, shape, i))
+            for i, n in enumerate(attention.flash_backward_scratch(*shape[:6], shape.esize))]
 
 
 def _cudnn_backward(args, g) -> list[tuple[int, str]]:
-    q, k, v = args[1], args[2], args[3]
-    b, h, s_q, d = q.shape
-    return [(attention.cudnn_backward_scratch(b, h, k.shape[1], s_q, k.shape[2], d, v.shape[3], q.element_size()), "")]
+    shape = _fused_shape(args)
+    return [(attention.cudnn_backward_scratch(*shape), attention.fused_code("bwd", attention.CUDNN, shape))]
 
 
 # ---- reductions ---------------------------------------------------------------------------------
@@ -147,7 +152,7 @@ def _split_copy(args, g, outs) -> list[tuple[int, str]]:
 
 _BY_ARGS = {
     _aten._scaled_dot_product_flash_attention_backward.default: _flash_backward,
-    _aten._scaled_dot_product_cudnn_attention.default: lambda args, g: [(256, "")],
+    _aten._scaled_dot_product_cudnn_attention.default: lambda args, g: [(256, attention.fused_code("fwd", "scratch"))],
     _aten._scaled_dot_product_cudnn_attention_backward.default: _cudnn_backward,
     _aten.sum.dim_IntList: _sum_like(1),
     _aten.sum.default: _sum_like(None),

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_leaves
 # The CUDA caching allocator rounds every request up to kMinBlockSize (512 B): round_plain, what
 # max_memory_allocated counts. Segment-level rounding is the allocator model's business.
 from harness.allocator.model import round_plain
-from harness.config import cublas, kernels
+from harness.config import attention, cublas, kernels
 from harness.probe.sim import kernel_scratch
 
 # cuBLAS workspace PyTorch allocates through its own allocator on a thread's first GEMM
@@ -83,6 +83,9 @@ _SOLE_STORAGE_USES = 2
 
 # cuDNN's forward makes its philox seed and offset (8 B each) before its output and log-sum-exp
 _CUDNN_FORWARD = _aten._scaled_dot_product_cudnn_attention.default
+# The fused forwards' outputs each kernel's rows name (config.attention.fused_code), by position
+_FUSED_OUTPUTS = {_CUDNN_FORWARD: ((6, "seed"), (7, "offset"), (0, "out"), (1, "lse")),
+                  _aten._scaled_dot_product_flash_attention.default: ((0, "out"), (1, "lse"), (6, "rng"), (7, "unused"))}
 _ENGINE_FILE = os.path.join("torch", "autograd", "graph.py")
 _WRAPPER_FILES = (os.path.join("torch", "_compile.py"), os.path.join("torch", "_dynamo", "eval_frame.py"))
 
@@ -140,7 +143,8 @@ class TraceEvent(NamedTuple):
     module: str  # the innermost module running, "" outside any
     stream: int = 0  # the CUDA stream the storage was allocated on (0: the default stream)
     # A kernel's own scratch whose bytes depend on the card: its launch (config.kernels' code), for
-    # another card's size (record.trace_store.sized_for); "" for any other storage
+    # another card's size (record.trace_store.sized_for); a fused attention kernel's outputs and
+    # scratch (config.attention.fused_code), for the other's (probe.sim.fused_swap); "" for any other
     kernel: str = ""
 
 
@@ -262,9 +266,9 @@ class StorageTracker(TorchDispatchMode):
                                           entry[3]))
             self._seq += 1
 
-    def track(self, t: torch.Tensor, kind: str, host: bool = False) -> None:
-        """Start tracking a tensor's storage (idempotent); `kind` applies if it is new. A host
-        storage is remembered as such and not counted."""
+    def track(self, t: torch.Tensor, kind: str, host: bool = False, kernel: str = "") -> None:
+        """Start tracking a tensor's storage (idempotent); `kind` (and the kernel's code, see
+        TraceEvent.kernel) applies if it is new. A host storage is remembered as such and not counted."""
         st = _own(t).untyped_storage()
         key = st._cdata
         if key in self._live or key in self._host or st.nbytes() == 0:
@@ -273,7 +277,7 @@ class StorageTracker(TorchDispatchMode):
             self._host.add(key)
             weakref.finalize(st, self._host.discard, key)
             return
-        self._record_alloc(key, st.nbytes(), kind)
+        self._record_alloc(key, st.nbytes(), kind, kernel)
         weakref.finalize(st, self._record_free, key)
 
     def resized(self, st, nbytes: int) -> None:
@@ -391,10 +395,12 @@ class StorageTracker(TorchDispatchMode):
             self._fresh_zeros = out.untyped_storage()._cdata
         host = self._outputs_on_host(args, kwargs)
         kind = self._default_kind()
-        made = _tensors((out[6], out[7], out[0], out[1]) if func is _CUDNN_FORWARD else (out,))
-        for t in made:
+        fused = _FUSED_OUTPUTS.get(func)
+        made = [(out[i], attention.fused_code("fwd", role)) for i, role in fused] if fused else \
+            [(t, "") for t in _tensors((out,))]
+        for t, code in made:
             if t.device.type != "meta":
-                self.track(t, kind, host or (self.real_is_host and not isinstance(t, FakeTensor)))
+                self.track(t, kind, host or (self.real_is_host and not isinstance(t, FakeTensor)), code)
         # the GEMM's output is allocated first, then the handle's workspace (at its first call; an
         # H200's snapshot: the rotary embedding's 262,144 B product, then 33,554,432 B)
         if self.emulate_cublas_workspace and not host and func.overloadpacket.__name__ in _GEMM_OPS:

@@ -1,0 +1,147 @@
+"""A trace taken with one fused attention kernel, as a card that takes the other runs it: flash for
+cuDNN or back (config.attention.swaps_fused). Both keep the same tensors for backward; what differs
+is per call, in the rows the tracker names (config.attention.fused_code):
+
+- forward: flash makes its output, log-sum-exp, then its RNG state (16 B) and an unused tensor
+  (8 B); cuDNN its philox seed and offset (8 B each) first, then output and log-sum-exp, then 256 B
+  of scratch it frees at once;
+- backward: flash's scratch (config.attention.flash_backward_scratch, 2 or 4 blocks, freed in
+  reverse), cuDNN's one block (cudnn_backward_scratch).
+
+The RNG state and unused tensor are freed where the seed and offset are. A trace without these
+codes (from before them) cannot be swapped: `swappable` says so.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from harness.config import attention
+from harness.config.attention import CUDNN, FLASH, FUSED_PREFIX, FusedShape, fused_code, fused_parts
+from harness.probe.sim.tracker import TraceEvent
+from harness.record import trace_store
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+# The small outputs each forward makes besides its output and log-sum-exp (name, bytes), in the
+# order they are allocated. Which of flash's is freed where one of cuDNN's is: saved for backward,
+# the node lets them go in the order it saved them (reversed where a checkpoint recomputed them),
+# flash's RNG state where cuDNN's offset, its unused tensor where the seed; without grad they go as
+# the op's output tuple does, last element first: flash's unused tensor where cuDNN's offset.
+_SMALL = {FLASH: (("rng", 16), ("unused", 8)), CUDNN: (("seed", 8), ("offset", 8))}
+_PAIRED = {True: {"rng": "offset", "unused": "seed"}, False: {"unused": "offset", "rng": "seed"}}
+_CUDNN_FORWARD_SCRATCH = 256
+
+
+def frame(df: pd.DataFrame, to: str) -> pd.DataFrame | None:
+    """A trace's frame with each fused call's rows as kernel `to` makes them; None for a trace
+    whose rows do not say which are its fused calls' (from before they did)."""
+    if "kernel" not in df or not df["kernel"].str.startswith(FUSED_PREFIX).any():
+        return None
+    events = [TraceEvent._make(r) for r in df[trace_store.COLUMNS].itertuples(index=False, name=None)]
+    return trace_store.to_frame(swapped(events, to))
+
+
+def swapped(events: list[TraceEvent], to: str) -> list[TraceEvent]:
+    """`events` (alloc and free, in order) with each fused call's rows as kernel `to` makes them."""
+    frm = CUDNN if to == FLASH else FLASH
+    keys = iter(range(min([0, *(e.key for e in events)]) - 1, -(1 << 62), -1))  # new scratch rows' keys
+    renamed: dict[int, tuple[int, str]] = {}  # small output's key -> its size and code under `to`
+    dropped: set[int] = set()  # scratch keys `to` does not make
+    out: list[TraceEvent] = []
+    i = 0
+    while i < len(events):
+        e = events[i]
+        if e.action == "free":  # (a key names a storage while it lives: forgotten at its free)
+            if e.key in dropped:
+                dropped.discard(e.key)
+            else:
+                out.append(e._replace(size=renamed.pop(e.key, (e.size,))[0]))
+            i += 1
+            continue
+        if not e.kernel.startswith(FUSED_PREFIX):
+            out.append(e)
+            i += 1
+            continue
+        phase, what, shape, _ = fused_parts(e.kernel)
+        if phase == "fwd" and what in ("out", _SMALL[frm][0][0]):
+            i = _forward(events, i, frm, to, out, renamed, dropped, keys)
+        elif phase == "bwd" and what == frm:
+            assert shape is not None
+            i = _backward(events, i, shape, frm, to, out, dropped, keys)
+        else:
+            raise ValueError(f"trace row {i}: fused row {e.kernel!r} out of its call's order")
+    return out
+
+
+def _forward(events, i, frm, to, out, renamed, dropped, keys) -> int:
+    """One call's forward rows from row `i` (allocs: its outputs, then cuDNN's scratch and its free)."""
+    roles: dict[str, TraceEvent] = {}
+    while i < len(events) and events[i].action == "alloc" and events[i].kernel.startswith(FUSED_PREFIX + "fwd:"):
+        what = fused_parts(events[i].kernel)[1]
+        if what == "scratch":  # cuDNN's: its free follows
+            dropped.add(events[i].key)
+            i += 2 if i + 1 < len(events) and events[i + 1].key == events[i].key else 1
+            break
+        if what in roles:  # the next call's
+            break
+        roles[what] = events[i]
+        i += 1
+    if "out" not in roles or "lse" not in roles or any(name not in roles for name, _ in _SMALL[frm]):
+        raise ValueError(f"trace row {i}: a fused forward without its outputs ({sorted(roles)})")
+    # each of `to`'s small outputs takes the storage freed where it is freed; without grad they go
+    # as the call returns: nothing but frees between it and them
+    last = _last_free(events, i, {roles[name].key for name, _ in _SMALL[frm]})
+    paired = _PAIRED[last is None or any(events[j].action != "free" for j in range(i, last))]
+    paired = {**paired, **{v: k for k, v in paired.items()}}
+    made = []
+    for name, size in _SMALL[to]:
+        old = roles[paired[name]]
+        renamed[old.key] = (size, fused_code("fwd", name))
+        made.append(old._replace(size=size, kernel=fused_code("fwd", name)))
+    body = [roles["out"], roles["lse"]]
+    like = roles["out"]
+    if to == CUDNN:
+        key = next(keys)
+        out += made + body + [like._replace(key=key, size=_CUDNN_FORWARD_SCRATCH, kind="temporary",
+                                             kernel=fused_code("fwd", "scratch")),
+                              like._replace(action="free", key=key, size=_CUDNN_FORWARD_SCRATCH, kind="temporary",
+                                            module="", kernel="")]
+    else:
+        out += body + made
+    return i
+
+
+def _last_free(events, i, keys: set[int]) -> int | None:
+    """The row from `i` on at which the last of `keys` is first freed (None: one never is, as where
+    a leaked graph holds it)."""
+    left = set(keys)
+    for j in range(i, len(events)):
+        if events[j].action == "free" and events[j].key in left:
+            left.discard(events[j].key)
+            if not left:
+                return j
+    return None
+
+
+def _backward(events, i, shape: FusedShape, frm, to, out, dropped, keys) -> int:
+    """One call's backward scratch from row `i` (its allocs, then their frees in reverse)."""
+    first = events[i]
+    blocks = []
+    while i < len(events) and events[i].action == "alloc" and events[i].kernel.startswith(
+            FUSED_PREFIX + f"bwd:{frm}:"):
+        blocks.append(events[i].key)
+        i += 1
+    frees = events[i:i + len(blocks)]
+    if [f.key for f in frees] != blocks[::-1] or any(f.action != "free" for f in frees):
+        raise ValueError(f"trace row {i}: a fused backward's scratch not freed at once")
+    i += len(blocks)
+    sizes = (attention.flash_backward_scratch(*shape[:6], shape.esize) if to == FLASH
+             else [attention.cudnn_backward_scratch(*shape)])
+    made = [first._replace(key=first.key if n == 0 else next(keys), size=size,
+                           kernel=fused_code("bwd", to, shape, n if to == FLASH else None))
+            for n, size in enumerate(sizes)]
+    out += made
+    out += [m._replace(action="free", module="", kernel="") for m in reversed(made)]
+    return i
