@@ -273,3 +273,16 @@ def test_cards_that_only_take_flash_for_cudnn_are_judged_by_the_rewritten_trace_
     ways = worker._edges_apart(point, row, AllocSettings(), flash_cards, tmp_path / "traced", n, traced, sized)
     assert ways == ([c.key for c in flash_cards], [])
     assert rewritten == traced and {"room", "oom"} <= set(traced.values())
+
+
+def test_a_trace_whose_fused_rows_lie_out_of_order_is_not_rewritten():
+    """fused_swap.frame declines (None: the card is traced instead) where a fused call's rows are
+    not as its kernel makes them: a log-sum-exp without its call's output before it."""
+    from harness.probe.sim import fused_swap
+    from harness.probe.sim.tracker import TraceEvent
+    from harness.record import trace_store
+
+    lone = [TraceEvent(0, "alloc", 1, 4096, "activation", "forward", 0, "attn", 0, attention.fused_code("fwd", "lse")),
+            TraceEvent(1, "free", 1, 4096, "activation", "forward", 0, "", 0)]
+    assert fused_swap.frame(trace_store.to_frame(lone), CUDNN) is None
+    assert fused_swap.frame(trace_store.to_frame([e._replace(kernel="") for e in lone]), CUDNN) is None

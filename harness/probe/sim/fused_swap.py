@@ -36,11 +36,15 @@ _CUDNN_FORWARD_SCRATCH = 256
 
 def frame(df: pd.DataFrame, to: str) -> pd.DataFrame | None:
     """A trace's frame with each fused call's rows as kernel `to` makes them; None for a trace
-    whose rows do not say which are its fused calls' (from before they did)."""
+    whose rows do not say which are its fused calls' (from before they did), or do not lie as
+    `swapped` knows them (the caller traces the card instead)."""
     if "kernel" not in df or not df["kernel"].str.startswith(FUSED_PREFIX).any():
         return None
     events = [TraceEvent._make(r) for r in df[trace_store.COLUMNS].itertuples(index=False, name=None)]
-    return trace_store.to_frame(swapped(events, to))
+    try:
+        return trace_store.to_frame(swapped(events, to))
+    except ValueError:
+        return None
 
 
 def swapped(events: list[TraceEvent], to: str) -> list[TraceEvent]:
