@@ -8,8 +8,8 @@ is per call, in the rows the tracker names (config.attention.fused_code):
 - backward: flash's scratch (config.attention.flash_backward_scratch, 2 or 4 blocks, freed in
   reverse), cuDNN's one block (cudnn_backward_scratch).
 
-The RNG state and unused tensor are freed where the seed and offset are. A trace without these
-codes (from before them) cannot be swapped: `swappable` says so.
+The RNG state and unused tensor are freed where the seed and offset are (which where: _PAIRED). A
+trace without these codes (from before them) is not rewritten: `frame` declines it.
 """
 
 from __future__ import annotations

@@ -83,9 +83,11 @@ _SOLE_STORAGE_USES = 2
 
 # cuDNN's forward makes its philox seed and offset (8 B each) before its output and log-sum-exp
 _CUDNN_FORWARD = _aten._scaled_dot_product_cudnn_attention.default
-# The fused forwards' outputs each kernel's rows name (config.attention.fused_code), by position
-_FUSED_OUTPUTS = {_CUDNN_FORWARD: ((6, "seed"), (7, "offset"), (0, "out"), (1, "lse")),
-                  _aten._scaled_dot_product_flash_attention.default: ((0, "out"), (1, "lse"), (6, "rng"), (7, "unused"))}
+_FLASH_FORWARD = _aten._scaled_dot_product_flash_attention.default
+# The fused forwards' outputs their rows name (config.attention.fused_code), by position: cuDNN's in
+# the order it makes them, flash's in its outputs' order (its others are empty: none tracked)
+_CUDNN_OUTPUTS = ((6, "seed"), (7, "offset"), (0, "out"), (1, "lse"))
+_FLASH_OUTPUTS = {0: "out", 1: "lse", 6: "rng", 7: "unused"}
 _ENGINE_FILE = os.path.join("torch", "autograd", "graph.py")
 _WRAPPER_FILES = (os.path.join("torch", "_compile.py"), os.path.join("torch", "_dynamo", "eval_frame.py"))
 
@@ -395,9 +397,13 @@ class StorageTracker(TorchDispatchMode):
             self._fresh_zeros = out.untyped_storage()._cdata
         host = self._outputs_on_host(args, kwargs)
         kind = self._default_kind()
-        fused = _FUSED_OUTPUTS.get(func)
-        made = [(out[i], attention.fused_code("fwd", role)) for i, role in fused] if fused else \
-            [(t, "") for t in _tensors((out,))]
+        if func is _CUDNN_FORWARD:
+            made = [(out[i], attention.fused_code("fwd", role)) for i, role in _CUDNN_OUTPUTS]
+        elif func is _FLASH_FORWARD:
+            made = [(t, attention.fused_code("fwd", _FLASH_OUTPUTS[i]) if i in _FLASH_OUTPUTS else "")
+                    for i, t in enumerate(out) if isinstance(t, torch.Tensor)]
+        else:
+            made = [(t, "") for t in _tensors((out,))]
         for t, code in made:
             if t.device.type != "meta":
                 self.track(t, kind, host or (self.real_is_host and not isinstance(t, FakeTensor)), code)
