@@ -181,9 +181,10 @@ def test_a_card_whose_kernels_hold_more_is_an_oom_without_a_trace_where_the_trac
 
 @pytest.mark.slow
 def test_cudnn_cards_are_traced_apart_only_near_their_edge(tmp_path):
-    """A bf16 row traced on an A100 (flash) judges the cuDNN cards (sm90/sm10x) by its own trace
-    where their room lies far from its peaks, and by a trace of theirs near them: tiny b1536 s4096
-    allocates 72.4 GiB and reserves 83.4 GiB, around the H100 80GB's room, far under the H200's."""
+    """A bf16 row traced on an A100 (flash) judges the cuDNN cards (sm90/sm10x) by its own peaks
+    where their room lies far from them, and near them by a trace as they run it (its flash rows
+    rewritten: trace-<card>.parquet): tiny b1536 s4096 allocates 72.4 GiB and reserves 83.4 GiB,
+    around the H100 80GB's room, far under the H200's."""
     row = worker.run_sim(train_point(batch_size=1536, seq_len=4096), tmp_path)
     assert row["peak_allocated_bytes"] < cards.by_key()["h100-80gb"].room() < row["peak_reserved_bytes"]
     assert (tmp_path / "trace-h100-80gb.parquet").is_file()
