@@ -179,6 +179,16 @@ def test_a_card_whose_kernels_hold_more_is_an_oom_without_a_trace_where_the_trac
     assert attention.holds_more([MATH, EFFICIENT], [FLASH, FLASH]) and not attention.holds_more([FLASH], [MATH])
 
 
+def test_a_card_whose_kernels_hold_more_than_flash_is_an_oom_without_a_trace_past_a_cudnn_traces_peak(tmp_path):
+    """An H100's trace (cuDNN) rewritten for flash (fused_swap) allocates at least what the T4's
+    math attention holds less, at every moment: where it passes the T4's room, the T4 is an OOM
+    without a trace of its own, as after an A100's flash trace."""
+    row = worker.run_sim(train_point(batch_size=512, seq_len=4096).replace(gpu=cards.by_key()["h100-80gb"]), tmp_path)
+    assert json.loads(row[ATTENTION_CALLS])[0]["kernel"] == CUDNN
+    assert row["peak_allocated_bytes"] > cards.by_key()["t4"].room()
+    assert recorded_edge(row, "t4") == "oom" and not (tmp_path / "trace-t4.parquet").exists()
+
+
 @pytest.mark.slow
 def test_cudnn_cards_are_traced_apart_only_near_their_edge(tmp_path):
     """A bf16 row traced on an A100 (flash) judges the cuDNN cards (sm90/sm10x) by its own peaks

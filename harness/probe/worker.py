@@ -17,7 +17,7 @@ from pathlib import Path
 from harness.allocator.settings import K_LARGE_BUFFER, AllocSettings
 from harness.config import attention, cublas, kernels, nccl
 from harness.config import cards as catalog
-from harness.config.attention import ATTENTION_CALLS
+from harness.config.attention import ATTENTION_CALLS, CUDNN, FLASH
 from harness.config.models import hf_config
 from harness.config.point import Backend, Card, Point, WorkloadName, fewest_nodes
 from harness.probe import rank
@@ -172,8 +172,9 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
     calls' rows rewritten (probe.sim.fused_swap); returns the keys of the cards judged each way.
     Not traced where none of them holds the job's
     parameters and optimizer state (taken whatever the kernels), nor where their kernels hold all
-    the traced ones do (config.attention.holds_more) and none of them holds the traced allocated
-    peak (their workspaces' difference off): each is an OOM then."""
+    the traced ones do (config.attention.holds_more; cuDNN's calls counted as the flash they
+    rewrite to) and none of them holds the traced allocated peak (their workspaces' and kernel
+    scratch's difference off): each is an OOM then."""
     floor = (rec.get("params_bytes") or 0) + (rec.get("optimizer_bytes") or 0)
     calls, taken = zip(*attention.taken(rec[ATTENTION_CALLS]), strict=True)
     alike: dict[tuple, list] = {}
@@ -181,12 +182,23 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
         alike.setdefault(tuple(attention.kernel(c.capability, call) for call in calls), []).append(c)
     traced: list[str] = []
     rewritten: list[str] = []
+    # cuDNN's calls as flash makes them: what a kernel that holds more than flash holds at least
+    as_flash = tuple(FLASH if t == CUDNN else t for t in taken)
+    flash_peak = None
     for attending, group in alike.items():
         ranked = [nccl.on_rank(c, point.parallel) for c in group]
         # their allocations at every moment at least the traced ones', but for smaller workspaces
-        least = rec["peak_allocated_bytes"] - n_workspaces * max(
-            0, (rec.get(WORKSPACE) or 0) - min(cublas.workspace_bytes(c.capability) for c in group))
-        heavier = attention.holds_more(attending, taken) and all(r.room() < least for r in ranked)
+        # and kernel scratch
+        less = n_workspaces * max(0, (rec.get(WORKSPACE) or 0) - min(cublas.workspace_bytes(c.capability)
+                                                                    for c in group))
+        less += max(sized.shift(c, point.gpu)[1] for c in group)
+        heavier = attention.holds_more(attending, taken) and all(r.room() < rec["peak_allocated_bytes"] - less
+                                                                  for r in ranked)
+        if not heavier and as_flash != taken and attention.holds_more(attending, as_flash):
+            if flash_peak is None:
+                flash = fused_swap.frame(sized.df, FLASH) if attention.swapped_to(as_flash, taken) else None
+                flash_peak = 0 if flash is None else trace_store.storages_peak(flash)
+            heavier = all(r.room() < flash_peak - less for r in ranked)
         if heavier or all(r.room() < floor for r in ranked):
             edges.update((c.key, "oom") for c in group)
             continue
