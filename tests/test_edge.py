@@ -211,12 +211,13 @@ def test_cards_of_another_workspace_far_from_their_edge_are_decided_as_their_own
     df = trace_store.to_frame(tracker.events)
     rows, settings = trace_store.replay_rows(df), AllocSettings.from_conf("")
     unlimited = reserved.replay_events(rows, settings, reserved.Device(total=80 * GiB))[0]
-    rec = {"peak_reserved_bytes": unlimited.peak_reserved_bytes, "peak_allocated_bytes": unlimited.peak_allocated_bytes}
+    peaks = unlimited.peak_reserved_bytes, unlimited.peak_allocated_bytes
+    rec = {"peak_reserved_bytes": peaks[0], "peak_allocated_bytes": peaks[1]}
     hopper = [dataclasses.replace(_card(room), key=f"c{room // MiB}", compute_capability="9.0")
               for room in range(8 * MiB, unlimited.peak_reserved_bytes + 240 * MiB, 8 * MiB)]
     got = worker._edges_by_sizes(Sized(df), settings, point, hopper, rec)
     own = trace_store.with_workspaces(rows, cublas.workspace_bytes((9, 0)))
     assert got == reserved.catalog_edges(own, settings, hopper)
-    decided = [c for c in hopper if worker._by_bounds(point, rec, c, *Sized(df).band(
+    decided = [c for c in hopper if worker._by_bounds(point, *peaks, c, *Sized(df).band(
         c, a100, 2 * abs(cublas.workspace_bytes((9, 0)) - cublas.workspace_bytes((8, 0)))))]
     assert 0 < len(decided) < len(hopper) and {got[c.key] for c in decided} == {"room", "oom"}

@@ -200,6 +200,13 @@ def cudnn_backward_scratch(b: int, h: int, h_k: int, s_q: int, s_k: int, d: int,
     return b * h * s_q * d * 4 + expanded + b * h * s_q * 4 + 256
 
 
+def fused_backward_scratch(kernel: str, shape: FusedShape) -> list[int]:
+    """The blocks a fused kernel's backward allocates for itself, in order (freed in reverse)."""
+    if kernel == FLASH:
+        return flash_backward_scratch(*shape[:6], shape.esize)
+    return [cudnn_backward_scratch(*shape)]
+
+
 def attention_class(capability: tuple[int, int] | None) -> str:
     """What of a capability the choice reads: cards of one class choose alike for every call."""
     cap = capability or DEFAULT_CAPABILITY

@@ -131,8 +131,9 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
     rec[WORKSPACE] = workspace
     apart = [c for c in cards if not attention.takes_alike(c.capability, rec.get(ATTENTION_CALLS))]
     here = [c for c in cards if c not in apart and workspace in (None, cublas.workspace_bytes(c.capability))]
-    def own_sized(peaks: dict) -> list:  # a card whose SMs size the kernels' scratch otherwise, near its edge
-        return [c for c in here if not sized.alike(c, point.gpu) and not _far(point, peaks, c, *sized.band(c, point.gpu))]
+    def own_sized(reserved_bytes: int, allocated_bytes: int) -> list:  # SMs that size its scratch otherwise, near its edge
+        return [c for c in here if not sized.alike(c, point.gpu) and _by_bounds(
+            point, reserved_bytes, allocated_bytes, c, *sized.band(c, point.gpu)) is None]
 
     # Each card as one of the job's GPUs sees it: NCCL's memory beside the CUDA context's; those
     # judged by the trace with their own scratch sizes are left to _own_sized_edges
@@ -140,8 +141,8 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
     rec.update(reserved.analyse(
         rows, settings, nccl.on_rank(point.gpu, point.parallel), [nccl.on_rank(c, point.parallel) for c in here],
         torch.__version__, snapshot, rec["peak_tensor_bytes"], checkpoints,
-        elsewhere=lambda res, alloc: {c.key for c in own_sized(_peaks(res, alloc))}), catalog_sha=catalog.digest())
-    own = own_sized(rec)
+        elsewhere=lambda res, alloc: {c.key for c in own_sized(res, alloc)}), catalog_sha=catalog.digest())
+    own = own_sized(rec["peak_reserved_bytes"], rec["peak_allocated_bytes"])
     if len(here) < len(cards) or own:
         edges = {c.key: recorded_edge(rec, c.key) for c in here}
         edges.update(_own_sized_edges(sized, settings, point, own, rec, checkpoints))
@@ -153,12 +154,10 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
                                      rec))
         if apart:
             traced, rewritten = _edges_apart(point, rec, settings, apart, run_dir, n_workspaces, edges, sized)
-            if traced:
-                rec["trace_method"] = (f"{rec.get('trace_method') or ''}; {', '.join(traced)} judged by a trace "
-                                       "of their attention kernels")
-            if rewritten:
-                rec["trace_method"] = (f"{rec.get('trace_method') or ''}; {', '.join(rewritten)} judged by this "
-                                       "trace with its fused attention's rows as their kernel makes them")
+            for keys, how in ((traced, "a trace of their attention kernels"),
+                              (rewritten, "this trace with its fused attention's rows as their kernel makes them")):
+                if keys:
+                    rec["trace_method"] = f"{rec.get('trace_method') or ''}; {', '.join(keys)} judged by {how}"
         rec.update(reserved.edge_columns({c.key: edges[c.key] for c in cards}))
     rec["wall_s"] = time.perf_counter() - t0
     return rec
@@ -184,7 +183,14 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
     rewritten: list[str] = []
     # cuDNN's calls as flash makes them: what a kernel that holds more than flash holds at least
     as_flash = tuple(FLASH if t == CUDNN else t for t in taken)
-    flash_peak = None
+    rewrites: dict[str, tuple] = {}  # kernel -> the point's trace rewritten for it and its storages' peak
+
+    def rewrite(to: str) -> tuple:
+        if to not in rewrites:
+            df = fused_swap.frame(sized.df, to)
+            rewrites[to] = (df, None if df is None else trace_store.storages_peak(df))
+        return rewrites[to]
+
     for attending, group in alike.items():
         ranked = [nccl.on_rank(c, point.parallel) for c in group]
         # their allocations at every moment at least the traced ones', but for smaller workspaces
@@ -194,19 +200,17 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
         less += max(sized.shift(c, point.gpu)[1] for c in group)
         heavier = attention.holds_more(attending, taken) and all(r.room() < rec["peak_allocated_bytes"] - less
                                                                   for r in ranked)
-        if not heavier and as_flash != taken and attention.holds_more(attending, as_flash):
-            if flash_peak is None:
-                flash = fused_swap.frame(sized.df, FLASH) if attention.swapped_to(as_flash, taken) else None
-                flash_peak = 0 if flash is None else trace_store.storages_peak(flash)
-            heavier = all(r.room() < flash_peak - less for r in ranked)
+        if not heavier and attention.swapped_to(as_flash, taken) == FLASH and attention.holds_more(attending, as_flash):
+            flash_peak = rewrite(FLASH)[1]
+            heavier = flash_peak is not None and all(r.room() < flash_peak - less for r in ranked)
         if heavier or all(r.room() < floor for r in ranked):
             edges.update((c.key, "oom") for c in group)
             continue
         path = trace_store.apart_path(run_dir / trace_store.TRACE_FILE, group[0].key)
         to = attention.swapped_to(attending, taken)
-        swapped = None if to is None else fused_swap.frame(sized.df, to)
+        swapped, peak = (None, None) if to is None else rewrite(to)
         if swapped is not None:  # only flash for cuDNN or back: the point's trace, its calls' rows rewritten
-            df, m = swapped, {**rec, "peak_allocated_bytes": trace_store.storages_peak(swapped)}
+            df, m = swapped, {**rec, "peak_allocated_bytes": peak}
             df.to_parquet(path, index=False)
             rewritten += [c.key for c in group]
         else:
@@ -239,28 +243,20 @@ def _far_from_their_edge(point: Point, rec: dict, cards: list, n_workspaces: int
             continue
         band = _swap_band(scratch, rec, c, n_workspaces)
         more, less = sized.shift(c, point.gpu)
-        known = _by_bounds(point, rec, c, band + more, band + less)
+        known = _by_bounds(point, rec["peak_reserved_bytes"], rec["peak_allocated_bytes"], c, band + more, band + less)
         if known is not None:
             far[c.key] = known
     return far
 
 
-def _by_bounds(point: Point, rec: dict, card: Card, above: int, below: int) -> str | None:
+def _by_bounds(point: Point, reserved_bytes: int, allocated_bytes: int, card: Card, above: int,
+               below: int) -> str | None:
     """`card`'s edge where its room lies further from the run's peaks than they may move on it
     (`above` its reserved: room; `below` its allocated: oom), as one of the job's GPUs; else None."""
     r = nccl.on_rank(card, point.parallel)
-    if r.at_worst().room() >= rec["peak_reserved_bytes"] + above:
+    if r.at_worst().room() >= reserved_bytes + above:
         return "room"
-    return "oom" if r.room() < rec["peak_allocated_bytes"] - below else None
-
-
-def _far(point: Point, rec: dict, card: Card, above: int, below: int) -> bool:
-    return _by_bounds(point, rec, card, above, below) is not None
-
-
-def _peaks(reserved_bytes: int, allocated_bytes: int) -> dict:
-    """A row's two peaks, as _far reads them."""
-    return {"peak_reserved_bytes": reserved_bytes, "peak_allocated_bytes": allocated_bytes}
+    return "oom" if r.room() < allocated_bytes - below else None
 
 
 def _attention_scratch(point: Point) -> int | None:
@@ -341,7 +337,8 @@ def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: 
     edges: dict[str, str] = {}
     for c in cards:  # a trace without workspaces (real CPU tensors): theirs ignored
         ws = None if traced_with is None else cublas.workspace_bytes(c.capability)
-        known = None if exact else _by_bounds(point, rec, c, *sized.band(c, ref, n * abs((ws or 0) - (traced_with or 0))))
+        known = None if exact else _by_bounds(point, rec["peak_reserved_bytes"], rec["peak_allocated_bytes"], c,
+                                              *sized.band(c, ref, n * abs((ws or 0) - (traced_with or 0))))
         if known is not None:
             edges[c.key] = known
         else:

@@ -51,17 +51,13 @@ def swapped(events: list[TraceEvent], to: str) -> list[TraceEvent]:
     """`events` (alloc and free, in order) with each fused call's rows as kernel `to` makes them."""
     frm = CUDNN if to == FLASH else FLASH
     keys = iter(range(min([0, *(e.key for e in events)]) - 1, -(1 << 62), -1))  # new scratch rows' keys
-    renamed: dict[int, tuple[int, str]] = {}  # small output's key -> its size and code under `to`
-    dropped: set[int] = set()  # scratch keys `to` does not make
+    resized: dict[int, int] = {}  # small output's key -> its bytes under `to`
     out: list[TraceEvent] = []
     i = 0
     while i < len(events):
         e = events[i]
         if e.action == "free":  # (a key names a storage while it lives: forgotten at its free)
-            if e.key in dropped:
-                dropped.discard(e.key)
-            else:
-                out.append(e._replace(size=renamed.pop(e.key, (e.size,))[0]))
+            out.append(e._replace(size=resized.pop(e.key, e.size)))
             i += 1
             continue
         if not e.kernel.startswith(FUSED_PREFIX):
@@ -70,23 +66,24 @@ def swapped(events: list[TraceEvent], to: str) -> list[TraceEvent]:
             continue
         phase, what, shape, _ = fused_parts(e.kernel)
         if phase == "fwd" and what in ("out", _SMALL[frm][0][0]):
-            i = _forward(events, i, frm, to, out, renamed, dropped, keys)
+            i = _forward(events, i, frm, to, out, resized, keys)
         elif phase == "bwd" and what == frm:
             assert shape is not None
-            i = _backward(events, i, shape, frm, to, out, dropped, keys)
+            i = _backward(events, i, shape, frm, to, out, keys)
         else:
             raise ValueError(f"trace row {i}: fused row {e.kernel!r} out of its call's order")
     return out
 
 
-def _forward(events, i, frm, to, out, renamed, dropped, keys) -> int:
+def _forward(events, i, frm, to, out, resized, keys) -> int:
     """One call's forward rows from row `i` (allocs: its outputs, then cuDNN's scratch and its free)."""
     roles: dict[str, TraceEvent] = {}
     while i < len(events) and events[i].action == "alloc" and events[i].kernel.startswith(FUSED_PREFIX + "fwd:"):
         what = fused_parts(events[i].kernel)[1]
-        if what == "scratch":  # cuDNN's: its free follows
-            dropped.add(events[i].key)
-            i += 2 if i + 1 < len(events) and events[i + 1].key == events[i].key else 1
+        if what == "scratch":  # cuDNN's, freed before the call returns
+            if i + 1 == len(events) or events[i + 1].key != events[i].key:
+                raise ValueError(f"trace row {i}: cuDNN's forward scratch not freed at once")
+            i += 2
             break
         if what in roles:  # the next call's
             break
@@ -102,7 +99,7 @@ def _forward(events, i, frm, to, out, renamed, dropped, keys) -> int:
     made = []
     for name, size in _SMALL[to]:
         old = roles[paired[name]]
-        renamed[old.key] = (size, fused_code("fwd", name))
+        resized[old.key] = size
         made.append(old._replace(size=size, kernel=fused_code("fwd", name)))
     body = [roles["out"], roles["lse"]]
     like = roles["out"]
@@ -129,7 +126,7 @@ def _last_free(events, i, keys: set[int]) -> int | None:
     return None
 
 
-def _backward(events, i, shape: FusedShape, frm, to, out, dropped, keys) -> int:
+def _backward(events, i, shape: FusedShape, frm, to, out, keys) -> int:
     """One call's backward scratch from row `i` (its allocs, then their frees in reverse)."""
     first = events[i]
     blocks = []
@@ -141,8 +138,7 @@ def _backward(events, i, shape: FusedShape, frm, to, out, dropped, keys) -> int:
     if [f.key for f in frees] != blocks[::-1] or any(f.action != "free" for f in frees):
         raise ValueError(f"trace row {i}: a fused backward's scratch not freed at once")
     i += len(blocks)
-    sizes = (attention.flash_backward_scratch(*shape[:6], shape.esize) if to == FLASH
-             else [attention.cudnn_backward_scratch(*shape)])
+    sizes = attention.fused_backward_scratch(to, shape)
     made = [first._replace(key=first.key if n == 0 else next(keys), size=size,
                            kernel=fused_code("bwd", to, shape, n if to == FLASH else None))
             for n, size in enumerate(sizes)]

@@ -28,15 +28,15 @@ def _fused_shape(args) -> attention.FusedShape:
     return attention.FusedShape(b, h, k.shape[1], s_q, k.shape[2], d, v.shape[3], q.element_size())
 
 
-def _flash_backward(args, g) -> list[tuple[int, str]]:
-    shape = _fused_shape(args)  # (its code: for the trace as cuDNN runs it, probe.sim.fused_swap)
-    return [(n, attention.fused_code("bwd", attention.FLASH, shape, i))
-            for i, n in enumerate(attention.flash_backward_scratch(*shape[:6], shape.esize))]
-
-
-def _cudnn_backward(args, g) -> list[tuple[int, str]]:
-    shape = _fused_shape(args)
-    return [(attention.cudnn_backward_scratch(*shape), attention.fused_code("bwd", attention.CUDNN, shape))]
+def _fused_backward(kernel: str):
+    """A fused backward's scratch, each block's code naming its call (for the trace as the other
+    fused kernel runs it: probe.sim.fused_swap)."""
+    def scratch(args, g) -> list[tuple[int, str]]:
+        shape = _fused_shape(args)
+        blocks = attention.fused_backward_scratch(kernel, shape)
+        return [(n, attention.fused_code("bwd", kernel, shape, i if kernel == attention.FLASH else None))
+                for i, n in enumerate(blocks)]
+    return scratch
 
 
 # ---- reductions ---------------------------------------------------------------------------------
@@ -151,9 +151,9 @@ def _split_copy(args, g, outs) -> list[tuple[int, str]]:
 
 
 _BY_ARGS = {
-    _aten._scaled_dot_product_flash_attention_backward.default: _flash_backward,
+    _aten._scaled_dot_product_flash_attention_backward.default: _fused_backward(attention.FLASH),
     _aten._scaled_dot_product_cudnn_attention.default: lambda args, g: [(256, attention.fused_code("fwd", "scratch"))],
-    _aten._scaled_dot_product_cudnn_attention_backward.default: _cudnn_backward,
+    _aten._scaled_dot_product_cudnn_attention_backward.default: _fused_backward(attention.CUDNN),
     _aten.sum.dim_IntList: _sum_like(1),
     _aten.sum.default: _sum_like(None),
     _aten.mean.dim: _sum_like(1),
