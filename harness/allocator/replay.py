@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from itertools import islice
 from typing import NamedTuple
 
 from harness.allocator import snapshot as snap
@@ -361,28 +360,13 @@ def replay_events(events, settings: AllocSettings, device: Device | None = None,
 def _replay_lean(events, alloc: CachingAllocator, result: ReplayResult, stop_at_oom: bool, start: int = 0,
                  live: dict | None = None) -> None:
     """replay_events' loop for a lean replay that reports no events: no window, no peaks to observe
-    (the allocator's own statistics keep them), and the calls looked up once (~90k events a 70B rank).
-    From request `start` on with `live` (key -> block) where it goes on from a Checkpoint."""
-    live = {} if live is None else live
-    malloc, free = alloc.malloc, alloc.free
-    pop = live.pop
-    i = start - 1
-    for i, (action, key, size, tag, stream) in enumerate(islice(events, start, None), start):
-        if action == "alloc":
-            try:
-                b = malloc(size, stream)
-            except OutOfMemory as oom:
-                result.ooms.append(_oom_row(oom, i, size, tag))
-                if stop_at_oom:
-                    break
-                continue
-            b.tag = tag
-            live[key] = b
-        else:
-            b = pop(key, None)
-            if b is not None:
-                free(b)
-    result.requests = i + 1
+    (the allocator's own statistics keep them; CachingAllocator.run_lean). From request `start` on
+    with `live` (key -> block) where it goes on from a Checkpoint."""
+    def on_oom(i: int, oom: OutOfMemory, size: int, tag) -> bool:
+        result.ooms.append(_oom_row(oom, i, size, tag))
+        return stop_at_oom
+
+    result.requests = alloc.run_lean(events, start, {} if live is None else live, on_oom)
 
 
 class Replays:
