@@ -7,7 +7,7 @@ import json
 
 import pandas as pd
 
-from harness.allocator.replay import Replays
+from harness.allocator.replay import Kept, Replays
 from harness.allocator.settings import AllocSettings
 from harness.analysis.verdict import verdicts
 from harness.config import cards
@@ -167,10 +167,10 @@ def test_edges_from_lean_replays_within_bounds_are_the_unlimited_replays_edges()
     probe = [dataclasses.replace(c, key=f"c{i}") for i, c in enumerate(probe)]
     exact = reserved.catalog_edges(rows, settings, probe, alloc)
     assert {"oom", "room"} <= set(exact.values()) and len(set(exact.values())) >= 3
-    checkpoints: list = []
-    reserved.analyse(rows, settings, probe[0], probe, "2.13", None, alloc, checkpoints)
-    assert checkpoints  # some card lies between the peaks
-    assert reserved.lean_edges(rows, settings, probe, checkpoints, res, alloc) == exact
+    kept = Kept()
+    reserved.analyse(rows, settings, probe[0], probe, "2.13", None, alloc, kept)
+    assert kept.checkpoints  # some card lies between the peaks
+    assert reserved.lean_edges(rows, settings, probe, kept.checkpoints, res, alloc) == exact
     assert reserved.lean_edges(rows, settings, probe, [], res + 64 * MiB, alloc - 64 * MiB) == exact
 
 

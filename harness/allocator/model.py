@@ -721,6 +721,13 @@ class CachingAllocator:
         self._emit("segment_unmap", start, nbytes, middle.stream)
         return middle
 
+    def largest_cached(self, size: int, stream: int) -> int:
+        """The largest free block cached on `stream` in the pool a request of `size` bytes draws from
+        (0: none); regular segments' blocks (an expandable one's are counted as mapped)."""
+        pool = self.small if round_size(size, self.settings.roundup_power2_divisions) <= K_SMALL_SIZE else self.large
+        i = bisect_left(pool.free, (stream + 1, 0, 0)) - 1
+        return pool.free[i][1] if i >= 0 and pool.free[i][0] == stream else 0
+
     # ---- a lean replay's loop ------------------------------------------------------------------
     def run_lean(self, rows, start: int, live: dict, on_oom: Callable[[int, OutOfMemory, int, object], bool]) -> int:
         """Requests `rows[start:]` ((action, key, size, tag, stream) each) on this lean allocator,

@@ -3,7 +3,7 @@ the recording decided) and the virtual GPU's traces (what-if on any card and set
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -301,15 +301,27 @@ class Checkpoint:
     live: dict  # key -> its block in `alloc`
 
 
+@dataclass
+class Kept:
+    """What a replay without a limit keeps for lean replays of rows alike up to a point (another
+    card's, its kernels' scratch sized otherwise): its Checkpoints, and before each request of
+    `watch` the largest block its stream's pool had cached (what a request of another size found)."""
+    watch: frozenset[int] = frozenset()
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    cached: dict[int, int] = field(default_factory=dict)
+
+
 def replay_events(events, settings: AllocSettings, device: Device | None = None, on_event=None,
                   stop_at_oom: bool = True, lean: bool = False, keep_below: Sequence[int] = (),
-                  kept: list[Checkpoint] | None = None) -> tuple[ReplayResult, CachingAllocator]:
+                  kept: list[Checkpoint] | None = None, watch: Collection[int] = (),
+                  cached: dict[int, int] | None = None) -> tuple[ReplayResult, CachingAllocator]:
     """Replay a virtual-GPU trace (ReplayRow: action, key, size, tag, stream): the whole run's peaks and
     the steady state's (from the first event of step STEADY_FROM_STEP on); `lean`: see
     ReplayResult.lean. `on_event(action, addr, size, stream, tag)` sees each allocator event with
     the row's tag. A replay without a limit appends to `kept` a Checkpoint where it first asks the
     device for more than each capacity of `keep_below` (but one under its allocated peak so far,
-    which no replay of its own needs: probe.sim.reserved.fits_by_numbers)."""
+    which no replay of its own needs: probe.sim.reserved.fits_by_numbers); and into `cached`, for
+    each request of `watch`, the largest block its stream's pool had cached before it."""
     alloc = CachingAllocator(settings, device or Device(), lean=lean)
     result = ReplayResult(settings=settings.conf, lean=lean)
     peaks = _Peaks(alloc)
@@ -333,11 +345,14 @@ def replay_events(events, settings: AllocSettings, device: Device | None = None,
         _replay_lean(events, alloc, result, stop_at_oom)
         _finish(result, alloc, peaks)
         return result, alloc
+    watching = cached is not None and bool(watch)
     for i, (action, key, size, tag, stream) in enumerate(events):
         result.requests = i + 1
         if not lean and peaks.window is None and tag is not None and tag[1] >= STEADY_FROM_STEP:  # EventTag.step
             peaks.open_window()
         if action == "alloc":
+            if watching and i in watch:
+                cached[i] = alloc.largest_cached(int(size), stream)  # type: ignore[index]
             try:
                 b = alloc.malloc(int(size), stream)
             except OutOfMemory as oom:
@@ -383,6 +398,7 @@ class Replays:
         self.events, self.settings = events, settings
         self.done: list[tuple[Device, ReplayResult]] = []
         self.kept: list[Checkpoint] = []
+        self.cached: dict[int, int] = {}  # request -> the largest block cached for it (Kept.cached)
 
     def add(self, device: Device, result: ReplayResult) -> ReplayResult:
         self.done.append((device, result))
@@ -391,12 +407,12 @@ class Replays:
     def _rows(self):
         return self.events() if callable(self.events) else self.events
 
-    def run_unlimited(self, device: Device, capacities: Sequence[int]) -> ReplayResult:
+    def run_unlimited(self, device: Device, capacities: Sequence[int], watch: Collection[int] = ()) -> ReplayResult:
         """The replay on `device` (no capacity: what the run reserves), its state kept where it
         first asks for more than each of `capacities` (the cards to be asked about): a lean replay
-        on one of them goes on from there rather than from the start."""
+        on one of them goes on from there rather than from the start. `watch`: Kept.watch."""
         return self.add(device, replay_events(self._rows(), self.settings, device, keep_below=capacities,
-                                              kept=self.kept)[0])
+                                              kept=self.kept, watch=watch, cached=self.cached)[0])
 
     def on(self, device: Device) -> ReplayResult:
         # A card's total memory sizes only expandable segments' address ranges (and OOM messages,

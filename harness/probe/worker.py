@@ -14,6 +14,7 @@ import time
 import traceback
 from pathlib import Path
 
+from harness.allocator.replay import Kept
 from harness.allocator.settings import K_LARGE_BUFFER, AllocSettings
 from harness.config import attention, cublas, kernels, nccl
 from harness.config import cards as catalog
@@ -137,15 +138,15 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
 
     # Each card as one of the job's GPUs sees it: NCCL's memory beside the CUDA context's; those
     # judged by the trace with their own scratch sizes are left to _own_sized_edges
-    checkpoints: list = []
+    kept = Kept(watch=sized.scratch_allocs(point.gpu))
     rec.update(reserved.analyse(
         rows, settings, nccl.on_rank(point.gpu, point.parallel), [nccl.on_rank(c, point.parallel) for c in here],
-        torch.__version__, snapshot, rec["peak_tensor_bytes"], checkpoints,
+        torch.__version__, snapshot, rec["peak_tensor_bytes"], kept,
         elsewhere=lambda res, alloc: {c.key for c in own_sized(res, alloc)}), catalog_sha=catalog.digest())
     own = own_sized(rec["peak_reserved_bytes"], rec["peak_allocated_bytes"])
     if len(here) < len(cards) or own:
         edges = {c.key: recorded_edge(rec, c.key) for c in here}
-        edges.update(_own_sized_edges(sized, settings, point, own, rec, checkpoints))
+        edges.update(_own_sized_edges(sized, settings, point, own, rec, kept))
         # cards that only swap flash for cuDNN (or back), far from their edge: the traced peaks decide them
         far = _far_from_their_edge(point, rec, apart, n_workspaces, sized)
         edges.update(far)
@@ -306,21 +307,21 @@ def _swap_band(scratch: int, rec: dict, card: Card, n_workspaces: int) -> int:
 
 
 def _own_sized_edges(sized: Sized, settings: AllocSettings, point: Point, cards: list, rec: dict,
-                     checkpoints: list) -> dict[str, str]:
+                     kept: Kept) -> dict[str, str]:
     """The edge of each of `cards` (of the point's workspaces, other kernel scratch, near their
     edge) from the trace sized for it: its peaks bounded by the point's and the scratch's shift,
-    else lean replays going on from the point's replay's `checkpoints` taken before the first row
-    the sizing changes (alike up to there: no unlimited replay of its own)."""
+    else lean replays going on from the point's replay's checkpoints (`kept`) taken before a replay
+    of the card's rows may be in another state (Sized.alike_until: no unlimited replay of its own)."""
     groups: dict[tuple, list] = {}
     for c in cards:
         groups.setdefault(sized.sizes(c), []).append(c)
     edges: dict[str, str] = {}
     for group in groups.values():
-        first = sized.first_change(group[0], point.gpu)
+        until = sized.alike_until(group[0], point.gpu, settings, kept.cached)
         above, below = sized.band(group[0], point.gpu)
         edges.update(reserved.lean_edges(
             sized.rows(group[0]), settings, [nccl.on_rank(c, point.parallel) for c in group],
-            [k for k in checkpoints if k.event <= first],
+            [k for k in kept.checkpoints if k.event <= until],
             rec["peak_reserved_bytes"] + above, rec["peak_allocated_bytes"] - below))
     return edges
 

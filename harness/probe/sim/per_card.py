@@ -4,8 +4,9 @@ distinct sizing (cards of one SM count and kind share them)."""
 
 from __future__ import annotations
 
+from harness.allocator.model import K_SMALL_SIZE, round_size
 from harness.allocator.replay import ReplayRow
-from harness.allocator.settings import K_LARGE_BUFFER
+from harness.allocator.settings import K_LARGE_BUFFER, SIZE_MAX, AllocSettings
 from harness.config.point import Card
 from harness.record import trace_store
 
@@ -40,25 +41,32 @@ class Sized:
         return self._rows[sizes]
 
     def _resized(self, sizes: tuple[int, ...]) -> list[ReplayRow]:
-        traced = tuple(self.codes.values())
-        if traced not in self._rows:
-            self._rows[traced] = trace_store.replay_rows(self.df)
-        base = self._rows[traced]
-        if sizes == traced:
+        base = self._traced_rows()
+        if sizes == tuple(self.codes.values()):
             return base
-        if self._marked is None:  # every row of a scratch key: its alloc and its free
-            codes = trace_store.scratch_keys(self.df)
-            self._marked = [(i, codes[r.key]) for i, r in enumerate(base) if r.key in codes]
         nbytes = dict(zip(self.codes, sizes, strict=True))
         rows = list(base)
         gone = set()
-        for i, code in self._marked:
+        for i, code in self._marks():
             n = nbytes[code]
             if n == 0:  # this card's launch makes none
                 gone.add(rows[i].key)
             else:
                 rows[i] = rows[i]._replace(size=n)
         return [r for r in rows if r.key not in gone] if gone else rows
+
+    def _traced_rows(self) -> list[ReplayRow]:
+        traced = tuple(self.codes.values())
+        if traced not in self._rows:
+            self._rows[traced] = trace_store.replay_rows(self.df)
+        return self._rows[traced]
+
+    def _marks(self) -> list[tuple[int, str]]:
+        """Every row of a scratch key (its alloc and its free) in the traced rows, with its code."""
+        if self._marked is None:
+            codes = trace_store.scratch_keys(self.df)
+            self._marked = [(i, codes[r.key]) for i, r in enumerate(self._traced_rows()) if r.key in codes]
+        return self._marked
 
     def workspaces(self, card: Card) -> tuple[int | None, int]:
         """The trace's cuBLAS workspaces on `card` (trace_store.workspaces: the bytes of one, how many)."""
@@ -67,11 +75,47 @@ class Sized:
             self._workspaces[sizes] = trace_store.workspaces(self.rows(card))
         return self._workspaces[sizes]
 
-    def first_change(self, card: Card, than: Card) -> int:
-        """The first row at which the trace on `card` differs from it on `than` (their row count
-        where none does): a replay of either is the other's up to there."""
+    def scratch_allocs(self, card: Card) -> frozenset[int]:
+        """The rows of `rows(card)` that allocate a kernel's scratch (what Kept.watch watches)."""
+        rows = self.rows(card)
+        if rows is self._traced_rows():
+            return frozenset(i for i, _code in self._marks() if rows[i].action == "alloc")
+        keys = set(trace_store.scratch_keys(self.df))
+        return frozenset(i for i, r in enumerate(rows) if r.action == "alloc" and r.key in keys)
+
+    def alike_until(self, card: Card, than: Card, settings: AllocSettings, cached: dict[int, int]) -> int:
+        """The first request before which a replay of the trace on `card` may not be in the state a
+        replay of it on `than` is (`cached`: Kept.cached of that replay, its scratch allocs watched).
+        Past the first row they differ where each scratch block that differs was cut from a block
+        `than`'s replay had cached (big enough for both sizes) and freed before any other block of
+        its pool was allocated: until then only where that block was cut differs, no decision reads
+        it, and its free makes the pool as it was (a free coalesces)."""
         a, b = self.rows(card), self.rows(than)
-        return next((i for i, (x, y) in enumerate(zip(a, b)) if x[:3] != y[:3]), min(len(a), len(b)))
+        divisions = settings.roundup_power2_divisions
+
+        def small(n: int) -> bool:
+            return round_size(n, divisions) <= K_SMALL_SIZE
+
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x is y or x == y or x.action == y.action == "free" and x.key == y.key:
+                continue  # (a free's bytes are not read: it frees its key's block)
+            if x[:2] != y[:2] or settings.max_split_size != SIZE_MAX:
+                return i  # another request (a launch dropped); or oversize rules may refuse a block
+            pool, end = small(x.size), self._freed(a, i)
+            if (end is None or small(y.size) != pool
+                    or cached.get(i, 0) < max(round_size(x.size, divisions), round_size(y.size, divisions))
+                    or any(r.action == "alloc" and pool in (small(r.size), small(s.size))
+                           for r, s in zip(a[i + 1:end], b[i + 1:end]))):
+                return i
+        return min(len(a), len(b))
+
+    @staticmethod
+    def _freed(rows: list[ReplayRow], i: int, within: int = 64) -> int | None:
+        """The row that frees the block row `i` allocates, if within `within` rows (a kernel's
+        scratch lives for its launch)."""
+        key = rows[i].key
+        return next((j for j in range(i + 1, min(i + 1 + within, len(rows)))
+                     if rows[j].key == key and rows[j].action == "free"), None)
 
     def shift(self, card: Card, than: Card | None = None) -> tuple[int, int]:
         """How much more and how much less one moment's bytes may be on `card` than on `than` (None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from harness.allocator import oom_message
 from harness.allocator import snapshot as snap
 from harness.allocator.model import Device
-from harness.allocator.replay import Checkpoint, ReplayRow, Replays, replay_events
+from harness.allocator.replay import Checkpoint, Kept, ReplayRow, Replays, replay_events
 from harness.allocator.settings import AllocSettings
 from harness.config.point import Card
 
@@ -63,14 +63,14 @@ def edge_columns(edges: dict[str, str]) -> dict:
 
 
 def _unlimited(rows: list[ReplayRow], settings: AllocSettings, total: int, catalog: list[Card],
-               peak_tensor_bytes: int):
+               peak_tensor_bytes: int, watch: Collection[int] = ()):
     """The trace's replays and its replay without a limit on a device of `total` bytes (what
     expandable segments' address ranges are sized by). A card between the run's allocated and
     reserved peaks takes a lean replay of its own, which goes on from where this one first asked for
     more than the card holds (alike until then); a card under the storages' peak needs none."""
     replays = Replays(rows, settings)
     rooms = [c.room() for k in catalog for c in (k, k.at_worst())]
-    return replays, replays.run_unlimited(Device(total=total), [r for r in rooms if r >= peak_tensor_bytes])
+    return replays, replays.run_unlimited(Device(total=total), [r for r in rooms if r >= peak_tensor_bytes], watch)
 
 
 def _edges(replays: Replays, unlimited, catalog: list[Card]) -> dict[str, str]:
@@ -88,17 +88,19 @@ def catalog_edges(rows: list[ReplayRow], settings: AllocSettings, catalog: list[
 
 def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog: list[Card],
             torch_version: str, snapshot_path: Path | None = None, peak_tensor_bytes: int = 0,
-            checkpoints: list[Checkpoint] | None = None,
+            kept: Kept | None = None,
             elsewhere: Callable[[int, int], Collection[str]] | None = None) -> dict:
     """Record fields for the run's card and the whole catalog (`peak_tensor_bytes`: the trace's
-    storages' peak, which the allocated peak is at least); into `checkpoints`, where given, the
-    states its unlimited replay kept on the way to each card's room (lean_edges goes on from them).
+    storages' peak, which the allocated peak is at least); into `kept`, where given, what its
+    unlimited replay kept on the way to each card's room (lean_edges goes on from its checkpoints).
     `elsewhere(peak reserved, peak allocated)`: the keys of catalog cards the caller judges itself
     (left out of the edge columns)."""
     # Unlimited memory, but the card's size for what depends on it (expandable address ranges).
-    replays, unlimited = _unlimited(rows, settings, card.memory_bytes, catalog, peak_tensor_bytes)
-    if checkpoints is not None:
-        checkpoints.extend(replays.kept)
+    replays, unlimited = _unlimited(rows, settings, card.memory_bytes, catalog, peak_tensor_bytes,
+                                    kept.watch if kept is not None else ())
+    if kept is not None:
+        kept.checkpoints.extend(replays.kept)
+        kept.cached.update(replays.cached)
     on_the_card = Device.for_card(card)
     trace: list[dict] = []
 
