@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pandas as pd
+import pytest
 
 from harness.allocator.replay import Kept, Replays
 from harness.allocator.settings import AllocSettings
@@ -192,6 +193,104 @@ def test_a_cards_rows_resize_its_kernel_scratch_and_drop_the_launches_it_makes_n
         assert sized.rows(card) == trace_store.replay_rows(trace_store.sized_for(df, card)), card.key
     assert [r.key for r in sized.rows(one_sm)] == [1, 1]
     assert {r.size for r in sized.rows(cards.by_key()["l4"]) if r.key == 2} == {46137344}
+
+
+def _from_checkpoints_or_start(rows, settings, checkpoints, capacities) -> tuple[list, list]:
+    """Each capacity's lean replay of `rows` (its first OOM and its cache flushes) going on from
+    `checkpoints`, and from the start."""
+    from harness.allocator.model import Device
+
+    def decided(r):
+        return r.ooms[0]["event"] if r.ooms else None, r.num_alloc_retries
+
+    went_on = []
+    for capacity in capacities:
+        on = Replays(rows, settings)
+        on.kept = list(checkpoints)
+        went_on.append(decided(on.on(Device(capacity=capacity, total=4 * GiB))))
+    alone = [decided(reserved.replay_events(rows, settings, Device(capacity=c, total=4 * GiB), lean=True)[0])
+             for c in capacities]
+    return went_on, alone
+
+
+def _scratch_trace(steps: list[tuple]) -> pd.DataFrame:
+    """A trace of (action, key, MiB) steps, key 9 a reduction's staging buffer: 108 MiB on an A100,
+    44 MiB on an L4 (the sizes 70B's RMSNorm weight gradient takes)."""
+    from harness.probe.sim.tracker import TraceEvent
+
+    code = "reduce:0:4,8192,4096,0,1,4"
+    return trace_store.to_frame([
+        TraceEvent(i, action, key, 113246208 if key == 9 else int(mib * MiB), "temporary", "backward", 0, "norm",
+                   kernel=code if key == 9 else "")
+        for i, (action, key, mib) in enumerate(steps)])
+
+
+@pytest.mark.parametrize("scenario", ["alike", "pool_taken_meanwhile", "cached_too_small"])
+def test_a_cards_lean_replay_goes_on_from_the_points_checkpoints_while_its_state_is_the_points(scenario):
+    """An L4's and an A100's rows differ in a reduction's staging buffer (44 vs 108 MiB), cut from a
+    cached 200 MiB block. A checkpoint of one card's replay taken after that buffer is freed serves
+    the other where the pool is as it was (Sized.alike_until): not where another large block was
+    allocated while the buffer lived (an A100 then has no room left in the block, an L4 does), nor
+    where the cached block was smaller than the other card's buffer. Every capacity's replay from
+    the checkpoints kept is the replay from the start; one from every checkpoint is not, but where
+    the states are alike."""
+    from harness.allocator.model import Device
+    from harness.allocator.replay import Kept
+    from harness.probe.sim.per_card import Sized
+
+    meanwhile = (("alloc", 3, 100),) if scenario == "pool_taken_meanwhile" else (("alloc", 3, 1 / 1024),)  # small pool
+    first = 60 if scenario == "cached_too_small" else 200
+    df = _scratch_trace([("alloc", 1, first), ("free", 1, 0), ("alloc", 9, 0), *meanwhile, ("free", 9, 0),
+                         ("free", 3, 0), ("alloc", 4, 250), ("free", 4, 0)])
+    point, card = cards.by_key()["a100-80gb"], cards.by_key()["l4"]
+    if scenario == "cached_too_small":  # traced on the L4: the A100's buffer is larger than the cached block
+        df = trace_store.sized_for(df, card)
+        point, card = card, point
+    sized, settings = Sized(df), AllocSettings.from_conf("")
+    capacities = range(100 * MiB, 600 * MiB, 2 * MiB)
+    kept = Kept(watch=sized.scratch_allocs(point))
+    unlimited = Replays(sized.rows(point), settings)
+    unlimited.run_unlimited(Device(total=4 * GiB), capacities, kept.watch)
+    until = sized.alike_until(card, point, settings, unlimited.cached)
+    assert until == (len(df) if scenario == "alike" else 2)
+    went_on, alone = _from_checkpoints_or_start(sized.rows(card), settings,
+                                                [k for k in unlimited.kept if k.event <= until], capacities)
+    assert went_on == alone
+    any_checkpoint, _ = _from_checkpoints_or_start(sized.rows(card), settings, unlimited.kept, capacities)
+    assert (any_checkpoint == alone) == (scenario == "alike")
+
+
+def test_every_cards_lean_replays_of_a_sharded_trace_go_on_from_checkpoints_past_its_first_change():
+    """demo-1b over 4 A100s (FSDP2, one layer): each catalog card whose SMs size its launch tables or
+    reductions otherwise takes, at capacities from below the A100 replay's allocated peak to past
+    its reserved, the lean replays it takes from the start; going on from the A100 replay's
+    checkpoints, some of them past the first row that card's trace differs."""
+    from harness.allocator.model import Device
+    from harness.config.point import Parallel
+    from harness.probe.sim.per_card import Sized
+    from harness.probe.sim.shortcut import at_depth
+
+    a100 = cards.by_key()["a100-80gb"]
+    point = train_point(model="demo-1b", batch_size=2, seq_len=1024, steps=2).replace(
+        parallel=Parallel(dp_shard=4), gpu=a100)
+    sized, settings = Sized(trace_store.to_frame(run_point(at_depth(point, 1))[1].events)), AllocSettings.from_conf("")
+    peaks = reserved.replay_events(sized.rows(a100), settings)[0]
+    capacities = range(peaks.peak_allocated_bytes - 64 * MiB, peaks.peak_reserved_bytes + 64 * MiB, 8 * MiB)
+    kept = Kept(watch=sized.scratch_allocs(a100))
+    unlimited = Replays(sized.rows(a100), settings)
+    unlimited.run_unlimited(Device(total=4 * GiB), capacities, kept.watch)
+    past_a_change = 0
+    others = {sized.sizes(c): c for c in cards.cards() if not sized.alike(c, a100)}.values()
+    assert len(others) >= 3
+    for card in others:
+        rows = sized.rows(card)
+        until = sized.alike_until(card, a100, settings, unlimited.cached)
+        first = next(i for i, (x, y) in enumerate(zip(rows, sized.rows(a100))) if x != y)
+        checkpoints = [k for k in unlimited.kept if k.event <= until]
+        past_a_change += any(k.event > first for k in checkpoints)
+        went_on, alone = _from_checkpoints_or_start(rows, settings, checkpoints, capacities)
+        assert went_on == alone, card.key
+    assert past_a_change
 
 
 def test_cards_of_another_workspace_far_from_their_edge_are_decided_as_their_own_replay_decides_them():
