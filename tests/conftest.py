@@ -1,3 +1,4 @@
+import atexit
 import fcntl
 import os
 import pickle
@@ -21,8 +22,11 @@ from harness.config.point import Point  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A user's own calibrated cards (calibrate's measured-cards.json) must not move the catalog under test.
-os.environ[cards.MEASURED_ENV] = os.path.join(tempfile.mkdtemp(prefix="harness-measured-"), "measured-cards.json")
+# A user's own calibrated cards (calibrate's measured-cards.json) must not move the catalog under test:
+# each test process's own file, in a folder removed when that process ends.
+_MEASURED = tempfile.mkdtemp(prefix="harness-measured-")
+atexit.register(shutil.rmtree, _MEASURED, ignore_errors=True)
+os.environ[cards.MEASURED_ENV] = os.path.join(_MEASURED, "measured-cards.json")
 
 
 def model_cfg(name: str, **hf) -> dict:
