@@ -306,23 +306,27 @@ def _swap_band(scratch: int, rec: dict, card: Card, n_workspaces: int) -> int:
     return scratch + 2 * K_LARGE_BUFFER + workspaces
 
 
-def _own_sized_edges(sized: Sized, settings: AllocSettings, point: Point, cards: list, rec: dict,
-                     kept: Kept) -> dict[str, str]:
-    """The edge of each of `cards` (of the point's workspaces, other kernel scratch, near their
-    edge) from the trace sized for it: its peaks bounded by the point's and the scratch's shift,
-    else lean replays going on from the point's replay's checkpoints (`kept`) taken before a replay
-    of the card's rows may be in another state (Sized.alike_until: no unlimited replay of its own)."""
+def _own_sized_edges(sized: Sized, settings: AllocSettings, point: Point, cards: list, peaks: dict,
+                     kept: Kept, ref: Card | None = None, workspace: int | None = None) -> dict[str, str]:
+    """The edge of each of `cards` (of `ref`'s workspaces, other kernel scratch, near their edge;
+    `ref`: the point's card where None) from the trace sized for it (each cuBLAS workspace
+    `workspace` bytes, where given): its peaks bounded by `ref`'s replay's (`peaks`) and the
+    scratch's shift, else lean replays going on from that replay's checkpoints (`kept`) taken before
+    a replay of the card's rows may be in another state (Sized.alike_until: no unlimited replay of
+    its own)."""
+    ref = ref or point.gpu
     groups: dict[tuple, list] = {}
     for c in cards:
         groups.setdefault(sized.sizes(c), []).append(c)
     edges: dict[str, str] = {}
     for group in groups.values():
-        until = sized.alike_until(group[0], point.gpu, settings, kept.cached)
-        above, below = sized.band(group[0], point.gpu)
+        until = sized.alike_until(group[0], ref, settings, kept.cached)
+        above, below = sized.band(group[0], ref)
+        rows = sized.rows(group[0])
         edges.update(reserved.lean_edges(
-            sized.rows(group[0]), settings, [nccl.on_rank(c, point.parallel) for c in group],
-            [k for k in kept.checkpoints if k.event <= until],
-            rec["peak_reserved_bytes"] + above, rec["peak_allocated_bytes"] - below))
+            rows if workspace is None else trace_store.with_workspaces(rows, workspace), settings,
+            [nccl.on_rank(c, point.parallel) for c in group], [k for k in kept.checkpoints if k.event <= until],
+            peaks["peak_reserved_bytes"] + above, peaks["peak_allocated_bytes"] - below))
     return edges
 
 
@@ -331,10 +335,11 @@ def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: 
     """The edge of each of `cards` from the trace `sized` (of `point`'s card) with each card's cuBLAS
     workspaces (config.cublas; one allocation each, made where they were) and its kernels' scratch
     (config.kernels); but where the card's room lies further from the traced peaks than their
-    differences and two large segments (unless `exact`): those peaks decide it."""
+    differences and two large segments (unless `exact`): those peaks decide it. Of the cards of one
+    workspace, one kernel sizing takes a replay without a limit, the others go on from it."""
     ref = point.gpu
     traced_with, n = sized.workspaces(ref)
-    groups: dict[tuple, list] = {}
+    by_workspace: dict[int | None, list] = {}
     edges: dict[str, str] = {}
     for c in cards:  # a trace without workspaces (real CPU tensors): theirs ignored
         ws = None if traced_with is None else cublas.workspace_bytes(c.capability)
@@ -343,15 +348,25 @@ def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: 
         if known is not None:
             edges[c.key] = known
         else:
-            groups.setdefault((ws, sized.sizes(c)), []).append(c)
-    for (nbytes, _), group in groups.items():
-        rows = sized.rows(group[0])
-        resized = rows if nbytes in (None, traced_with) else trace_store.with_workspaces(rows, nbytes)
+            by_workspace.setdefault(ws, []).append(c)
+    for nbytes, group in by_workspace.items():
+        first = [c for c in group if sized.alike(c, group[0])]
+        workspace = None if nbytes in (None, traced_with) else nbytes
+        rows = sized.rows(first[0])
         # the storages' peak at least: the traced one less smaller workspaces and scratch
         less = 0 if nbytes is None or traced_with is None else min(0, n * (nbytes - traced_with))
-        least = rec["peak_allocated_bytes"] + less - sized.shift(group[0])[1]
-        edges.update(reserved.catalog_edges(resized, settings, [nccl.on_rank(c, point.parallel) for c in group],
-                                            least))
+        ranked = [nccl.on_rank(c, point.parallel) for c in first]
+        kept = Kept(watch=sized.scratch_allocs(first[0]))
+        replays, unlimited = reserved.unlimited_replay(  # (checkpoints for the rest's rooms too)
+            rows if workspace is None else trace_store.with_workspaces(rows, workspace), settings,
+            max(c.memory_bytes for c in ranked), [nccl.on_rank(c, point.parallel) for c in group],
+            rec["peak_allocated_bytes"] + less - sized.shift(first[0])[1], kept.watch)
+        edges.update(reserved.edges_by_replays(replays, unlimited, ranked))
+        kept.checkpoints, kept.cached = replays.kept, replays.cached
+        edges.update(_own_sized_edges(sized, settings, point, [c for c in group if c not in first],
+                                      {"peak_reserved_bytes": unlimited.peak_reserved_bytes,
+                                       "peak_allocated_bytes": unlimited.peak_allocated_bytes},
+                                      kept, first[0], workspace))
     return edges
 
 

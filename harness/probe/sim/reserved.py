@@ -9,7 +9,7 @@ from pathlib import Path
 from harness.allocator import oom_message
 from harness.allocator import snapshot as snap
 from harness.allocator.model import Device
-from harness.allocator.replay import Checkpoint, Kept, ReplayRow, Replays, replay_events
+from harness.allocator.replay import Checkpoint, Kept, ReplayResult, ReplayRow, Replays, replay_events
 from harness.allocator.settings import AllocSettings
 from harness.config.point import Card
 
@@ -62,18 +62,20 @@ def edge_columns(edges: dict[str, str]) -> dict:
             "retry_cards": [k for k, e in edges.items() if e == "after_retry"]}
 
 
-def _unlimited(rows: list[ReplayRow], settings: AllocSettings, total: int, catalog: list[Card],
-               peak_tensor_bytes: int, watch: Collection[int] = ()):
+def unlimited_replay(rows: list[ReplayRow], settings: AllocSettings, total: int, catalog: list[Card],
+                     peak_tensor_bytes: int, watch: Collection[int] = ()) -> tuple[Replays, ReplayResult]:
     """The trace's replays and its replay without a limit on a device of `total` bytes (what
     expandable segments' address ranges are sized by). A card between the run's allocated and
     reserved peaks takes a lean replay of its own, which goes on from where this one first asked for
-    more than the card holds (alike until then); a card under the storages' peak needs none."""
+    more than the card holds (alike until then); a card under the storages' peak needs none.
+    `watch`: Kept.watch."""
     replays = Replays(rows, settings)
     rooms = [c.room() for k in catalog for c in (k, k.at_worst())]
     return replays, replays.run_unlimited(Device(total=total), [r for r in rooms if r >= peak_tensor_bytes], watch)
 
 
-def _edges(replays: Replays, unlimited, catalog: list[Card]) -> dict[str, str]:
+def edges_by_replays(replays: Replays, unlimited: ReplayResult, catalog: list[Card]) -> dict[str, str]:
+    """Each card's edge (EDGES) from the trace's replay without a limit and its lean replays."""
     return {c.key: edge(lambda card: fits(replays, card, unlimited), unlimited.peak_reserved_bytes, c)
             for c in catalog}
 
@@ -82,8 +84,8 @@ def catalog_edges(rows: list[ReplayRow], settings: AllocSettings, catalog: list[
                   peak_tensor_bytes: int = 0) -> dict[str, str]:
     """Each card's edge (EDGES) for a trace: its replay without a limit, and a lean one on each
     card that its peaks leave undecided (`peak_tensor_bytes`: the trace's storages' peak)."""
-    replays, unlimited = _unlimited(rows, settings, max(c.memory_bytes for c in catalog), catalog, peak_tensor_bytes)
-    return _edges(replays, unlimited, catalog)
+    replays, unlimited = unlimited_replay(rows, settings, max(c.memory_bytes for c in catalog), catalog, peak_tensor_bytes)
+    return edges_by_replays(replays, unlimited, catalog)
 
 
 def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog: list[Card],
@@ -96,7 +98,7 @@ def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog:
     `elsewhere(peak reserved, peak allocated)`: the keys of catalog cards the caller judges itself
     (left out of the edge columns)."""
     # Unlimited memory, but the card's size for what depends on it (expandable address ranges).
-    replays, unlimited = _unlimited(rows, settings, card.memory_bytes, catalog, peak_tensor_bytes,
+    replays, unlimited = unlimited_replay(rows, settings, card.memory_bytes, catalog, peak_tensor_bytes,
                                     kept.watch if kept is not None else ())
     if kept is not None:
         kept.checkpoints.extend(replays.kept)
@@ -133,7 +135,7 @@ def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog:
     if elsewhere is not None:
         leave = elsewhere(unlimited.peak_reserved_bytes, unlimited.peak_allocated_bytes)
         catalog = [c for c in catalog if c.key not in leave]
-    out.update(edge_columns(_edges(replays, unlimited, catalog)))
+    out.update(edge_columns(edges_by_replays(replays, unlimited, catalog)))
     if on_card.ooms:
         oom = on_card.ooms[0]
         phase, step, module, _kind = oom["where"]
