@@ -293,6 +293,38 @@ def test_every_cards_lean_replays_of_a_sharded_trace_go_on_from_checkpoints_past
     assert past_a_change
 
 
+def test_cards_of_several_kernel_sizings_are_judged_by_one_replay_as_by_their_own():
+    """worker._edges_by_sizes on demo-1b over 4 A100s (FSDP2, one layer), exact: cards of 46 to 132
+    SMs (their launch tables and reductions sized by them) every 4 MiB of room around the peaks,
+    one sizing replayed without a limit and the rest going on from it, get the edges a replay of
+    each card's own rows gives."""
+    import dataclasses
+
+    from harness.config import nccl
+    from harness.config.point import Parallel
+    from harness.probe import worker
+    from harness.probe.sim.per_card import Sized
+    from harness.probe.sim.shortcut import at_depth
+
+    a100 = cards.by_key()["a100-80gb"]
+    point = train_point(model="demo-1b", batch_size=2, seq_len=1024, steps=2).replace(
+        parallel=Parallel(dp_shard=4), gpu=a100)
+    sized, settings = Sized(trace_store.to_frame(run_point(at_depth(point, 1))[1].events)), AllocSettings.from_conf("")
+    peaks = reserved.replay_events(sized.rows(a100), settings)[0]
+    rec = {"peak_reserved_bytes": peaks.peak_reserved_bytes, "peak_allocated_bytes": peaks.peak_allocated_bytes}
+    nccl_bytes = _card(GiB).room() - nccl.on_rank(_card(GiB), point.parallel).room()  # each rank's, off its room
+    probe = [dataclasses.replace(_card(room + nccl_bytes, spread=0), key=f"c{sms}-{room // MiB}",
+                                 multiprocessors=sms, compute_capability="8.0")
+             for sms in (46, 82, 132) for room in range(peaks.peak_allocated_bytes - 8 * MiB,  # (NCCL's spread: 512 MiB)
+                                                        peaks.peak_reserved_bytes + 560 * MiB, 4 * MiB)]
+    assert len({sized.sizes(c) for c in probe}) == 3
+    got = worker._edges_by_sizes(sized, settings, point, probe, rec, exact=True)
+    own = {c.key: reserved.catalog_edges(sized.rows(c), settings, [nccl.on_rank(c, point.parallel)])[c.key]
+           for c in probe}
+    assert got == own
+    assert set(got.values()) == set(reserved.EDGES)
+
+
 def test_cards_of_another_workspace_far_from_their_edge_are_decided_as_their_own_replay_decides_them():
     """worker._edges_by_sizes decides a card of another cuBLAS workspace by the traced peaks where
     its room lies further from them than the workspaces' and scratch's band, else by a replay with
