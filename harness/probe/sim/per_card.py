@@ -96,7 +96,11 @@ class Sized:
         def small(n: int) -> bool:
             return round_size(n, divisions) <= K_SMALL_SIZE
 
-        for i, (x, y) in enumerate(zip(a, b)):
+        # rows alike in number differ only where the scratch is (each a copy of the traced rows)
+        n = min(len(a), len(b))
+        where = (i for i, _code in self._marks()) if len(a) == len(b) == len(self._traced_rows()) else range(n)
+        for i in where:
+            x, y = a[i], b[i]
             if x is y or x == y or x.action == y.action == "free" and x.key == y.key:
                 continue  # (a free's bytes are not read: it frees its key's block)
             if x[:2] != y[:2] or settings.max_split_size != SIZE_MAX:
@@ -107,7 +111,7 @@ class Sized:
                     or any(r.action == "alloc" and pool in (small(r.size), small(s.size))
                            for r, s in zip(a[i + 1:end], b[i + 1:end]))):
                 return i
-        return min(len(a), len(b))
+        return n
 
     @staticmethod
     def _freed(rows: list[ReplayRow], i: int, within: int = 64) -> int | None:
