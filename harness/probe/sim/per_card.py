@@ -78,7 +78,7 @@ class Sized:
     def scratch_allocs(self, card: Card) -> frozenset[int]:
         """The rows of `rows(card)` that allocate a kernel's scratch (what Kept.watch watches)."""
         rows = self.rows(card)
-        if rows is self._traced_rows():
+        if len(rows) == len(self._traced_rows()):  # the traced rows or a copy of them, none dropped
             return frozenset(i for i, _code in self._marks() if rows[i].action == "alloc")
         keys = set(trace_store.scratch_keys(self.df))
         return frozenset(i for i, r in enumerate(rows) if r.action == "alloc" and r.key in keys)
