@@ -205,8 +205,7 @@ def _from_checkpoints_or_start(rows, settings, checkpoints, capacities) -> tuple
 
     went_on = []
     for capacity in capacities:
-        on = Replays(rows, settings)
-        on.kept = list(checkpoints)
+        on = Replays(rows, settings, Kept(checkpoints=list(checkpoints)))
         went_on.append(decided(on.on(Device(capacity=capacity, total=4 * GiB))))
     alone = [decided(reserved.replay_events(rows, settings, Device(capacity=c, total=4 * GiB), lean=True)[0])
              for c in capacities]
@@ -235,7 +234,6 @@ def test_a_cards_lean_replay_goes_on_from_the_points_checkpoints_while_its_state
     the checkpoints kept is the replay from the start; one from every checkpoint is not, but where
     the states are alike."""
     from harness.allocator.model import Device
-    from harness.allocator.replay import Kept
     from harness.probe.sim.per_card import Sized
 
     meanwhile = (("alloc", 3, 100),) if scenario == "pool_taken_meanwhile" else (("alloc", 3, 1 / 1024),)  # small pool
@@ -249,14 +247,13 @@ def test_a_cards_lean_replay_goes_on_from_the_points_checkpoints_while_its_state
     sized, settings = Sized(df), AllocSettings.from_conf("")
     capacities = range(100 * MiB, 600 * MiB, 2 * MiB)
     kept = Kept(watch=sized.scratch_allocs(point))
-    unlimited = Replays(sized.rows(point), settings)
-    unlimited.run_unlimited(Device(total=4 * GiB), capacities, kept.watch)
-    until = sized.alike_until(card, point, settings, unlimited.cached)
+    Replays(sized.rows(point), settings, kept).run_unlimited(Device(total=4 * GiB), capacities)
+    until = sized.alike_until(card, point, settings, kept.cached)
     assert until == (len(df) if scenario == "alike" else 2)
     went_on, alone = _from_checkpoints_or_start(sized.rows(card), settings,
-                                                [k for k in unlimited.kept if k.event <= until], capacities)
+                                                [k for k in kept.checkpoints if k.event <= until], capacities)
     assert went_on == alone
-    any_checkpoint, _ = _from_checkpoints_or_start(sized.rows(card), settings, unlimited.kept, capacities)
+    any_checkpoint, _ = _from_checkpoints_or_start(sized.rows(card), settings, kept.checkpoints, capacities)
     assert (any_checkpoint == alone) == (scenario == "alike")
 
 
@@ -277,16 +274,15 @@ def test_every_cards_lean_replays_of_a_sharded_trace_go_on_from_checkpoints_past
     peaks = reserved.replay_events(sized.rows(a100), settings)[0]
     capacities = range(peaks.peak_allocated_bytes - 64 * MiB, peaks.peak_reserved_bytes + 64 * MiB, 8 * MiB)
     kept = Kept(watch=sized.scratch_allocs(a100))
-    unlimited = Replays(sized.rows(a100), settings)
-    unlimited.run_unlimited(Device(total=4 * GiB), capacities, kept.watch)
+    Replays(sized.rows(a100), settings, kept).run_unlimited(Device(total=4 * GiB), capacities)
     past_a_change = 0
     others = {sized.sizes(c): c for c in cards.cards() if not sized.alike(c, a100)}.values()
     assert len(others) >= 3
     for card in others:
         rows = sized.rows(card)
-        until = sized.alike_until(card, a100, settings, unlimited.cached)
+        until = sized.alike_until(card, a100, settings, kept.cached)
         first = next(i for i, (x, y) in enumerate(zip(rows, sized.rows(a100))) if x != y)
-        checkpoints = [k for k in unlimited.kept if k.event <= until]
+        checkpoints = [k for k in kept.checkpoints if k.event <= until]
         past_a_change += any(k.event > first for k in checkpoints)
         went_on, alone = _from_checkpoints_or_start(rows, settings, checkpoints, capacities)
         assert went_on == alone, card.key

@@ -51,6 +51,11 @@ def round_size(size: int, divisions: tuple[int, ...] = (0,) * 16) -> int:
     return round_plain(size)
 
 
+def draws_small(size: int, divisions: tuple[int, ...] = (0,) * 16) -> bool:
+    """Whether a request of `size` bytes draws from the small pool (its size as round_size rounds it)."""
+    return round_size(size, divisions) <= K_SMALL_SIZE
+
+
 def allocation_size(size: int) -> int:
     """Segment size cudaMalloc'd for a (rounded) request (get_allocation_size)."""
     if size <= K_SMALL_SIZE:
@@ -724,7 +729,7 @@ class CachingAllocator:
     def largest_cached(self, size: int, stream: int) -> int:
         """The largest free block cached on `stream` in the pool a request of `size` bytes draws from
         (0: none); regular segments' blocks (an expandable one's are counted as mapped)."""
-        pool = self.small if round_size(size, self.settings.roundup_power2_divisions) <= K_SMALL_SIZE else self.large
+        pool = self.small if draws_small(size, self.settings.roundup_power2_divisions) else self.large
         i = bisect_left(pool.free, (stream + 1, 0, 0)) - 1
         return pool.free[i][1] if i >= 0 and pool.free[i][0] == stream else 0
 

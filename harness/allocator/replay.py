@@ -392,13 +392,14 @@ class Replays:
     (ReplayResult.lean): for whether a run fits and how often it retries, not for its message or its
     split statistics."""
 
-    def __init__(self, events, settings: AllocSettings):
+    def __init__(self, events, settings: AllocSettings, kept: Kept | None = None):
         """`events`: the trace's rows, or a function that reads them (asked for each new replay, so
-        that what holds many Replays need not hold every trace)."""
+        that what holds many Replays need not hold every trace). `kept`: the requests its replay
+        without a limit watches, and the checkpoints lean replays go on from (filled by that replay,
+        or another's of rows alike up to theirs)."""
         self.events, self.settings = events, settings
         self.done: list[tuple[Device, ReplayResult]] = []
-        self.kept: list[Checkpoint] = []
-        self.cached: dict[int, int] = {}  # request -> the largest block cached for it (Kept.cached)
+        self.kept = kept if kept is not None else Kept()
 
     def add(self, device: Device, result: ReplayResult) -> ReplayResult:
         self.done.append((device, result))
@@ -407,12 +408,13 @@ class Replays:
     def _rows(self):
         return self.events() if callable(self.events) else self.events
 
-    def run_unlimited(self, device: Device, capacities: Sequence[int], watch: Collection[int] = ()) -> ReplayResult:
+    def run_unlimited(self, device: Device, capacities: Sequence[int]) -> ReplayResult:
         """The replay on `device` (no capacity: what the run reserves), its state kept where it
         first asks for more than each of `capacities` (the cards to be asked about): a lean replay
-        on one of them goes on from there rather than from the start. `watch`: Kept.watch."""
+        on one of them goes on from there rather than from the start (into `kept`, with what it watches)."""
+        kept = self.kept
         return self.add(device, replay_events(self._rows(), self.settings, device, keep_below=capacities,
-                                              kept=self.kept, watch=watch, cached=self.cached)[0])
+                                              kept=kept.checkpoints, watch=kept.watch, cached=kept.cached)[0])
 
     def on(self, device: Device) -> ReplayResult:
         # A card's total memory sizes only expandable segments' address ranges (and OOM messages,
@@ -424,7 +426,7 @@ class Replays:
                 return r
         events = self._rows()
         capacity = device.capacity if device.allowed is None else None  # a fraction: no checkpoint is alike
-        start = max((c for c in self.kept if capacity is not None and c.granted <= capacity),
+        start = max((c for c in self.kept.checkpoints if capacity is not None and c.granted <= capacity),
                     key=lambda c: c.event, default=None)
         if start is None:
             return self.add(device, replay_events(events, self.settings, device, lean=True)[0])

@@ -146,7 +146,8 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
     own = own_sized(rec["peak_reserved_bytes"], rec["peak_allocated_bytes"])
     if len(here) < len(cards) or own:
         edges = {c.key: recorded_edge(rec, c.key) for c in here}
-        edges.update(_own_sized_edges(sized, settings, point, own, rec, kept))
+        edges.update(_own_sized_edges(sized, settings, point, own, rec["peak_reserved_bytes"],
+                                      rec["peak_allocated_bytes"], kept, point.gpu))
         # cards that only swap flash for cuDNN (or back), far from their edge: the traced peaks decide them
         far = _far_from_their_edge(point, rec, apart, n_workspaces, sized)
         edges.update(far)
@@ -306,15 +307,13 @@ def _swap_band(scratch: int, rec: dict, card: Card, n_workspaces: int) -> int:
     return scratch + 2 * K_LARGE_BUFFER + workspaces
 
 
-def _own_sized_edges(sized: Sized, settings: AllocSettings, point: Point, cards: list, peaks: dict,
-                     kept: Kept, ref: Card | None = None, workspace: int | None = None) -> dict[str, str]:
-    """The edge of each of `cards` (of `ref`'s workspaces, other kernel scratch, near their edge;
-    `ref`: the point's card where None) from the trace sized for it (each cuBLAS workspace
-    `workspace` bytes, where given): its peaks bounded by `ref`'s replay's (`peaks`) and the
-    scratch's shift, else lean replays going on from that replay's checkpoints (`kept`) taken before
-    a replay of the card's rows may be in another state (Sized.alike_until: no unlimited replay of
-    its own)."""
-    ref = ref or point.gpu
+def _own_sized_edges(sized: Sized, settings: AllocSettings, point: Point, cards: list, reserved_bytes: int,
+                     allocated_bytes: int, kept: Kept, ref: Card, workspace: int | None = None) -> dict[str, str]:
+    """The edge of each of `cards` (of `ref`'s workspaces, other kernel scratch, near their edge)
+    from the trace sized for it (each cuBLAS workspace `workspace` bytes, where given): its peaks
+    bounded by those of `ref`'s replay without a limit and the scratch's shift, else lean replays
+    going on from that replay's checkpoints (`kept`) taken before a replay of the card's rows may be
+    in another state (Sized.alike_until: no unlimited replay of its own)."""
     groups: dict[tuple, list] = {}
     for c in cards:
         groups.setdefault(sized.sizes(c), []).append(c)
@@ -326,7 +325,7 @@ def _own_sized_edges(sized: Sized, settings: AllocSettings, point: Point, cards:
         edges.update(reserved.lean_edges(
             rows if workspace is None else trace_store.with_workspaces(rows, workspace), settings,
             [nccl.on_rank(c, point.parallel) for c in group], [k for k in kept.checkpoints if k.event <= until],
-            peaks["peak_reserved_bytes"] + above, peaks["peak_allocated_bytes"] - below))
+            reserved_bytes + above, allocated_bytes - below))
     return edges
 
 
@@ -360,12 +359,10 @@ def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: 
         replays, unlimited = reserved.unlimited_replay(  # (checkpoints for the rest's rooms too)
             rows if workspace is None else trace_store.with_workspaces(rows, workspace), settings,
             max(c.memory_bytes for c in ranked), [nccl.on_rank(c, point.parallel) for c in group],
-            rec["peak_allocated_bytes"] + less - sized.shift(first[0])[1], kept.watch)
+            rec["peak_allocated_bytes"] + less - sized.shift(first[0])[1], kept)
         edges.update(reserved.edges_by_replays(replays, unlimited, ranked))
-        kept.checkpoints, kept.cached = replays.kept, replays.cached
         edges.update(_own_sized_edges(sized, settings, point, [c for c in group if c not in first],
-                                      {"peak_reserved_bytes": unlimited.peak_reserved_bytes,
-                                       "peak_allocated_bytes": unlimited.peak_allocated_bytes},
+                                      unlimited.peak_reserved_bytes, unlimited.peak_allocated_bytes,
                                       kept, first[0], workspace))
     return edges
 

@@ -4,7 +4,9 @@ distinct sizing (cards of one SM count and kind share them)."""
 
 from __future__ import annotations
 
-from harness.allocator.model import K_SMALL_SIZE, round_size
+from functools import partial
+
+from harness.allocator.model import draws_small, round_size
 from harness.allocator.replay import ReplayRow
 from harness.allocator.settings import K_LARGE_BUFFER, SIZE_MAX, AllocSettings
 from harness.config.point import Card
@@ -92,10 +94,7 @@ class Sized:
         it, and its free makes the pool as it was (a free coalesces)."""
         a, b = self.rows(card), self.rows(than)
         divisions = settings.roundup_power2_divisions
-
-        def small(n: int) -> bool:
-            return round_size(n, divisions) <= K_SMALL_SIZE
-
+        small = partial(draws_small, divisions=divisions)
         # rows alike in number differ only where the scratch is (each a copy of the traced rows)
         n = min(len(a), len(b))
         where = (i for i, _code in self._marks()) if len(a) == len(b) == len(self._traced_rows()) else range(n)

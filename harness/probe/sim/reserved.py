@@ -63,15 +63,15 @@ def edge_columns(edges: dict[str, str]) -> dict:
 
 
 def unlimited_replay(rows: list[ReplayRow], settings: AllocSettings, total: int, catalog: list[Card],
-                     peak_tensor_bytes: int, watch: Collection[int] = ()) -> tuple[Replays, ReplayResult]:
+                     peak_tensor_bytes: int, kept: Kept | None = None) -> tuple[Replays, ReplayResult]:
     """The trace's replays and its replay without a limit on a device of `total` bytes (what
     expandable segments' address ranges are sized by). A card between the run's allocated and
     reserved peaks takes a lean replay of its own, which goes on from where this one first asked for
-    more than the card holds (alike until then); a card under the storages' peak needs none.
-    `watch`: Kept.watch."""
-    replays = Replays(rows, settings)
+    more than the card holds (alike until then; into `kept`, where given); a card under the
+    storages' peak needs none."""
+    replays = Replays(rows, settings, kept)
     rooms = [c.room() for k in catalog for c in (k, k.at_worst())]
-    return replays, replays.run_unlimited(Device(total=total), [r for r in rooms if r >= peak_tensor_bytes], watch)
+    return replays, replays.run_unlimited(Device(total=total), [r for r in rooms if r >= peak_tensor_bytes])
 
 
 def edges_by_replays(replays: Replays, unlimited: ReplayResult, catalog: list[Card]) -> dict[str, str]:
@@ -98,11 +98,7 @@ def analyse(rows: list[ReplayRow], settings: AllocSettings, card: Card, catalog:
     `elsewhere(peak reserved, peak allocated)`: the keys of catalog cards the caller judges itself
     (left out of the edge columns)."""
     # Unlimited memory, but the card's size for what depends on it (expandable address ranges).
-    replays, unlimited = unlimited_replay(rows, settings, card.memory_bytes, catalog, peak_tensor_bytes,
-                                    kept.watch if kept is not None else ())
-    if kept is not None:
-        kept.checkpoints.extend(replays.kept)
-        kept.cached.update(replays.cached)
+    replays, unlimited = unlimited_replay(rows, settings, card.memory_bytes, catalog, peak_tensor_bytes, kept)
     on_the_card = Device.for_card(card)
     trace: list[dict] = []
 
@@ -153,8 +149,7 @@ def lean_edges(rows: list[ReplayRow], settings: AllocSettings, cards: list[Card]
     card's trace, its kernels' scratch sized otherwise): settled by the bounds where they can, else
     by lean replays on the card and at its low end, going on from `checkpoints` (states of a replay
     of rows alike up to there). After a cache flush at the low end: after_retry."""
-    replays = Replays(rows, settings)
-    replays.kept = list(checkpoints)
+    replays = Replays(rows, settings, Kept(checkpoints=list(checkpoints)))
 
     def fits(card: Card) -> bool:
         known = fits_by_numbers(card, reserved_at_most, allocated_at_least)
