@@ -199,16 +199,27 @@ def test_the_zygote_is_started_early_only_where_points_will_fork_from_it(tmp_pat
     assert len(spawned) == 2
 
 
-def test_a_zygote_that_idles_out_leaves_neither_its_socket_nor_its_pid_file(tmp_path):
-    import subprocess as sp
+@pytest.mark.parametrize("ended_by", ["idling out", "SIGTERM"])
+def test_a_zygote_leaves_neither_its_socket_nor_its_pid_file_nor_its_slots(tmp_path, ended_by):
+    """Idle for IDLE_S or killed (`pkill`, a job's teardown), the zygote takes its files with it:
+    a socket, a pid file and a slots folder in /tmp each time were left by every kill."""
+    import signal
 
     sock = tmp_path / "z.sock"
-    code = ("import sys; from pathlib import Path; import harness.launch.zygote as z; z.IDLE_S = 1; "
-            "z.serve(Path(sys.argv[1]))")
-    proc = sp.Popen([sys.executable, "-c", code, str(sock)], cwd=REPO)
+    code = ("import sys; from pathlib import Path; import harness.launch.zygote as z; "
+            f"z.IDLE_S = {1 if ended_by == 'idling out' else 300}; z.serve(Path(sys.argv[1]))")
+    # its slots folder where the socket is (tempfile's folder)
+    proc = subprocess.Popen([sys.executable, "-c", code, str(sock)], cwd=REPO, env={**os.environ, "TMPDIR": str(tmp_path)})
     (tmp_path / "z.sock.pid").write_text(str(proc.pid))  # as _spawn writes it
-    assert proc.wait(timeout=300) == 0
+    if ended_by == "SIGTERM":
+        deadline = time.monotonic() + 300
+        while not sock.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sock.exists() and len(list(tmp_path.glob("harness-zygote-slots-*"))) == 1  # serving
+        proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == (0 if ended_by == "idling out" else 128 + signal.SIGTERM)
     assert not sock.exists() and not (tmp_path / "z.sock.pid").exists()
+    assert not list(tmp_path.glob("harness-zygote-slots-*"))
 
 
 @pytest.mark.slow

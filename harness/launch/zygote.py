@@ -69,6 +69,7 @@ def _take_slot(slots_dir: Path, n: int):
 
 class _Handler(socketserver.StreamRequestHandler):
     def handle(self):  # runs in a freshly forked child of the zygote
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a point dies at once, as before (serve's is the zygote's)
         run_dir = Path(self.rfile.readline().decode().strip())
         env = json.loads(self.rfile.readline())
         os.environ.clear()
@@ -139,6 +140,11 @@ def serve(path: Path, model: str | None = None) -> None:
     os.replace(tmp, path)  # clients see the socket only once it accepts
     mine = os.stat(path).st_ino  # the socket file's (a socket's fd has sockfs's inode, not this)
     last = time.monotonic()
+
+    def stop(signum, _frame):  # a kill ends it as idling out does: its socket, pid file and slots go too
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         while True:
             server.handle_request()  # returns after one request or `timeout`
