@@ -2,6 +2,7 @@
 traced in a fake process group, checked against the same job on real CPU tensors in gloo
 processes, one per rank (FSDP2 alone: tests/test_sharded.py)."""
 
+import re
 import shutil
 
 import pytest
@@ -204,6 +205,9 @@ def test_a_card_that_holds_the_rank_but_not_nccls_memory_beside_it_is_an_oom(tmp
     (["parallel.dp_shard=8", "parallel.nodes=3"], False),  # not as many on each node
     (["parallel.nodes=2"], False),  # one GPU on two nodes
     (["gpu=rtx4090", "parallel.tp=2", "parallel.dp_shard=4"], False),  # a workstation of 4
+    (["parallel.dp_shard=16", "parallel.nodes=auto"], True),
+    (["parallel.nodes=two"], False),
+    (["parallel.nodes=0"], False),
 ])
 def test_a_job_over_more_gpus_than_its_nodes_hold_is_refused_naming_parallel_nodes(overrides, ok):
     from harness.config.compose import compose
@@ -217,6 +221,27 @@ def test_a_job_over_more_gpus_than_its_nodes_hold_is_refused_naming_parallel_nod
         assert e.value.key == "parallel.nodes"
 
 
+def test_a_grid_over_gpu_counts_and_cards_takes_the_fewest_nodes_each_point_needs_with_nodes_auto():
+    """A sweep over counts (or cards of other node sizes) crosses a node's capacity somewhere: with
+    one parallel.nodes for every point it is refused as a whole, with auto each point goes on the
+    fewest nodes of its card that hold it (as a plan's probes do), and the Slurm launcher asks for
+    those nodes and a task per rank on each."""
+    from harness.cli.common import prepare
+    from harness.config.compose import as_dict, compose
+
+    grid = ["model=tiny", "parallel.dp_shard=2,8,16", "gpu=a100-80gb,rtx4090"]
+    with pytest.raises(ConfigError) as e:
+        prepare("sweep", grid)
+    assert e.value.key == "parallel.nodes"
+    built = prepare("sweep", [*grid, "parallel.nodes=auto"]).built
+    nodes = {(dict(o.split("=") for o in key)["gpu"], p.parallel.dp_shard): p.parallel.nodes for key, p in built.items()}
+    assert nodes == {("a100-80gb", 2): 1, ("a100-80gb", 8): 1, ("a100-80gb", 16): 2,
+                     ("rtx4090", 2): 1, ("rtx4090", 8): 2, ("rtx4090", 16): 4}  # 8 a node, 4 a node
+    launcher = as_dict(compose(["hydra/launcher=harness_slurm", "backend=cuda", "model=tiny", "gpu=rtx4090",
+                                "parallel.dp_shard=16", "parallel.nodes=auto"], with_hydra=True).hydra.launcher)
+    assert (launcher["nodes"], launcher["tasks_per_node"]) == (4, 4)
+
+
 def test_the_nodes_a_refusal_suggests_hold_the_job():
     """14 GPUs, 4 a node: 4 nodes cannot hold them as many on each; the refusal says 7, which can."""
     from harness.config.compose import compose
@@ -224,7 +249,7 @@ def test_the_nodes_a_refusal_suggests_hold_the_job():
 
     with pytest.raises(ConfigError) as e:
         validate(compose(["model=tiny", "parallel.dp_shard=14", "gpu.gpus_per_node=4"]))
-    suggested = e.value.message.rsplit("parallel.nodes=", 1)[1]
+    suggested = re.search(r"parallel\.nodes=(\d+)", e.value.message).group(1)
     assert suggested == "7"
     assert validate(compose(["model=tiny", "parallel.dp_shard=14", "gpu.gpus_per_node=4",
                              f"parallel.nodes={suggested}"])).parallel.nodes == 7

@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from harness.config import schema
+from harness.config.point import AUTO_NODES, fewest_nodes
 from harness.errors import ConfigError
 
 # The config ships inside the package (a wheel holds it too); sweeps/ is one of its groups.
@@ -70,14 +71,23 @@ def slurm_gpus(backend, gres, per_node=1):
     return None if backend in ("sim", "cpu") or gres else int(per_node)
 
 
-def slurm_ranks_per_node(backend, dp_shard, dp_replicate, tp, nodes):
+def slurm_ranks_per_node(backend, dp_shard, dp_replicate, tp, nodes, gpus_per_node=8):
     """The Slurm tasks a node runs: a job over several GPUs run for real is one task per rank; on
     the virtual GPU one rank is traced, in one task."""
-    return 1 if backend == "sim" else int(dp_shard) * int(dp_replicate) * int(tp) // int(nodes)
+    if backend == "sim":
+        return 1
+    return int(dp_shard) * int(dp_replicate) * int(tp) // slurm_nodes(backend, nodes, dp_shard, dp_replicate, tp,
+                                                                      gpus_per_node)
 
 
-def slurm_nodes(backend, nodes):
-    return 1 if backend == "sim" else int(nodes)
+def slurm_nodes(backend, nodes, dp_shard=1, dp_replicate=1, tp=1, gpus_per_node=8):
+    """The nodes a point's job takes: parallel.nodes, or with `auto` the fewest of its card's that
+    hold its GPUs (as the point resolves it); one on the virtual GPU."""
+    if backend == "sim":
+        return 1
+    if nodes == AUTO_NODES:
+        return fewest_nodes(int(dp_shard) * int(dp_replicate) * int(tp), int(gpus_per_node))
+    return int(nodes)
 
 
 _RESOLVERS: dict[str, Callable[..., Any]] = {

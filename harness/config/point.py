@@ -237,6 +237,7 @@ class Card:
         return _build(cls, data, "gpu.")
 
 
+AUTO_NODES = "auto"  # parallel.nodes: the fewest nodes of the card that hold the job
 PARALLEL_KNOBS = ("dp_shard", "dp_replicate", "tp")  # parallel.*'s degrees (a row's columns of the same names)
 # The job's mesh dimensions, outermost first (torchtitan's order): replicas, shards, tensor parallel
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
@@ -317,14 +318,22 @@ class Parallel:
     # FSDP2's MixedPrecisionPolicy, as torchtitan trains: fp32 shards kept (precision=fp32), each layer
     # all-gathered and computed in this dtype, gradients reduce-scattered in fp32; None: no policy
     param_dtype: str | None = None
-    nodes: int = 1  # the nodes the job's GPUs are on, as many on each (at most gpu.gpus_per_node)
+    # the nodes the job's GPUs are on, as many on each (at most gpu.gpus_per_node); "auto": the
+    # fewest that hold them (the point resolves it on its card: a sweep over counts or cards)
+    nodes: int | str = 1
     # NCCL's own memory on each GPU per communicator the job uses; None: estimated (config/nccl.py)
     nccl_bytes_per_communicator: int | None = None
 
     def __post_init__(self):
-        for key in (*PARALLEL_KNOBS, "nodes"):
+        for key in PARALLEL_KNOBS:
             _at_least(f"parallel.{key}", getattr(self, key), 1)
-        if self.world_size % self.nodes:
+        if self.nodes != AUTO_NODES and not isinstance(self.nodes, int):
+            raise ConfigError("parallel.nodes", f"must be a count of nodes or {AUTO_NODES}, got {self.nodes!r}")
+        if self.nodes == AUTO_NODES:
+            pass  # the point's card says how many (Point)
+        elif self.nodes < 1:
+            _at_least("parallel.nodes", self.nodes, 1)
+        elif self.world_size % self.nodes:
             raise ConfigError("parallel.nodes", f"{self.nodes} nodes cannot hold the job's {self.world_size} GPU(s) "
                               "as many on each")
         if self.nccl_bytes_per_communicator is not None and self.nccl_bytes_per_communicator < 0:
@@ -428,12 +437,15 @@ class Point:
             raise ConfigError("timeout_s", f"must be > 0, got {self.timeout_s}")
         if self.gpu.memory_bytes <= 0:
             raise ConfigError("gpu.memory_bytes", f"must be > 0, got {self.gpu.memory_bytes}")
+        need = fewest_nodes(self.parallel.world_size, self.gpu.gpus_per_node)
+        if self.parallel.nodes == AUTO_NODES:
+            object.__setattr__(self, "parallel", dataclasses.replace(self.parallel, nodes=need))
         per_node = self.parallel.world_size // self.parallel.nodes
         if per_node > self.gpu.gpus_per_node:
-            need = fewest_nodes(self.parallel.world_size, self.gpu.gpus_per_node)
             raise ConfigError("parallel.nodes", f"the job's {self.parallel.world_size} GPUs on {self.parallel.nodes} "
                               f"node(s) are {per_node} a node, and a {self.gpu.name} node holds "
-                              f"{self.gpu.gpus_per_node} (gpu.gpus_per_node): set parallel.nodes={need}")
+                              f"{self.gpu.gpus_per_node} (gpu.gpus_per_node): set parallel.nodes={need} "
+                              f"(or parallel.nodes={AUTO_NODES}: the fewest for each point's card and GPUs)")
         if self.parallel.param_dtype is not None and self.precision != Precision.fp32:
             raise ConfigError("parallel.param_dtype", f"casts fp32 master weights for compute: precision=fp32, not "
                               f"{self.precision} (FSDP2 keeps the shards in fp32, gathers them in "

@@ -24,6 +24,8 @@ def _schema_type(hint):
     """The type Hydra sees for a field of the point's."""
     if isinstance(hint, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) > 1:  # a count or a word (parallel.nodes=auto): the point checks which
+            return Any
         return typing.Optional[_schema_type(args[0])]  # noqa: UP045 - OmegaConf reads typing.Optional
     if isinstance(hint, type) and issubclass(hint, Enum):
         return str

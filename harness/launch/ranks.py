@@ -56,7 +56,7 @@ def check_here(points: list[Point], devices: list[str]) -> None:
     for p in points:
         if p.backend not in (Backend.cuda, Backend.cpu) or p.parallel.world_size == 1:
             continue
-        if p.parallel.nodes > 1:
+        if p.parallel.nodes != 1:  # (a point's nodes are a count: Point resolves auto)
             raise ConfigError("parallel.nodes", f"{p.parallel.nodes} nodes: this machine is one; run the job "
                               "on a cluster (hydra/launcher=harness_slurm) or on the virtual GPU (backend=sim)")
         if p.backend == Backend.cuda and p.parallel.world_size > len(devices):
