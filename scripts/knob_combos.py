@@ -46,6 +46,8 @@ def combination(rng: random.Random) -> list[str]:
         o.append(f"parallel.tp={tp}")
         o += ["parallel.sequence_parallel=true"] if rng.random() < 0.4 else []
         o += ["parallel.loss_parallel=true"] if rng.random() < 0.4 else []
+    if shard * replicate * tp > 1 and rng.random() < 0.5:
+        o.append("parallel.nodes=auto")  # (a node of RTX 4060s holds one)
     if shard > 1:
         o += ["parallel.reshard_after_forward=false"] if rng.random() < 0.3 else []
         o += [f"parallel.param_dtype={rng.choice(['bf16', 'fp16'])}"] if rng.random() < 0.3 else []

@@ -327,15 +327,13 @@ class Parallel:
     def __post_init__(self):
         for key in PARALLEL_KNOBS:
             _at_least(f"parallel.{key}", getattr(self, key), 1)
-        if self.nodes != AUTO_NODES and not isinstance(self.nodes, int):
-            raise ConfigError("parallel.nodes", f"must be a count of nodes or {AUTO_NODES}, got {self.nodes!r}")
-        if self.nodes == AUTO_NODES:
-            pass  # the point's card says how many (Point)
-        elif self.nodes < 1:
+        if self.nodes != AUTO_NODES:  # (auto: the point's card says how many)
+            if not isinstance(self.nodes, int):
+                raise ConfigError("parallel.nodes", f"must be a count of nodes or {AUTO_NODES}, got {self.nodes!r}")
             _at_least("parallel.nodes", self.nodes, 1)
-        elif self.world_size % self.nodes:
-            raise ConfigError("parallel.nodes", f"{self.nodes} nodes cannot hold the job's {self.world_size} GPU(s) "
-                              "as many on each")
+            if self.world_size % self.nodes:
+                raise ConfigError("parallel.nodes", f"{self.nodes} nodes cannot hold the job's {self.world_size} "
+                                  "GPU(s) as many on each")
         if self.nccl_bytes_per_communicator is not None and self.nccl_bytes_per_communicator < 0:
             raise ConfigError("parallel.nccl_bytes_per_communicator",
                               f"must be >= 0 (bytes), got {self.nccl_bytes_per_communicator}")
