@@ -70,13 +70,17 @@ def machine_speed() -> float:
 
 def main() -> None:
     print(f"machine: a 20M-iteration Python loop in {machine_speed():.2f} s")
+    walls = {}
     for spec in POINTS:
         out = subprocess.run([sys.executable, "-c", CHILD, str(REPO), json.dumps(spec)], capture_output=True,
                              text=True, check=True).stdout.strip().splitlines()[-1]
         r = json.loads(out)
+        walls[spec["name"]] = r["wall_s"]
         print(f"{spec['name']:34s} {r['wall_s']:6.2f} s (target <= {spec['target_s']} s; CPU {r['cpu_s']:.2f} s)  peak RSS "
               f"{r['rss'] / 2**30:.2f} GiB (target <= 4)  {r['status']}, reserved {r['reserved'] / 2**30:.1f} GiB; "
               f"{r['method']}")
+    one, spread = (walls[n] for n in ("70b train b1 s4096 ckpt (one GPU)", "70b train b1 s4096 ckpt over 64 (FSDP2)"))
+    print(f"one rank of 64 against the same job on one GPU: {spread / one:.2f}x (issue 17's target: <= 1)")
 
 
 if __name__ == "__main__":
