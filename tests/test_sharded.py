@@ -362,6 +362,25 @@ def test_torchtitans_published_llama3_8b_fsdp_figure_is_reproduced_within_1_perc
     assert rec["peak_reserved_bytes"] / 1024**3 == pytest.approx(82.4, rel=0.01)
 
 
+@pytest.mark.slow
+def test_torchtitans_published_llama2_70b_oom_at_batch_2_with_selective_op_checkpointing_is_reproduced(tmp_path):
+    """torchtitan's docs/performance.md (its 2024 figures, "Llama 2 performance numbers"): Llama 2
+    70B, FSDP2 over 64 A100 80GB, 4,096-token sequences, fp32 shards computed in bf16, selective
+    per-op checkpointing, ran at local batch 1 and "will cause an OOM error" at local batch 2 (its
+    footnote). Both sides of that edge, as one rank of the 64."""
+    from harness.probe.worker import run_sim
+
+    def rec(batch_size: int) -> dict:
+        point = train_point(model="70b", precision="fp32", batch_size=batch_size, seq_len=4096,
+                            checkpointing=True).replace(
+            checkpointing_policy="op", parallel=Parallel(dp_shard=64, param_dtype="bf16", nodes=8))
+        (tmp_path / str(batch_size)).mkdir()
+        return run_sim(point, tmp_path / str(batch_size))
+
+    ran, oom = rec(1), rec(2)
+    assert (ran["status"], oom["status"]) == ("ok", "oom")
+    assert "a100-80gb" in ran["fits_cards"] and "a100-80gb" not in ran["tight_cards"] + ran["retry_cards"]
+
 
 def test_a_sharded_point_judged_on_a_card_of_fewer_gpus_a_node_spans_as_many_nodes_as_it_needs():
     """A job over 4 H200s (cuDNN attention) judges an RTX 4060 (flash; one a node) near its edge by a
