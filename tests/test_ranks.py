@@ -31,9 +31,9 @@ def test_a_cpu_run_over_two_ranks_is_one_row_the_larger_rank_and_rank_0_is_the_f
     """Tensor parallel over 2 gloo processes, from the command line: one row in the results, rank
     0's (its half of the odd vocabulary the larger), each rank's peaks beside it; rank 0 holds and
     keeps between steps what the fake trace of rank 0 says (CPU kernels; its peak may differ by a
-    buffer gloo's thread frees late)."""
+    buffer gloo's thread frees late). On cards of one GPU a node: the job's 2 nodes' ranks run here."""
     r = run_cli("run", "model=tiny", "model.hf.vocab_size=1001", "batch_size=2", "seq_len=32", "workload.steps=3",
-                "backend=cpu", "parallel.tp=2", f"results_dir={tmp_path}")
+                "backend=cpu", "parallel.tp=2", "gpu=rtx4060", "parallel.nodes=auto", f"results_dir={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
     df = pd.read_parquet(next(tmp_path.rglob("results.parquet")))
     assert len(df) == 1
@@ -43,7 +43,7 @@ def test_a_cpu_run_over_two_ranks_is_one_row_the_larger_rank_and_rank_0_is_the_f
     fake, _ = run_point(_cpu(tp=2).replace(backend="sim"), emulate_cuda=False, fake=True)
     assert rows[0]["params_bytes"] == fake["params_bytes"] > rows[1]["params_bytes"]
     assert rows[0]["step_allocated_bytes"] == fake["step_allocated_bytes"]
-    assert (rec["status"], rec["backend"]) == ("ok", "cpu")
+    assert (rec["status"], rec["backend"], rec["nodes"]) == ("ok", "cpu", 2)
     reserved = list(rec["rank_peak_reserved_bytes"])
     assert rec["rank"] == reserved.index(max(reserved)) and rec["peak_reserved_bytes"] == max(reserved)
     assert list(rec["rank_peak_allocated_bytes"]) == [rows[0]["peak_allocated_bytes"], rows[1]["peak_allocated_bytes"]]
@@ -137,9 +137,11 @@ def test_the_rank_that_failed_first_is_named_before_those_stopped_for_it_or_that
 
 
 def test_nodes_or_cards_this_machine_lacks_and_cpu_autocast_are_refused_by_name(tmp_path):
+    over_two_nodes = _cpu(dp_shard=2).replace(parallel=Parallel(dp_shard=2, nodes=2))
     with pytest.raises(ConfigError) as e:
-        ranks.check_here([_cpu(dp_shard=2).replace(parallel=Parallel(dp_shard=2, nodes=2))], [])
+        ranks.check_here([over_two_nodes.replace(backend="cuda")], ["0", "1"])
     assert e.value.key == "parallel.nodes"
+    ranks.check_here([over_two_nodes], [])  # CPU ranks: here, whatever the job's nodes
     with pytest.raises(ConfigError) as e:
         ranks.check_here([_cpu(tp=4).replace(backend="cuda")], ["0", "1"])
     assert e.value.key == "parallel.tp"

@@ -51,15 +51,17 @@ def process_env(point: Point, device: str | None, base: dict, local_world_size: 
 
 
 def check_here(points: list[Point], devices: list[str]) -> None:
-    """Points over several GPUs that this machine can run as their ranks: one node, and (cuda) a
-    card for each rank."""
+    """Points over several GPUs that this machine can run as their ranks: (cuda) one node, and a
+    card for each rank. CPU ranks run here whatever the job's nodes (a rank holds what it holds on
+    any count of them: a job on cards of one GPU a node is checked so too)."""
     for p in points:
-        if p.backend not in (Backend.cuda, Backend.cpu) or p.parallel.world_size == 1:
+        if p.backend != Backend.cuda or p.parallel.world_size == 1:
             continue
         if p.parallel.nodes != 1:  # (a point's nodes are a count: Point resolves auto)
             raise ConfigError("parallel.nodes", f"{p.parallel.nodes} nodes: this machine is one; run the job "
-                              "on a cluster (hydra/launcher=harness_slurm) or on the virtual GPU (backend=sim)")
-        if p.backend == Backend.cuda and p.parallel.world_size > len(devices):
+                              "on a cluster (hydra/launcher=harness_slurm), on the virtual GPU (backend=sim) "
+                              "or as CPU ranks here (backend=cpu)")
+        if p.parallel.world_size > len(devices):
             raise ConfigError(p.parallel.key, f"the job's {p.parallel.world_size} ranks need as many GPUs, and this "
                               f"machine shows {len(devices)} ({', '.join(devices) or 'none'})")
 
