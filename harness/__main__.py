@@ -9,6 +9,15 @@ if __name__ == "__main__":
         from harness.launch import zygote
 
         zygote.start_early(sys.argv[2:])
+    import os
+    import signal
+
     from harness.cli.main import entry
 
-    sys.exit(entry(sys.argv[1:]))
+    try:
+        code = entry(sys.argv[1:])
+        sys.stdout.flush()
+    except BrokenPipeError:  # its reader went away (`| head`): no traceback, as a Unix tool ends on SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's own flush would fail again)
+        code = 128 + signal.SIGPIPE
+    sys.exit(code)

@@ -209,3 +209,32 @@ def test_a_pasted_message_is_advised_the_variable_it_names():
     named = "PYTORCH_CUDA_ALLOC_CONF" if "PYTORCH_CUDA_ALLOC_CONF" in text else "PYTORCH_ALLOC_CONF"
     assert diagnose(text).alloc_conf_env == named
     assert diagnose(_HELD_OUTSIDE).alloc_conf_env == "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def _rows_on_disk(tmp_path: Path) -> Path:
+    """A sweep dir of two runs of one job: on one GPU, and one GPU's share of it over 8 (FSDP2)."""
+    common = dict(model="m", batch_size=1, seq_len=8, precision="bf16", checkpointing=False, gpu="A100 80GB")
+    for i, parallel in enumerate([{}, {"world_size": 8, "dp_shard": 8, "dp_replicate": 1, "tp": 1}]):
+        (tmp_path / "runs" / str(i)).mkdir(parents=True)
+        (tmp_path / "runs" / str(i) / "result.json").write_text(json.dumps(_record(run_id=str(i), **common, **parallel)))
+    return tmp_path
+
+
+def test_diagnose_tells_a_jobs_share_over_several_gpus_from_the_job_on_one(tmp_path):
+    """Runs of one job over other GPU counts read alike but for their figures: each says how many
+    GPUs its figures are one of, and how the job is spread over them."""
+    r = run_cli("diagnose", str(_rows_on_disk(tmp_path)), "--json")
+    assert r.returncode == 0, r.stderr
+    assert {(o["gpus"], o["layout"]) for o in json.loads(r.stdout)} == {(1, None), (8, "FSDP2")}
+
+
+def test_output_whose_reader_went_away_ends_without_a_traceback(tmp_path):
+    """`harness diagnose <dir> | head -1`: the pipe closes under it; exit 141 (SIGPIPE's), no traceback."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "diagnose", str(_rows_on_disk(tmp_path))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1])
+    proc.stdout.close()  # before it writes: its first line meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err, err

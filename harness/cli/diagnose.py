@@ -97,6 +97,7 @@ def _snapshot(path: Path, as_json: bool) -> int:
 
 def _runs(path: Path, as_json: bool) -> int:
     from harness.analysis.kinds import kind, shape
+    from harness.analysis.verdict import layout, spread
     from harness.record import results
     from harness.report import words
 
@@ -108,17 +109,20 @@ def _runs(path: Path, as_json: bool) -> int:
         k = kind(rec)
         sh = shape(rec.get("step_allocated_bytes") or [], rec.get("step_peak_bytes") or [],
                    rec.get("workload") == "train")
+        world, _reshard = spread(rec)
         out.append({"run_id": rec.get("run_id"), "model": rec.get("model"), "batch_size": rec.get("batch_size"),
                     "seq_len": rec.get("seq_len"), "precision": rec.get("precision"),
                     "checkpointing": rec.get("checkpointing"),
                     "checkpointing_policy": rec.get("checkpointing_policy"), "allocator_conf": rec.get("allocator_conf"),
+                    "gpus": world, "layout": layout(rec) or None,  # the figures are one GPU's of the job's
                     "gpu": rec.get("gpu"), "status": rec.get("status"), "kind": k.kind, "why": words.kind_reason(k),
                     "shape": sh.shape, "shape_numbers": words.shape_numbers(sh)})
     if as_json:
         print(json.dumps(out if len(out) > 1 or path.is_dir() else out[0], indent=1, default=str))
         return EXIT_OK
     for r in out:
+        spread_over = f", {r['layout']} over {r['gpus']} GPUs," if r["gpus"] > 1 else ""
         print(f"{r['model']} b{r['batch_size']} s{r['seq_len']} {r['precision']} ckpt={r['checkpointing']}"
-              f"{' (op)' if r.get('checkpointing_policy') == 'op' else ''} "
+              f"{' (op)' if r.get('checkpointing_policy') == 'op' else ''}{spread_over} "
               f"on {r['gpu']}: {r['kind']} ({r['why']}); shape {r['shape']} ({r['shape_numbers']})")
     return EXIT_OK

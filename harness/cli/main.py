@@ -2,7 +2,8 @@
 
 Exit codes: 0 every point produced a row (OOM rows count); 1 some row is an error, a timeout,
 or missing; 2 usage or config error (nothing was run, nothing already written is touched);
-130/143 interrupted by SIGINT/SIGTERM (every point's process stopped, the rows written kept).
+130/143 interrupted by SIGINT/SIGTERM (every point's process stopped, the rows written kept); 141
+its output's reader went away (a closed pipe: `| head`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ USAGE = """usage: python -m harness <verb> [overrides]
                         readings, snapshots and OOMs are the card's (exit code: the script's)
 
 exit codes: 0 every point produced a row (OOM rows count); 1 some row is an error, timeout or
-missing; 2 usage or config error; 130/143 interrupted by Ctrl-C/SIGTERM (rows written are kept)."""
+missing; 2 usage or config error; 130/143 interrupted by Ctrl-C/SIGTERM (rows written are kept);
+141 the output's reader went away (a closed pipe)."""
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
