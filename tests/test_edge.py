@@ -3,6 +3,7 @@ card's capacity and non-PyTorch memory are known to), or OOM; and the catalog's 
 where calibrate has measured them."""
 
 import dataclasses
+import functools
 import json
 
 import pandas as pd
@@ -257,12 +258,10 @@ def test_a_cards_lean_replay_goes_on_from_the_points_checkpoints_while_its_state
     assert (any_checkpoint == alone) == (scenario == "alike")
 
 
-def test_every_cards_lean_replays_of_a_sharded_trace_go_on_from_checkpoints_past_its_first_change():
-    """demo-1b over 4 A100s (FSDP2, one layer): each catalog card whose SMs size its launch tables or
-    reductions otherwise takes, at capacities from below the A100 replay's allocated peak to past
-    its reserved, the lean replays it takes from the start; going on from the A100 replay's
-    checkpoints, some of them past the first row that card's trace differs."""
-    from harness.allocator.model import Device
+@functools.cache
+def _demo_1b_over_four():
+    """demo-1b over 4 A100s (FSDP2, b2 s1024, one layer, two steps) traced once for this module: the
+    card, the point, its trace Sized, the default settings and the replay's peaks."""
     from harness.config.point import Parallel
     from harness.probe.sim.per_card import Sized
     from harness.probe.sim.shortcut import at_depth
@@ -271,7 +270,17 @@ def test_every_cards_lean_replays_of_a_sharded_trace_go_on_from_checkpoints_past
     point = train_point(model="demo-1b", batch_size=2, seq_len=1024, steps=2).replace(
         parallel=Parallel(dp_shard=4), gpu=a100)
     sized, settings = Sized(trace_store.to_frame(run_point(at_depth(point, 1))[1].events)), AllocSettings.from_conf("")
-    peaks = reserved.replay_events(sized.rows(a100), settings)[0]
+    return a100, point, sized, settings, reserved.replay_events(sized.rows(a100), settings)[0]
+
+
+def test_every_cards_lean_replays_of_a_sharded_trace_go_on_from_checkpoints_past_its_first_change():
+    """demo-1b over 4 A100s (FSDP2, one layer): each catalog card whose SMs size its launch tables or
+    reductions otherwise takes, at capacities from below the A100 replay's allocated peak to past
+    its reserved, the lean replays it takes from the start; going on from the A100 replay's
+    checkpoints, some of them past the first row that card's trace differs."""
+    from harness.allocator.model import Device
+
+    a100, point, sized, settings, peaks = _demo_1b_over_four()
     capacities = range(peaks.peak_allocated_bytes - 64 * MiB, peaks.peak_reserved_bytes + 64 * MiB, 8 * MiB)
     kept = Kept(watch=sized.scratch_allocs(a100))
     Replays(sized.rows(a100), settings, kept).run_unlimited(Device(total=4 * GiB), capacities)
@@ -297,16 +306,9 @@ def test_cards_of_several_kernel_sizings_are_judged_by_one_replay_as_by_their_ow
     import dataclasses
 
     from harness.config import nccl
-    from harness.config.point import Parallel
     from harness.probe import worker
-    from harness.probe.sim.per_card import Sized
-    from harness.probe.sim.shortcut import at_depth
 
-    a100 = cards.by_key()["a100-80gb"]
-    point = train_point(model="demo-1b", batch_size=2, seq_len=1024, steps=2).replace(
-        parallel=Parallel(dp_shard=4), gpu=a100)
-    sized, settings = Sized(trace_store.to_frame(run_point(at_depth(point, 1))[1].events)), AllocSettings.from_conf("")
-    peaks = reserved.replay_events(sized.rows(a100), settings)[0]
+    _a100, point, sized, settings, peaks = _demo_1b_over_four()
     rec = {"peak_reserved_bytes": peaks.peak_reserved_bytes, "peak_allocated_bytes": peaks.peak_allocated_bytes}
     nccl_bytes = _card(GiB).room() - nccl.on_rank(_card(GiB), point.parallel).room()  # each rank's, off its room
     probe = [dataclasses.replace(_card(room + nccl_bytes, spread=0), key=f"c{sms}-{room // MiB}",

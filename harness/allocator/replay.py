@@ -3,7 +3,7 @@ the recording decided) and the virtual GPU's traces (what-if on any card and set
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -313,15 +313,15 @@ class Kept:
 
 def replay_events(events, settings: AllocSettings, device: Device | None = None, on_event=None,
                   stop_at_oom: bool = True, lean: bool = False, keep_below: Sequence[int] = (),
-                  kept: list[Checkpoint] | None = None, watch: Collection[int] = (),
-                  cached: dict[int, int] | None = None) -> tuple[ReplayResult, CachingAllocator]:
+                  kept: Kept | None = None) -> tuple[ReplayResult, CachingAllocator]:
     """Replay a virtual-GPU trace (ReplayRow: action, key, size, tag, stream): the whole run's peaks and
     the steady state's (from the first event of step STEADY_FROM_STEP on); `lean`: see
     ReplayResult.lean. `on_event(action, addr, size, stream, tag)` sees each allocator event with
-    the row's tag. A replay without a limit appends to `kept` a Checkpoint where it first asks the
-    device for more than each capacity of `keep_below` (but one under its allocated peak so far,
-    which no replay of its own needs: probe.sim.reserved.fits_by_numbers); and into `cached`, for
-    each request of `watch`, the largest block its stream's pool had cached before it."""
+    the row's tag. A replay without a limit appends to `kept.checkpoints` a Checkpoint where it
+    first asks the device for more than each capacity of `keep_below` (but one under its allocated
+    peak so far, which no replay of its own needs: probe.sim.reserved.fits_by_numbers); and into
+    `kept.cached`, for each request of `kept.watch`, the largest block its stream's pool had cached
+    before it."""
     alloc = CachingAllocator(settings, device or Device(), lean=lean)
     result = ReplayResult(settings=settings.conf, lean=lean)
     peaks = _Peaks(alloc)
@@ -336,8 +336,8 @@ def replay_events(events, settings: AllocSettings, device: Device | None = None,
             while pending and need > pending[-1]:
                 crossed |= pending.pop() >= alloc.stats.allocated_bytes.peak
             if crossed:  # result.requests: the request being made, counted from 1
-                kept.append(Checkpoint(result.requests - 1, alloc.largest_granted,
-                                       *alloc.lean_copy(Device(total=alloc.device.total), live)))
+                kept.checkpoints.append(Checkpoint(result.requests - 1, alloc.largest_granted,
+                                                   *alloc.lean_copy(Device(total=alloc.device.total), live)))
         alloc.on_device_ask = ask
     if on_event is not None:
         alloc.on_event = lambda action, addr, size, stream: on_event(action, addr, size, stream, tag)
@@ -345,14 +345,14 @@ def replay_events(events, settings: AllocSettings, device: Device | None = None,
         _replay_lean(events, alloc, result, stop_at_oom)
         _finish(result, alloc, peaks)
         return result, alloc
-    watching = cached is not None and bool(watch)
+    watch, cached = (kept.watch, kept.cached) if kept is not None else (frozenset(), {})
     for i, (action, key, size, tag, stream) in enumerate(events):
         result.requests = i + 1
         if not lean and peaks.window is None and tag is not None and tag[1] >= STEADY_FROM_STEP:  # EventTag.step
             peaks.open_window()
         if action == "alloc":
-            if watching and i in watch:
-                cached[i] = alloc.largest_cached(int(size), stream)  # type: ignore[index]
+            if watch and i in watch:
+                cached[i] = alloc.largest_cached(int(size), stream)
             try:
                 b = alloc.malloc(int(size), stream)
             except OutOfMemory as oom:
@@ -412,9 +412,8 @@ class Replays:
         """The replay on `device` (no capacity: what the run reserves), its state kept where it
         first asks for more than each of `capacities` (the cards to be asked about): a lean replay
         on one of them goes on from there rather than from the start (into `kept`, with what it watches)."""
-        kept = self.kept
         return self.add(device, replay_events(self._rows(), self.settings, device, keep_below=capacities,
-                                              kept=kept.checkpoints, watch=kept.watch, cached=kept.cached)[0])
+                                              kept=self.kept)[0])
 
     def on(self, device: Device) -> ReplayResult:
         # A card's total memory sizes only expandable segments' address ranges (and OOM messages,

@@ -321,9 +321,8 @@ def _own_sized_edges(sized: Sized, settings: AllocSettings, point: Point, cards:
     for group in groups.values():
         until = sized.alike_until(group[0], ref, settings, kept.cached)
         above, below = sized.band(group[0], ref)
-        rows = sized.rows(group[0])
         edges.update(reserved.lean_edges(
-            rows if workspace is None else trace_store.with_workspaces(rows, workspace), settings,
+            sized.rows(group[0], workspace), settings,
             [nccl.on_rank(c, point.parallel) for c in group], [k for k in kept.checkpoints if k.event <= until],
             reserved_bytes + above, allocated_bytes - below))
     return edges
@@ -351,16 +350,15 @@ def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: 
     for nbytes, group in by_workspace.items():
         first = [c for c in group if sized.alike(c, group[0])]
         workspace = None if nbytes in (None, traced_with) else nbytes
-        rows = sized.rows(first[0])
         # the storages' peak at least: the traced one less smaller workspaces and scratch
         less = 0 if nbytes is None or traced_with is None else min(0, n * (nbytes - traced_with))
-        ranked = [nccl.on_rank(c, point.parallel) for c in first]
+        ranked = [nccl.on_rank(c, point.parallel) for c in group]
+        alike = [r for r, c in zip(ranked, group, strict=True) if c in first]
         kept = Kept(watch=sized.scratch_allocs(first[0]))
         replays, unlimited = reserved.unlimited_replay(  # (checkpoints for the rest's rooms too)
-            rows if workspace is None else trace_store.with_workspaces(rows, workspace), settings,
-            max(c.memory_bytes for c in ranked), [nccl.on_rank(c, point.parallel) for c in group],
+            sized.rows(first[0], workspace), settings, max(c.memory_bytes for c in alike), ranked,
             rec["peak_allocated_bytes"] + less - sized.shift(first[0])[1], kept)
-        edges.update(reserved.edges_by_replays(replays, unlimited, ranked))
+        edges.update(reserved.edges_by_replays(replays, unlimited, alike))
         edges.update(_own_sized_edges(sized, settings, point, [c for c in group if c not in first],
                                       unlimited.peak_reserved_bytes, unlimited.peak_allocated_bytes,
                                       kept, first[0], workspace))

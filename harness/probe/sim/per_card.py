@@ -22,6 +22,7 @@ class Sized:
         self._sizes: dict[tuple, tuple[int, ...]] = {}
         self._rows: dict[tuple[int, ...], list[ReplayRow]] = {}
         self._marked: list[tuple[int, str]] | None = None  # (row, its launch's code) as traced
+        self._scratch: dict | None = None  # each scratch key's launch code (trace_store.scratch_keys)
         self._workspaces: dict[tuple[int, ...], tuple[int | None, int]] = {}
 
     def sizes(self, card: Card) -> tuple[int, ...]:
@@ -34,13 +35,15 @@ class Sized:
     def alike(self, a: Card, b: Card) -> bool:
         return self.sizes(a) == self.sizes(b)
 
-    def rows(self, card: Card) -> list[ReplayRow]:
+    def rows(self, card: Card, workspace: int | None = None) -> list[ReplayRow]:
         """The trace's rows as `card` runs it (trace_store.sized_for's, made from the traced rows:
-        a copy with the scratch rows resized, not the frame sized again)."""
+        a copy with the scratch rows resized, not the frame sized again); each cuBLAS workspace
+        `workspace` bytes where given (trace_store.with_workspaces, not kept)."""
         sizes = self.sizes(card)
         if sizes not in self._rows:
             self._rows[sizes] = self._resized(sizes)
-        return self._rows[sizes]
+        rows = self._rows[sizes]
+        return rows if workspace is None else trace_store.with_workspaces(rows, workspace)
 
     def _resized(self, sizes: tuple[int, ...]) -> list[ReplayRow]:
         base = self._traced_rows()
@@ -66,9 +69,14 @@ class Sized:
     def _marks(self) -> list[tuple[int, str]]:
         """Every row of a scratch key (its alloc and its free) in the traced rows, with its code."""
         if self._marked is None:
-            codes = trace_store.scratch_keys(self.df)
+            codes = self._scratch_keys()
             self._marked = [(i, codes[r.key]) for i, r in enumerate(self._traced_rows()) if r.key in codes]
         return self._marked
+
+    def _scratch_keys(self) -> dict:
+        if self._scratch is None:
+            self._scratch = trace_store.scratch_keys(self.df)
+        return self._scratch
 
     def workspaces(self, card: Card) -> tuple[int | None, int]:
         """The trace's cuBLAS workspaces on `card` (trace_store.workspaces: the bytes of one, how many)."""
@@ -82,7 +90,7 @@ class Sized:
         rows = self.rows(card)
         if len(rows) == len(self._traced_rows()):  # the traced rows or a copy of them, none dropped
             return frozenset(i for i, _code in self._marks() if rows[i].action == "alloc")
-        keys = set(trace_store.scratch_keys(self.df))
+        keys = self._scratch_keys()
         return frozenset(i for i, r in enumerate(rows) if r.action == "alloc" and r.key in keys)
 
     def alike_until(self, card: Card, than: Card, settings: AllocSettings, cached: dict[int, int]) -> int:
