@@ -1,7 +1,9 @@
 """Random combinations of the documented knobs, each run as a user runs it:
-`python scripts/knob_combos.py [N] [SEED] [backend=cpu ...]`.
+`python scripts/knob_combos.py [N] [SEED] [--presets] [backend=cpu ...]`.
 
-Each combination is one `python -m harness run model=tiny ...` (two at a time). A run must end in a
+Each combination is one `python -m harness run model=tiny ...` (two at a time); with `--presets`,
+on the 7B-70B presets instead (deeper than tiny's two layers: their traces are synthesized from a
+few, and DDP's shallow journals are shared between counts), with up to 64 GPUs. A run must end in a
 row (exit 0: ok or OOM) or be refused before anything runs (exit 2, one line naming the key); an
 error row (exit 1) or any other exit is a bug, and the script exits 1 after listing them. Prints
 each run's exit code and overrides, then the refusals by message.
@@ -19,9 +21,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def combination(rng: random.Random) -> list[str]:
-    """One point's overrides, drawn from README's table of knobs (tiny: 4 heads, 2 key/value heads)."""
-    o = ["model=tiny", f"seq_len={rng.choice([64, 96, 128])}", f"batch_size={rng.choice([1, 2, 4])}",
+PRESETS = ["7b", "13b", "70b", "llama3-8b", "qwen2.5-7b", "mistral-7b", "demo-1b"]
+
+
+def combination(rng: random.Random, presets: bool = False) -> list[str]:
+    """One point's overrides, drawn from README's table of knobs (tiny: 4 heads, 2 key/value heads;
+    a preset where `presets`, with more GPUs)."""
+    model, lengths = (rng.choice(PRESETS), [128, 512, 1024]) if presets else ("tiny", [64, 96, 128])
+    o = [f"model={model}", f"seq_len={rng.choice(lengths)}", f"batch_size={rng.choice([1, 2, 4])}",
          f"precision={rng.choice(['fp32', 'bf16', 'fp16', 'amp_bf16', 'amp_fp16'])}",
          f"allocator={rng.choice(['default', 'expandable', 'max_split_512', 'roundup4', 'gc80'])}",
          f"gpu={rng.choice(['a100-80gb', 't4', 'h100-80gb', 'rtx4060', 'mi300x', 'l4'])}"]
@@ -39,7 +46,8 @@ def combination(rng: random.Random) -> list[str]:
         o.append(f"optimizer.impl={rng.choice(['foreach', 'fused', 'forloop'])}")
     if rng.random() < 0.2:
         o.append(f"workload.leak={rng.choice(['graph', 'cycle'])}")
-    shard, replicate, tp = (rng.choice([1, 1, 2]) for _ in range(3))
+    more = ([8, 64], [8], [4, 8]) if presets else ([], [], [])
+    shard, replicate, tp = (rng.choice([1, 1, 2, *m]) for m in more)
     o += [f"parallel.dp_shard={shard}"] if shard > 1 else []
     o += [f"parallel.dp_replicate={replicate}"] if replicate > 1 else []
     if tp > 1:
@@ -64,10 +72,12 @@ def run(overrides: list[str], results: Path) -> tuple[int, str, str | None]:
 
 
 def main(args: list[str]) -> int:
+    presets = "--presets" in args
+    args = [a for a in args if a != "--presets"]
     n = int(args[0]) if args else 40
     rng = random.Random(int(args[1]) if len(args) > 1 else 0)
     extra = args[2:]
-    combos = [combination(rng) + extra for _ in range(n)]
+    combos = [combination(rng, presets) + extra for _ in range(n)]
     refused: collections.Counter = collections.Counter()
     bad = []
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(2) as pool:

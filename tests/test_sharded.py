@@ -328,6 +328,25 @@ def test_a_ddp_point_is_synthesized_with_its_setup_traced_at_its_depth_and_is_it
         "synthesized: layers 1, 2 as traced over 4 GPUs -> 4")
 
 
+def test_a_ranks_trace_is_one_on_any_count_of_nodes_and_a_ddp_jobs_journals_pass_between_counts(tmp_path):
+    """Nodes change neither a rank's trace nor its replay, NCCL's memory its replay only (but where
+    the job read the card): one trace identity. A DDP job on a card of one GPU a node (RTX 4060)
+    keeps its shallow journals for its other counts, as on any card: its key was once a point over
+    2 GPUs on 1 node, refused there (an error row for every DDP point on that card)."""
+    from harness.config.cards import by_key
+    from harness.probe.sim import replicas
+    from harness.record.trace_store import trace_id
+
+    def over(gpus, nodes, card="rtx4060", nccl=None):
+        return train_point().replace(gpu=by_key()[card], trace_cache=str(tmp_path), parallel=Parallel(
+            dp_replicate=gpus, nodes=nodes, nccl_bytes_per_communicator=nccl))
+    assert trace_id(over(8, 8, "a100-80gb")) == trace_id(over(8, 1, "a100-80gb")) == trace_id(over(8, 2, "a100-80gb", 2**30))
+    assert trace_id(over(8, 1, "a100-80gb"), reads_card=True) != trace_id(over(8, 1, "a100-80gb", 2**30), reads_card=True)
+    assert replicas.read(tmp_path, over(4, 4), (1, 2)) is None
+    replicas.write(tmp_path, over(4, 4), (1, 2), [[], []], [{}])
+    assert replicas.read(tmp_path, over(2, 2), (1, 2)) == ([[], []], [{}], 4)
+
+
 def test_the_capacity_table_gives_each_job_and_card_the_fewest_gpus_that_fit():
     """Batch 1 per GPU: on one GPU it fits only the H200, over 8 the A100 40GB too; the T4 fits it
     over none of the sweep's counts."""

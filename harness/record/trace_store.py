@@ -36,6 +36,11 @@ def trace_id(point: Point, reads_card: bool = False, attending: str | None = Non
     unless the job read them (`reads_card`: its step asked torch.cuda about the card or its memory,
     and may have done otherwise on another)."""
     ident = point_identity(point)
+    # the nodes a rank is on change neither its trace nor its replay; NCCL's memory its replay only,
+    # but for a job that read the card's free memory
+    unshaping = ("nodes",) if reads_card else ("nodes", "nccl_bytes_per_communicator")
+    if "parallel" in ident:
+        ident["parallel"] = {k: v for k, v in ident["parallel"].items() if k not in unshaping}
     if not reads_card:
         for replay_only in ("allocator_conf", "gpu", "gpu_memory_bytes", "card"):
             del ident[replay_only]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from harness.config.point import Point
+from harness.config.point import AUTO_NODES, Point
 from harness.probe.sim.tracker import TraceEvent
 from harness.probe.sim.virtual_cuda import READS_CARD
 from harness.record import trace_store
@@ -25,9 +25,9 @@ def _key(point: Point) -> str | None:
     p = point.parallel
     if p.dp_replicate == 1 or p.dp_shard > 1 or p.tp > 1:
         return None
-    # nodes and NCCL's memory change the replay, not the trace; the depth is the caller's to name
-    return trace_store.trace_id(point.replace(parallel=dataclasses.replace(
-        p, dp_replicate=2, nodes=1, nccl_bytes_per_communicator=None)))
+    # (nodes and NCCL's memory are not in a trace's identity; as many nodes as the card needs for
+    # 2: a node of RTX 4060s holds one) the depth is the caller's to name
+    return trace_store.trace_id(point.replace(parallel=dataclasses.replace(p, dp_replicate=2, nodes=AUTO_NODES)))
 
 
 def read(cache: Path | None, point: Point, depths: tuple[int, ...]) -> tuple[list[list[TraceEvent]], list, int] | None:
