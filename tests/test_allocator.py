@@ -81,6 +81,20 @@ def test_eight_16mib_allocations_map_140mib_with_expandable_segments():
     assert _reserved_after("expandable_segments:True", (8, 16 * MiB), (4, 32 * MiB)) == (140 * MiB, 140 * MiB)
 
 
+def test_a_request_beyond_an_expandable_segments_range_is_an_oom_on_the_card_and_mapped_without_a_limit():
+    """find_expandable_block reserves 1 1/8 of the card's memory: a request for more (DDP's flat
+    bucket of an 8B model's fp32 gradients, 32 GB, on a 24 GB card) fails to map there, and the
+    replay without a limit (the card's size for ranges) maps it whole beside what is mapped."""
+    conf = "expandable_segments:True"
+    on_card = allocator(conf, capacity=22 * GiB, total=24 * GiB)
+    with pytest.raises(OutOfMemory):
+        on_card.malloc(30 * GiB)
+    unlimited = allocator(conf, total=24 * GiB)
+    unlimited.malloc(1000 * MiB)  # (pages of 20 MiB)
+    unlimited.malloc(30000 * MiB)
+    assert unlimited.stats.reserved_bytes.current == 31000 * MiB
+
+
 def test_small_then_large_reserves_twice_large_then_small():
     assert _reserved_after("", (8, 16 * MiB), (4, 32 * MiB))[1] == 256 * MiB
     assert _reserved_after("", (4, 32 * MiB), (8, 16 * MiB))[1] == 128 * MiB

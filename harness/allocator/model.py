@@ -633,10 +633,13 @@ class CachingAllocator:
                     self._release_block(b, pool)
 
     # ---- expandable segments ----------------------------------------------------------------
-    def _segment_for(self, pool: Pool, stream: int) -> ExpandableSegment:
+    def _segment_for(self, pool: Pool, stream: int, size: int) -> ExpandableSegment:
         page = K_SMALL_BUFFER if pool.small else K_LARGE_BUFFER
         total = self.device.total
-        n_pages = -(-(total + total // 8) // page)
+        # 1 1/8 of the card's memory, as find_expandable_block reserves; a request for more is an
+        # OOM on any card of that size, and without a limit it takes a range of its own size (a
+        # larger card's), so its mapping is what it adds
+        n_pages = -(-max(total + total // 8, size) // page)
         es = ExpandableSegment(self._new_segment_addr(n_pages * page), n_pages * page, page, stream, pool.small)
         self.expandable[(pool.small, es.base)] = es
         b = Block(es.base, es.size, stream, pool.small, es, mapped=False)
@@ -663,7 +666,7 @@ class CachingAllocator:
             if room(c):
                 return c
             i += 1
-        es = self._segment_for(pool, stream)
+        es = self._segment_for(pool, stream, size)
         return self.blocks[es.base]
 
     def _map_block(self, b: Block, size: int, pool: Pool) -> bool:
