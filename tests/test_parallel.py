@@ -20,7 +20,10 @@ from tests.test_sharded import _lives, _real_ranks
 
 
 def _over(precision="fp32", checkpointing=False, **parallel):
-    """The tiny job spread by `parallel`; checkpointing "op": with checkpointing_policy=op."""
+    """The tiny job spread by `parallel`; checkpointing "op": with checkpointing_policy=op; "infer":
+    serving (prefill and 4 tokens decoded), not training."""
+    if checkpointing == "infer":
+        return _over(precision, **parallel).replace(workload=Workload(name="infer", new_tokens=4))
     return train_point(batch_size=2, seq_len=32, precision=precision, checkpointing=bool(checkpointing)).replace(
         parallel=Parallel(**parallel), checkpointing_policy="op" if checkpointing == "op" else "full")
 
@@ -35,8 +38,10 @@ _ORACLE = [
     # the precisions and plain TP: above; torchtitan's TP: sequence and loss parallel, the per-op
     # policy (which keeps sequence parallel's reduce-scatters)
     (dict(tp=2, sequence_parallel=True, loss_parallel=True), "bf16", "op"),
+    (dict(tp=2), "bf16", "infer"),  # serving: prefill into a KV cache of the rank's heads, then decode
 ]
-_ORACLE_IDS = ["ddp-fp32", "ddp-bf16-ckpt", "tp-fp32", "tp-bf16-ckpt", "hsdp-bf16", "fsdp-tp-bf16-ckpt", "sp-lp-bf16-op"]
+_ORACLE_IDS = ["ddp-fp32", "ddp-bf16-ckpt", "tp-fp32", "tp-bf16-ckpt", "hsdp-bf16", "fsdp-tp-bf16-ckpt", "sp-lp-bf16-op",
+               "tp-bf16-infer"]
 
 
 @pytest.mark.slow
@@ -305,6 +310,42 @@ def test_sequence_parallel_over_a_length_its_ranks_do_not_divide_is_refused_nami
         point.replace(seq_len=63, parallel=Parallel(tp=2, sequence_parallel=True))
     assert e.value.key == "seq_len"
     assert point.replace(seq_len=63, parallel=Parallel(tp=2)).seq_len == 63  # without it, any length
+
+
+@pytest.mark.parametrize("parallel,key", [(dict(tp=2, dp_shard=2), "parallel.dp_shard"),
+                                          (dict(dp_replicate=2), "parallel.dp_replicate"),
+                                          (dict(tp=2, sequence_parallel=True), "parallel.sequence_parallel"),
+                                          (dict(tp=2, loss_parallel=True), "parallel.loss_parallel")])
+def test_serving_takes_tensor_parallel_alone_and_refuses_the_rest_by_name(parallel, key):
+    serving = train_point(seq_len=64).replace(workload=Workload(name="infer", new_tokens=4))
+    assert serving.replace(parallel=Parallel(tp=2)).parallel.world_size == 2
+    with pytest.raises(ConfigError) as e:
+        serving.replace(parallel=Parallel(**parallel))
+    assert e.value.key == key
+
+
+def test_a_tensor_parallel_server_holds_its_heads_slice_of_the_weights_and_kv_cache():
+    """Serving over TP 2: each rank holds half of every projection, the embedding and the head (the
+    norms whole), and half of each layer's key/value heads in its cache; the prompt's and each
+    token's layer outputs all-reduced, the head's logits gathered."""
+    def serving(**parallel) -> tuple[dict, dict]:  # the run, and what it holds at its end by kind
+        m, tracker = run_point(_over("bf16", "infer", **parallel))
+        live: dict = {}
+        for e in tracker.journal():
+            if e.action == "alloc":
+                live[e.key] = (e.kind, e.size)
+            elif e.action == "free":
+                live.pop(e.key, None)
+        held: dict = {}
+        for kind, size in live.values():
+            held[kind] = held.get(kind, 0) + size
+        return m, held
+    (one, held_one), (two, held_two) = serving(), serving(tp=2)
+    hidden, layers, ids = 64, 2, 2 * 8  # the next token of each sequence: int64
+    norms = (2 * layers + 1) * hidden * 2  # bf16: two per layer and the final one (and small buffers whole)
+    assert held_two["parameter"] == pytest.approx((held_one["parameter"] - norms) / 2 + norms, rel=0.001)
+    assert held_two["activation"] - ids == (held_one["activation"] - ids) / 2  # the cache, 16,384 B whole
+    assert two["all_reduce_bytes_per_step"] > 0 and two["all_gather_bytes_per_step"] > 0
 
 
 def test_zero2_like_keeping_without_fsdp2_is_refused_naming_the_knob():

@@ -36,11 +36,24 @@ def _real_rank(rank: int, world: int, port: int, points: list[dict], out) -> Non
 
     import torch.distributed as dist
 
+    from harness.probe.sim.tracker import StorageTracker
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    end_step = StorageTracker.end_step
+
+    def end_after_barrier(self):  # gloo's worker thread lets go of the last collective once it takes the next
+        self.recording = False  # (the barrier's own byte)
+        dist.barrier()
+        self.recording = True
+        end_step(self)
     try:
         for i, point in enumerate(points):
             try:
+                # A decode step ends with a collective (the head's logits gathered): what it leaves
+                # is read once gloo's thread has let go of it
+                serving = point["workload"]["name"] == "infer"
+                StorageTracker.end_step = end_after_barrier if serving else end_step  # type: ignore[method-assign]
                 m, tracker = run_point(Point.from_dict(point), emulate_cuda=False, fake=False)
                 out.put((i, rank, m["step_allocated_bytes"], _lives(tracker.journal())))
             except Exception:

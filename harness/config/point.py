@@ -454,8 +454,13 @@ class Point:
         if self.parallel.world_size > 1:
             key = self.parallel.key
             if self.workload.name == WorkloadName.infer:
-                raise ConfigError(key, "a job over several GPUs is modelled for training (workload=train, or a job "
-                                  "of your own given the mesh) so far, not workload=infer")
+                if self.parallel.dp_shard > 1 or self.parallel.dp_replicate > 1:
+                    raise ConfigError(key, "serving is spread by tensor parallel (parallel.tp); each replica of a served "
+                                      "model is a job of its own, its memory the point's without the replicas")
+                for knob in ("sequence_parallel", "loss_parallel"):
+                    if getattr(self.parallel, knob):
+                        raise ConfigError(f"parallel.{knob}", "is torchtitan's for training: workload=infer has no "
+                                          "loss, and its decode steps are one token each")
             if self.parallel.loss_parallel and self.workload.name == WorkloadName.custom:
                 raise ConfigError("parallel.loss_parallel", "splits the presets' head and loss: a job of your own "
                                   "applies its own plan (torch.distributed.tensor.parallel.loss_parallel)")

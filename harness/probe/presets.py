@@ -146,7 +146,7 @@ class Decode:
         from transformers import DynamicCache
 
         model.eval()
-        with torch.inference_mode():
+        with torch.inference_mode(), linear_decomposed_on_dtensors():
             first = self.cache is None
             if first:
                 self.cache = DynamicCache(config=model.config)
@@ -156,3 +156,30 @@ class Decode:
                             use_cache=True, logits_to_keep=1)
             self.ids = out.logits[:, -1:].argmax(-1)
             del out
+
+
+def _decomposed(op, args, kwargs):
+    return op.decompose(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def linear_decomposed_on_dtensors():
+    """Under inference_mode `aten.linear` reaches DTensor whole (elsewhere autograd decomposes it
+    first), and torch 2.13's DTensor first tries to shard it by its decomposition, fails (an
+    AssertionError on an unnormalized Shard(-1)) and then decomposes it: the failure's traceback
+    keeps the call's Python stack, activations and all, in a reference cycle until the cyclic GC
+    runs. Here it is decomposed at once, as it then is: a tensor-parallel decode frees what it
+    would once the collector ran, when its last reference goes (which the GC's timing, another
+    process's, could not say)."""
+    from torch.distributed.tensor import DTensor
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    linear = torch.ops.aten.linear.default
+    if linear in handlers:
+        yield
+        return
+    handlers[linear] = _decomposed
+    try:
+        yield
+    finally:
+        handlers.pop(linear, None)

@@ -150,6 +150,21 @@ class TraceEvent(NamedTuple):
     kernel: str = ""
 
 
+class _NoWrapper:  # isinstance(x, _ACT) before torch.distributed._functional_collectives is imported
+    pass
+
+
+def _act() -> type:
+    funcol = sys.modules.get("torch.distributed._functional_collectives")
+    return funcol.AsyncCollectiveTensor if funcol is not None else _NoWrapper
+
+
+def _waited(a):
+    """A functional collective's result waited for, as eager's wait does it: the tensor itself (a
+    fake one's: on the virtual GPU); anything else as it is."""
+    return a.elem if isinstance(a, _act()) and isinstance(a.elem, FakeTensor) else a
+
+
 def _own(t: torch.Tensor) -> torch.Tensor:
     """The tensor holding `t`'s storage: a DTensor's local shard (a sharded job's parameters,
     gradients and optimizer state), a functional collective's result behind the wrapper that waits
@@ -385,6 +400,11 @@ class StorageTracker(TorchDispatchMode):
                 return args[0]
             from torch.distributed._functional_collectives import AsyncCollectiveTensor
             return AsyncCollectiveTensor(args[0])
+        if any(isinstance(a, _act()) for a in args):
+            # its wait, from inside the wrapper, would be fake's (a new tensor, unseen here): the
+            # waited tensor itself, as in eager. Under inference_mode a composite op (view_as, which
+            # DTensor.from_local calls) reaches the wrapper whole, and waits.
+            args = tuple(_waited(a) for a in args)
         in_place = _IN_PLACE_IN_EAGER.get(func)
         if in_place is not None and self._fresh_zeros and isinstance(args[0], torch.Tensor) \
                 and args[0].untyped_storage()._cdata == self._fresh_zeros and _in_autograd_formula():
