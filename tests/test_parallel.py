@@ -340,7 +340,7 @@ def test_a_tensor_parallel_server_holds_its_heads_slice_of_the_weights_and_kv_ca
         for kind, size in live.values():
             held[kind] = held.get(kind, 0) + size
         return m, held
-    (one, held_one), (two, held_two) = serving(), serving(tp=2)
+    (_, held_one), (two, held_two) = serving(), serving(tp=2)
     hidden, layers, ids = 64, 2, 2 * 8  # the next token of each sequence: int64
     norms = (2 * layers + 1) * hidden * 2  # bf16: two per layer and the final one (and small buffers whole)
     assert held_two["parameter"] == pytest.approx((held_one["parameter"] - norms) / 2 + norms, rel=0.001)
