@@ -162,23 +162,31 @@ def test_frontier_agrees_with_the_exhaustive_sweep_at_a_fraction_of_its_points(t
 
 
 @pytest.mark.slow
-def test_a_serving_plan_puts_the_harness_beside_vllms_arithmetic(tmp_path):
+@pytest.mark.parametrize("tp,margin", [(1, 0.962), (2, 0.928)])  # (NCCL's 512 MiB over 2: a larger budget)
+def test_a_serving_plan_puts_the_harness_beside_vllms_arithmetic(tmp_path, tp, margin):
+    """Over tensor parallel, per GPU: a rank's key/value heads a token, its weights, and NCCL's
+    memory beside the context's; the group says how it is spread."""
+    from harness.plan import fit
+    from harness.report.tables import group_label
+
     r = run_cli("plan", "sweeps=smoke", "workload=infer", "seq_len=1024", "sweep=serve", "plan.hi=64",
-                "plan.margin=0.962", "plan.cards=[t4]", "plan.max_num_batched_tokens=2048",
+                f"plan.margin={margin}", "plan.cards=[t4]", "plan.max_num_batched_tokens=2048", f"parallel.tp={tp}",
                 f"results_dir={tmp_path}")
     assert r.returncode == 0, r.stderr
     plan_dir = _only_dir(tmp_path)
     [row] = pd.read_parquet(plan_dir / "frontier.parquet").to_dict("records")
-    kv = serving.kv_bytes_per_token(model_cfg("tiny"), "bf16")
-    assert row["kv_bytes_per_token"] == kv == 2 * 2 * 2 * 16 * 2
-    assert row["profile_tokens"] == 2047 and row["gpu_memory_utilization"] == pytest.approx(0.038)
-    t4 = next(c for c in catalog.cards() if c.key == "t4")
-    expected = serving.vllm_capacity(t4, 0.038, row["weights_bytes"], row["activation_peak_bytes"], kv, 16, 1024)
-    assert row["vllm_max_seqs"] == row["vllm_largest"] == expected["vllm_max_seqs"]
-    assert row["largest"] >= 1 and "DynamicCache" in row["why"] and "vLLM" in row["why"]
+    kv = serving.kv_bytes_per_token(model_cfg("tiny"), "bf16", tp)
+    assert row["kv_bytes_per_token"] == kv == 2 * 2 * (2 // tp) * 16 * 2
+    assert row["profile_tokens"] == 2047 and row["gpu_memory_utilization"] == pytest.approx(1 - margin)
     profile = json.loads(next(p for p in (plan_dir / "runs").glob("*/result.json")
                               if json.loads(p.read_text())["run_id"] == row["profile_run_id"]).read_text())
-    assert profile["batch_size"] == 1 and profile["seq_len"] == 2048
+    assert profile["batch_size"] == 1 and profile["seq_len"] == 2048 and profile["tp"] == tp
+    t4 = fit.on_rank(profile, next(c for c in catalog.cards() if c.key == "t4"))
+    expected = serving.vllm_capacity(t4, 1 - margin, row["weights_bytes"], row["activation_peak_bytes"], kv, 16, 1024)
+    assert row["vllm_max_seqs"] == row["vllm_largest"] == expected["vllm_max_seqs"]
+    assert row["card_non_pytorch_bytes"] == t4.non_pytorch_bytes
+    assert row["largest"] >= 1 and "DynamicCache" in row["why"] and "vLLM" in row["why"]
+    assert ("TP over 2 GPUs" in group_label(pd.Series(row))) == (tp == 2)
     assert "Serving" in (plan_dir / "report.md").read_text()
 
 

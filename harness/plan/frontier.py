@@ -3,6 +3,7 @@ value that fits, each probe a real point of the sweep (a row under runs/, like a
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from harness.analysis.verdict import layout
 from harness.config import cards as catalog
 from harness.config.models import hf_config, max_positions
 from harness.config.point import PARALLEL_KNOBS, Card, Point, fewest_nodes, needs_a_degree
@@ -201,7 +203,7 @@ class Planner:
                    "activations_bytes": row.get("activations_bytes") if row else None,
                    "run_id": row.get("run_id") if row else None}
             if serve is not None:
-                rec.update(serving.compare(card, cfg, serve, largest, row))
+                rec.update(serving.compare(fit.on_rank(row, card) if row else card, cfg, serve, largest, row))
             out.append(rec)
         return sorted(out, key=lambda r: r["card_memory_bytes"])
 
@@ -214,7 +216,7 @@ class Planner:
         keep = [o for o in g.overrides if o.split("=", 1)[0].lstrip("+~") not in
                 ("batch_size", "seq_len", "workload.new_tokens")]
         row = self.run([*keep, "batch_size=1", f"seq_len={tokens}", "workload.new_tokens=1"])
-        kv = serving.kv_bytes_per_token(cfg.model, cfg.precision)
+        kv = serving.kv_bytes_per_token(cfg.model, cfg.precision, cfg.parallel.tp)
         prompt = tokens - 1
         # The prefill's peak less the weights and the prompt's own KV (vLLM profiles without a cache).
         act = int(row["step_peak_bytes"][0]) - int(row["params_bytes"]) - kv * prompt
@@ -265,7 +267,9 @@ def _group_columns(cfg, point: Point, axis: str) -> dict:
                                 if k != point.plan.over and getattr(point.parallel, k) > 1),
                               *(f"{k}={str(getattr(point.parallel, k)).lower()}" for k in needs_a_degree(point.parallel))])
             if axis == "world_size" else None,
-            "seq_len": cfg.seq_len if axis != "seq_len" else None, "margin": float(cfg.plan.margin)}
+            "seq_len": cfg.seq_len if axis != "seq_len" else None, "margin": float(cfg.plan.margin),
+            # a batch or length searched over several GPUs: how (the groups of one job apart)
+            "layout": None if axis == "world_size" else layout(dataclasses.asdict(point.parallel)) or None}
     if custom:
         cols["workload_args"] = json.dumps(dict(cfg.workload.args or {}), sort_keys=True, default=str)
     return cols

@@ -25,15 +25,17 @@ def kv_shape(model_cfg) -> tuple[int, int, int]:
     return c.num_hidden_layers, kv_heads, head_dim
 
 
-def kv_bytes_per_token(model_cfg, precision: str) -> int:
-    """K and V, every layer: 2 x layers x kv_heads x head_dim x element bytes."""
+def kv_bytes_per_token(model_cfg, precision: str, tp: int = 1) -> int:
+    """K and V, every layer: 2 x layers x kv_heads x head_dim x element bytes; a rank's share of the
+    key/value heads over tensor parallel (`tp` divides them: config.point)."""
     layers, kv_heads, head_dim = kv_shape(model_cfg)
-    return 2 * layers * kv_heads * head_dim * _KV_ELEMENT_BYTES[precision]
+    return 2 * layers * (kv_heads // tp) * head_dim * _KV_ELEMENT_BYTES[precision]
 
 
 def vllm_capacity(card: Card, utilization: float, weights_bytes: int, activation_peak_bytes: int,
                   kv_per_token: int, block_size: int, context: int) -> dict:
-    """What vLLM's startup arithmetic gives on `card`: KV bytes, blocks, sequences of `context`."""
+    """What vLLM's startup arithmetic gives on `card` (as a rank sees it: NCCL's memory in its
+    non-PyTorch bytes): KV bytes, blocks, sequences of `context`."""
     budget = int(card.memory_bytes * utilization)
     kv_bytes = budget - weights_bytes - activation_peak_bytes - card.non_pytorch_bytes
     blocks = max(0, kv_bytes // (block_size * kv_per_token))
