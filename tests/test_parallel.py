@@ -128,6 +128,8 @@ def test_the_job_over_ddp_is_a_remedy_with_its_layout_and_all_reduce_traffic():
     assert (change["key"], change["layout"], change["gpus"], change["all_reduce_bytes"]) == \
         ("parallel.dp_replicate", "DDP", 2, 13 * GiB)
     assert words.sharding(change).startswith("DDP over 2 GPUs, batch 4 per GPU (8 a step) (each GPU all-reduces 13.00 GiB")
+    # a decode step's: in MiB, which GiB would round to nothing
+    assert "all-reduces 4.06 MiB" in words.sharding({**change, "layout": "TP", "all_reduce_bytes": 4_259_840})
 
 
 class _Groups(TorchDispatchMode):

@@ -10,7 +10,7 @@ from harness.analysis.oom_text import OomReading
 from harness.analysis.verdict import leak_of
 from harness.config import alloc_conf
 from harness.record.row import TRAFFIC, checkpointing_of
-from harness.units import gib
+from harness.units import gib, gib_or_mib
 
 # The cost codes of analysis.verdict.COSTS, as people read them.
 COST_WORDS = {
@@ -126,7 +126,7 @@ def change(c: dict, torch_version: str | None = None) -> str:
 def sharding(c: dict) -> str:
     """A job spread over GPUs (a remedy's sharding change), with what each GPU moves per step."""
     how = "" if c.get("reshard_after_forward", True) else ", not resharded after forward"
-    moved = [f"{_MOVES[what]} {gib(c[f'{what}_bytes'])}" for what in TRAFFIC if c.get(f"{what}_bytes")]
+    moved = [f"{_MOVES[what]} {gib_or_mib(c[f'{what}_bytes'])}" for what in TRAFFIC if c.get(f"{what}_bytes")]
     traffic = f" (each GPU {_and(moved)} per step)" if moved else ""
     return (f"{c.get('layout') or 'FSDP2'} over {c['gpus']} GPUs, batch {c['batch_per_gpu']} per GPU "
             f"({c['batch_per_step']} a step){how}{traffic}")
