@@ -36,6 +36,8 @@ def combination(rng: random.Random, presets: bool = False) -> list[str]:
         o.append("workload=infer")
         if rng.random() < 0.5:
             o.append(f"workload.new_tokens={rng.choice([1, 4])}")
+        if rng.random() < 0.4:  # serving over tensor parallel (on the nodes the card needs)
+            o += [f"parallel.tp={rng.choice([2, 4] if presets else [2])}", "parallel.nodes=auto"]
         return o
     if rng.random() < 0.5:
         o.append("checkpointing=true")
