@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from harness.analysis.verdict import layout
 from harness.config import cards as catalog
+from harness.config import nccl
 from harness.config.models import hf_config, max_positions
 from harness.config.point import PARALLEL_KNOBS, Card, Point, fewest_nodes, needs_a_degree
 from harness.config.validate import validate
@@ -178,7 +179,8 @@ class Planner:
         try:
             s = search.search(probe, {k: c.room(plan.margin) for k, c in by_key.items()}, searched, self.width,
                               lambda vs: _together(probe, vs))
-            serve = self._serving(g) if cfg.workload.name == "infer" else None
+            # (beside vLLM's arithmetic for a batch or length; a count's search spreads the job otherwise at each)
+            serve = self._serving(g) if cfg.workload.name == "infer" and not fewer else None
         except ProbeFailed as e:
             return [{**ident, "card": k, "status": "error", "error": str(e)} for k in by_key]
         out = []
@@ -203,7 +205,7 @@ class Planner:
                    "activations_bytes": row.get("activations_bytes") if row else None,
                    "run_id": row.get("run_id") if row else None}
             if serve is not None:
-                rec.update(serving.compare(fit.on_rank(row, card) if row else card, cfg, serve, largest, row))
+                rec.update(serving.compare(nccl.on_rank(card, g.point.parallel), cfg, serve, largest, row))
             out.append(rec)
         return sorted(out, key=lambda r: r["card_memory_bytes"])
 

@@ -138,9 +138,9 @@ def group_label(r) -> str:
         spread = f"parallel.{over if isinstance(over, str) else 'dp_shard'}"
         spread += f" x {kept}" if isinstance(kept, str) and kept else ""
         fixed = f"batch {int(r.batch_size)} per GPU, seq {int(r.seq_len)}, over {spread}"
-    spread = getattr(r, "layout", None)
-    if isinstance(spread, str) and spread:  # a batch or length searched over several GPUs
-        fixed += f", {spread} over {int(r.world_size)} GPUs"
+    how = getattr(r, "layout", None)
+    if isinstance(how, str) and how:  # a batch or length searched over several GPUs
+        fixed += f", {how} over {int(r.world_size)} GPUs"
     alloc = f", {r.allocator_conf}" if r.allocator_conf else ""
     return f"{r.model} {r.workload} {r.precision}{_ckpt_suffix(r)}, {fixed}{alloc}"
 

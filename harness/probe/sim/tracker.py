@@ -150,7 +150,7 @@ class TraceEvent(NamedTuple):
     kernel: str = ""
 
 
-class _NoWrapper:  # isinstance(x, _ACT) before torch.distributed._functional_collectives is imported
+class _NoWrapper:  # what no tensor is, before torch.distributed._functional_collectives is imported
     pass
 
 
