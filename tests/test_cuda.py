@@ -152,20 +152,21 @@ def test_a_side_streams_blocks_are_reused_as_on_the_virtual_gpu(tmp_path):
 
 
 
-@pytest.mark.parametrize("spread", ["parallel.dp_shard=4", "parallel.tp=2"], ids=["fsdp2", "tp"])
+@pytest.mark.parametrize("spread", ["workload.steps=3 parallel.dp_shard=4", "workload.steps=3 parallel.tp=2",
+                                    "workload=infer workload.new_tokens=4 checkpointing=false parallel.tp=2"],
+                         ids=["fsdp2", "tp", "tp-serving"])
 def test_rank_0_on_the_card_its_peers_faked_allocates_what_the_virtual_gpus_rank_0_does(tmp_path, spread):
     """One card plays rank 0 of a job over several (tests/scripts/fake_peers.py: torch's fake group
     for its peers, as the virtual GPU has): its shards, FSDP2's buffers on their own streams or tensor
-    parallel's slices, decided by the real caching allocator. The virtual GPU's rank 0 within the bar
-    on allocated; reserved printed for the note."""
+    parallel's slices (training, or serving under inference_mode), decided by the real caching
+    allocator. The virtual GPU's rank 0 within the bar on allocated; reserved printed for the note."""
     import subprocess
     import sys
 
     from tests.conftest import REPO
 
     card = _native_card() or "a100-80gb"
-    args = ["run", "model=demo-1b", "batch_size=2", "seq_len=1024", "precision=bf16", "workload.steps=3",
-            f"gpu={card}", spread]
+    args = ["run", "model=demo-1b", "batch_size=2", "seq_len=1024", "precision=bf16", f"gpu={card}", *spread.split()]
     r = run_cli(*args, "backend=sim", f"results_dir={tmp_path / 'sim'}")
     assert r.returncode == 0, r.stderr
     sim = _rows(tmp_path / "sim").iloc[0].to_dict()
