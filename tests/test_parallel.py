@@ -52,8 +52,8 @@ def test_one_fake_rank_allocates_what_each_gloo_rank_allocates(parallel, precisi
     come later on a real rank, never earlier, and within its step: gloo's worker thread lets go of a
     collective's tensors when it is done (HSDP's reduce-scatter input, all-reduced across replicas
     after it, up to 4 allocs later on its stream; the receiving rank's copy of DDP's rebuilt bucket
-    indices; tensor parallel's all-reduce input). FSDP2 alone, one alloc later at most:
-    tests/test_sharded.py."""
+    indices; tensor parallel's all-reduce input; a serving step's last gather, past the step's end).
+    FSDP2 alone, one alloc later at most: tests/test_sharded.py."""
     point = _over(precision, checkpointing, **parallel)
     m, tracker = run_point(point, emulate_cuda=False, fake=True)
     allocs, freed, retags = _lives(tracker.journal())
@@ -61,7 +61,12 @@ def test_one_fake_rank_allocates_what_each_gloo_rank_allocates(parallel, precisi
     for rank, (after_steps, (real_allocs, real_freed, real_retags)) in _real_ranks(point, batch, shared).items():
         assert (real_allocs, real_retags) == (allocs, retags), f"rank {rank}"
         assert real_freed.keys() == freed.keys(), f"rank {rank}"
-        assert after_steps == m["step_allocated_bytes"], f"rank {rank}"
+        # a serving step ends gathering the head's logits: gloo's thread may still hold that
+        # collective's tensors as the step's leftovers are read, never more
+        late = [sum(round_plain(a[0]) for a in allocs if a[3] == step and a[4] == "lm_head") if checkpointing == "infer"
+                else 0 for step in range(len(after_steps))]
+        assert all(0 <= real - fake <= lag for real, fake, lag in zip(after_steps, m["step_allocated_bytes"], late,
+                                                                      strict=True)), f"rank {rank}"
         for i in (i for i in freed if freed[i] != real_freed[i]):
             fake_at, real_at = freed[i], real_freed[i]
             assert fake_at < real_at, f"rank {rank}: alloc {i} {allocs[i]} freed earlier on the real rank"

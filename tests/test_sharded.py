@@ -43,9 +43,9 @@ def _real_rank(rank: int, world: int, port: int, points: list[dict], out) -> Non
     end_step = StorageTracker.end_step
 
     def end_after_barrier(self):  # gloo's worker thread lets go of the last collective once it takes the next
-        self.recording = False  # (the barrier's own byte)
+        self.inside_collective += 1  # (the barrier's own byte is gloo's; a free meanwhile is the step's)
         dist.barrier()
-        self.recording = True
+        self.inside_collective -= 1
         end_step(self)
     try:
         for i, point in enumerate(points):
