@@ -337,15 +337,11 @@ def test_a_tensor_parallel_server_holds_its_heads_slice_of_the_weights_and_kv_ca
     token's layer outputs all-reduced, the head's logits gathered."""
     def serving(**parallel) -> tuple[dict, dict]:  # the run, and what it holds at its end by kind
         m, tracker = run_point(_over("bf16", "infer", **parallel))
-        live: dict = {}
-        for e in tracker.journal():
-            if e.action == "alloc":
-                live[e.key] = (e.kind, e.size)
-            elif e.action == "free":
-                live.pop(e.key, None)
+        allocs, freed, _retags = _lives(tracker.journal())
         held: dict = {}
-        for kind, size in live.values():
-            held[kind] = held.get(kind, 0) + size
+        for i, (size, kind, *_where) in enumerate(allocs):
+            if i not in freed:
+                held[kind] = held.get(kind, 0) + size
         return m, held
     (_, held_one), (two, held_two) = serving(), serving(tp=2)
     hidden, layers, ids = 64, 2, 2 * 8  # the next token of each sequence: int64

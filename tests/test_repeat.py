@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from harness.config.point import Point, Workload
+from harness.config.point import Parallel, Point, Workload
 from harness.probe.sim import repeat, shortcut
 from harness.probe.sim.repeat import NotRepeating
 from harness.probe.sim.trace import run_point
@@ -69,8 +69,6 @@ def test_inference_prefill_and_decode_synthesize_their_full_trace(model, tp):
     """Over tensor parallel too: each linear decomposed at once under inference_mode
     (presets.linear_decomposed_on_dtensors), not after a failed attempt whose reference cycle the
     GC frees wherever it runs (no two depths alike: traced in full, 220 s for 7B)."""
-    from harness.config.point import Parallel
-
     _assert_same_as_full(_point(model, workload="infer", seq_len=64).replace(parallel=Parallel(tp=tp)))
 
 

@@ -154,15 +154,10 @@ class _NoWrapper:  # what no tensor is, before torch.distributed._functional_col
     pass
 
 
-def _act() -> type:
+def _collective_wrapper() -> type[Any]:
+    """AsyncCollectiveTensor, the wrapper a functional collective's result waits in (once imported)."""
     funcol = sys.modules.get("torch.distributed._functional_collectives")
     return funcol.AsyncCollectiveTensor if funcol is not None else _NoWrapper
-
-
-def _waited(a):
-    """A functional collective's result waited for, as eager's wait does it: the tensor itself (a
-    fake one's: on the virtual GPU); anything else as it is."""
-    return a.elem if isinstance(a, _act()) and isinstance(a.elem, FakeTensor) else a
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
@@ -172,10 +167,7 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     local = getattr(t, "_local_tensor", None)
     if isinstance(local, torch.Tensor):
         return local
-    funcol = sys.modules.get("torch.distributed._functional_collectives")  # (none to wrap before it is imported)
-    if funcol is not None and isinstance(t, funcol.AsyncCollectiveTensor):
-        return _own(t.elem)
-    return t
+    return _own(t.elem) if isinstance(t, _collective_wrapper()) else t
 
 
 class StorageTracker(TorchDispatchMode):
@@ -400,11 +392,12 @@ class StorageTracker(TorchDispatchMode):
                 return args[0]
             from torch.distributed._functional_collectives import AsyncCollectiveTensor
             return AsyncCollectiveTensor(args[0])
-        if any(isinstance(a, _act()) for a in args):
+        wrapper = _collective_wrapper()
+        if any(isinstance(a, wrapper) for a in args):
             # its wait, from inside the wrapper, would be fake's (a new tensor, unseen here): the
             # waited tensor itself, as in eager. Under inference_mode a composite op (view_as, which
             # DTensor.from_local calls) reaches the wrapper whole, and waits.
-            args = tuple(_waited(a) for a in args)
+            args = tuple(a.elem if isinstance(a, wrapper) and isinstance(a.elem, FakeTensor) else a for a in args)
         in_place = _IN_PLACE_IN_EAGER.get(func)
         if in_place is not None and self._fresh_zeros and isinstance(args[0], torch.Tensor) \
                 and args[0].untyped_storage()._cdata == self._fresh_zeros and _in_autograd_formula():
