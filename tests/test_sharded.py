@@ -1,6 +1,7 @@
 """A job over several GPUs on the virtual GPU (parallel.*): FSDP2 traced as rank 0 of a fake
 process group, checked against the same job on real CPU tensors in gloo processes, one per rank."""
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -458,3 +459,48 @@ def test_fsdp2s_copies_allocate_their_launch_tables_as_on_four_h200s():
     sized = Sized(df)
     for card in by_key().values():
         assert sized.rows(card) == trace_store.replay_rows(trace_store.sized_for(df, card)), card.key
+
+
+def test_elementwise_foreach_ops_on_shards_laid_out_alike_run_locally_as_dtensor_runs_them(monkeypatch):
+    """An AdamW step on DTensors (rank 0 of 2, real CPU tensors): with the shortcut its parameters,
+    moments and their layouts are what DTensor's own dispatch makes, and none of its foreach ops is
+    propagated by DTensor; a call that mixes layouts (a Partial operand) still is, and the shortcut
+    is gone after."""
+    import torch
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor._dispatch import OpDispatcher
+
+    from harness.probe.sim import sharded
+
+    propagated: list = []
+    slow = OpDispatcher._propagate_op_sharding_dispatch_slow_path
+
+    def counted(self, op, *args, **kwargs):
+        propagated.append(op)
+        return slow(self, op, *args, **kwargs)
+    monkeypatch.setattr(OpDispatcher, "_propagate_op_sharding_dispatch_slow_path", counted)
+
+    def step(shortcut: bool) -> list:
+        torch.manual_seed(0)
+        with sharded.process_group(Parallel(dp_shard=2)) as mesh:
+            params = [torch.nn.Parameter(DTensor.from_local(torch.randn(4, 3), mesh, [Shard(0)], run_check=False)),
+                      torch.nn.Parameter(DTensor.from_local(torch.randn(5), mesh, [Replicate()], run_check=False))]
+            for p in params:
+                p.grad = DTensor.from_local(torch.randn_like(p.to_local()), mesh, p.placements, run_check=False)
+            opt = torch.optim.AdamW(params, lr=0.1, foreach=True)
+            with sharded.pointwise_lists_on_shards() if shortcut else contextlib.nullcontext():
+                opt.step()
+                opt.step()
+                partial = DTensor.from_local(torch.ones(5), mesh, [Partial()], run_check=False)
+                mixed = torch._foreach_add([params[1].detach()], [partial])[0]
+            moments = [s for p in params for s in (opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])]
+            return [(t.to_local().clone(), t.placements) for t in [*params, *moments, mixed]]
+
+    with_it = step(True)
+    assert [op for op in propagated if "_foreach" in str(op)] == [torch.ops.aten._foreach_add.List]
+    without = step(False)
+    # (DTensor's sum of a Replicate and a Partial is Partial: the shortcut would have made it Replicate)
+    assert [p for _, p in with_it] == [p for _, p in without]
+    assert with_it[-1][1] == (Partial(),)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(with_it, without, strict=True))
+    assert not set(DTensor._op_dispatcher._custom_op_handlers) & {torch.ops.aten._foreach_add.List}

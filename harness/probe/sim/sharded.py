@@ -46,7 +46,8 @@ def process_group(parallel: Parallel) -> Iterator[object | None]:
     elif dist.get_world_size() != parallel.world_size:
         raise ValueError(f"this process's group has {dist.get_world_size()} ranks, the job {parallel.world_size}")
     try:
-        with fake_group_workarounds() if joined else contextlib.nullcontext():
+        with fake_group_workarounds() if joined else contextlib.nullcontext(), \
+                pointwise_lists_on_shards() if joined else contextlib.nullcontext():
             yield device_mesh(parallel, "cpu")
     finally:
         if joined:
@@ -115,6 +116,81 @@ def fake_group_workarounds() -> Iterator[None]:
                    (DeviceMesh, "_concatenate", staticmethod(concatenate_on_values)),
                    (fsdp_param, "_chunk_with_empty", _Chunks)]):
         yield
+
+
+# The optimizers' elementwise foreach ops (AdamW's, SGD's with momentum, their amsgrad and
+# maximize variants): each element of the result is made from the same element of each operand
+_POINTWISE_LISTS = ("_foreach_add", "_foreach_add_", "_foreach_sub", "_foreach_sub_", "_foreach_mul", "_foreach_mul_",
+                    "_foreach_div", "_foreach_div_", "_foreach_lerp", "_foreach_lerp_", "_foreach_addcmul",
+                    "_foreach_addcmul_", "_foreach_addcdiv", "_foreach_addcdiv_", "_foreach_sqrt", "_foreach_sqrt_",
+                    "_foreach_neg", "_foreach_neg_", "_foreach_reciprocal", "_foreach_reciprocal_",
+                    "_foreach_maximum", "_foreach_maximum_", "_foreach_zero_", "_foreach_copy_")
+
+
+@contextlib.contextmanager
+def pointwise_lists_on_shards() -> Iterator[None]:
+    """An elementwise foreach op on DTensors laid out alike (at each position of its lists one mesh,
+    one placement of Shard and Replicate, one global shape and contiguous) runs on their local
+    tensors and its results keep that layout: what DTensor's sharding propagation decides for it,
+    without deciding it per tensor of its lists (that took 0.27 s of a 70B rank's trace: each of
+    AdamW's seven ops in the first step of each depth traced). Any other call goes through DTensor."""
+    from torch._prims_common import make_contiguous_strides_for
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    ops = [getattr(packet, overload) for name in _POINTWISE_LISTS if (packet := getattr(torch.ops.aten, name, None))
+           for overload in packet.overloads()]
+    ops = [op for op in ops if op not in handlers]
+
+    def plain(s: DTensorSpec) -> bool:  # sharded or replicated (not partial), contiguous
+        return all(isinstance(p, (Shard, Replicate)) for p in s.placements) and s.tensor_meta is not None \
+            and s.tensor_meta.stride == make_contiguous_strides_for(s.shape)
+
+    def layout(args, kwargs) -> list[DTensorSpec] | None:
+        """Each list position's spec where every operand is laid out alike there, else None."""
+        specs: list[DTensorSpec] | None = None
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                return None  # a lone tensor (a scalar's): DTensor's rules for it
+            if not isinstance(a, (list, tuple)) or not a or not isinstance(a[0], torch.Tensor):
+                continue
+            if not all(isinstance(t, DTensor) for t in a):
+                return None
+            if specs is None:
+                specs = [t._spec for t in a]
+                if not all(plain(s) for s in specs):
+                    return None
+            elif len(a) != len(specs) or any(t._spec.mesh != s.mesh or t._spec.placements != s.placements or
+                                              t._spec.shape != s.shape for t, s in zip(a, specs, strict=False)):
+                return None
+        return specs
+
+    def on_shards(op, args, kwargs):
+        specs = layout(args, kwargs)
+        if specs is None:
+            del handlers[op]
+            try:
+                return op(*args, **kwargs)
+            finally:
+                handlers[op] = on_shards
+
+        def local(a):
+            return [t._local_tensor for t in a] if isinstance(a, (list, tuple)) and a and isinstance(a[0], DTensor) else a
+
+        out = op(*map(local, args), **{k: local(v) for k, v in kwargs.items()})
+        if out is None:
+            return None
+        return [DTensor(t, s if t.dtype == s.tensor_meta.dtype else
+                        DTensorSpec(s.mesh, s.placements, TensorMeta(s.shape, s.tensor_meta.stride, t.dtype)),
+                        requires_grad=t.requires_grad) for t, s in zip(out, specs, strict=True)]
+
+    handlers.update(dict.fromkeys(ops, on_shards))
+    try:
+        yield
+    finally:
+        for op in ops:
+            handlers.pop(op, None)
 
 
 class _Chunks:
