@@ -209,8 +209,8 @@ class Stats:
 
     @classmethod
     def lean(cls) -> Stats:
-        """Only allocated, requested and reserved bytes kept (the rest take no time): for replays
-        that ask whether a run fits and how often it retries, none of which reads the others."""
+        """Only reserved bytes kept (the rest take no time): for replays that ask whether a run fits
+        and how often it retries, which no other statistic decides."""
         return cls(**{name: _UNTRACKED for name in _UNTRACKED_WHEN_LEAN})  # type: ignore[arg-type]
 
     def reset_peaks(self) -> None:
@@ -247,13 +247,20 @@ class Stats:
 
 
 class _Untracked:
-    """A statistic nobody reads (Stats.lean): adding to it does nothing."""
+    """A statistic nobody reads (Stats.lean): adding to it does nothing; as a PoolStat, each of its
+    pools is itself."""
 
     __slots__ = ()
     current = peak = allocated = freed = 0
 
     def add(self, *_) -> None:
         pass
+
+    @property
+    def all(self) -> _Untracked:
+        return self
+
+    large = small = all
 
     def reset_peak(self) -> None:
         pass
@@ -268,14 +275,14 @@ def _copied(ps: PoolStat) -> PoolStat:
 
 
 _UNTRACKED = _Untracked()
-_UNTRACKED_WHEN_LEAN = ("inactive_split_bytes", "allocation", "segment", "inactive_split",
-                        "oversize_allocations", "oversize_segments")
+_UNTRACKED_WHEN_LEAN = ("allocated_bytes", "requested_bytes", "inactive_split_bytes", "allocation", "segment",
+                        "inactive_split", "oversize_allocations", "oversize_segments")
 
 
 class OutOfMemory(Exception):
     """What torch.OutOfMemoryError would carry; `message(version)` words it."""
 
-    def __init__(self, tried_bytes: int, rounded_bytes: int, capacity: int, free: int, allocated: int,
+    def __init__(self, tried_bytes: int, rounded_bytes: int, capacity: int, free: int, allocated: int | None,
                  reserved: int, allowed: int | None, device: int = 0):
         super().__init__(f"CUDA out of memory. Tried to allocate {tried_bytes} bytes")
         self.tried_bytes, self.rounded_bytes = tried_bytes, rounded_bytes
@@ -370,8 +377,8 @@ class CachingAllocator:
         """free + free_block (a single stream: the free completes at once)."""
         addr, requested, stream = block.addr, block.requested, block.stream  # merging moves block.addr
         st = self.stats
-        st.allocated_bytes.add(-block.size, block.small)
         if not self.lean:
+            st.allocated_bytes.add(-block.size, block.small)
             st.allocation.add(-1, block.small)
             if block.size >= self.settings.max_split_size:
                 st.oversize_allocations.add(-1)
@@ -437,10 +444,7 @@ class CachingAllocator:
             st.inactive_split.add(-1, b.small)
         b.allocated = True
         b.requested = orig_size
-        if self.lean:  # count_allocated's two statistics a lean replay keeps
-            st.allocated_bytes.add(b.size, b.small)
-            st.requested_bytes.add(orig_size, b.small)
-        else:
+        if not self.lean:
             self.count_allocated(b)
         if self.on_event is not None:
             self.on_event("alloc", b.addr, orig_size, b.stream)
@@ -503,9 +507,9 @@ class CachingAllocator:
                 count -= subsumed > 0
         b.allocated = False
         pool.insert(b)
-        st.requested_bytes.add(-requested, b.small)
         if self.lean:
             return
+        st.requested_bytes.add(-requested, b.small)
         if b.is_split():
             delta += b.size
             count += 1
@@ -748,7 +752,6 @@ class CachingAllocator:
         msz, mnsr = s.max_split_size, s.max_non_split_rounding
         malloc, free_call, pop = self.malloc, self.free, live.pop
         blocks, segments, pools = self.blocks, self.segments, (self.large, self.small)
-        allocated, requested = self.stats.allocated_bytes, self.stats.requested_bytes
         i = start - 1
         for i, (action, key, orig, tag, stream) in enumerate(islice(rows, start, None), start):
             if action == "alloc":
@@ -775,8 +778,6 @@ class CachingAllocator:
                                 insort(free, (stream, rest_size, rest.addr))
                                 rest.gc_base = pool.get_free_blocks_calls
                             b.allocated, b.requested = True, orig
-                            allocated.add(b.size, small)
-                            requested.add(orig, small)
                 if b is None:
                     try:
                         b = malloc(orig, stream)
@@ -795,7 +796,6 @@ class CachingAllocator:
                 continue
             # free and _free_block: coalesced with a free neighbour on either side
             small = b.small
-            allocated.add(-b.size, small)
             free = (pool := pools[small]).free
             prev, nxt = b.prev, b.next
             if prev is not None and not prev.allocated:
@@ -816,7 +816,6 @@ class CachingAllocator:
             b.allocated = False
             insort(free, (b.stream, b.size, b.addr))
             b.gc_base = pool.get_free_blocks_calls
-            requested.add(-b.requested, small)
         return i + 1
 
     # ---- a copy to go on from ------------------------------------------------------------------
@@ -841,8 +840,7 @@ class CachingAllocator:
             theirs.free, theirs.unmapped = list(mine.free), list(mine.unmapped)
             theirs.get_free_blocks_calls = mine.get_free_blocks_calls
         st, kept = self.stats, new.stats
-        for name in ("allocated_bytes", "requested_bytes", "reserved_bytes"):  # what a lean one keeps
-            setattr(kept, name, _copied(getattr(st, name)))
+        kept.reserved_bytes = _copied(st.reserved_bytes)  # what a lean one keeps
         kept.num_alloc_retries, kept.num_ooms = st.num_alloc_retries, st.num_ooms
         kept.num_device_alloc, kept.num_device_free = st.num_device_alloc, st.num_device_free
         new.total_allocated_memory, new._va = self.total_allocated_memory, self._va
@@ -854,8 +852,8 @@ class CachingAllocator:
         dev = self.device
         cap = dev.capacity if dev.capacity is not None else dev.total
         free = max(0, cap - self.total_allocated_memory)
-        return OutOfMemory(alloc_size, size, dev.total, free, self.stats.allocated_bytes.current,
-                           self.stats.reserved_bytes.current, dev.allowed)
+        allocated = None if self.lean else self.stats.allocated_bytes.current  # (a lean replay does not count it)
+        return OutOfMemory(alloc_size, size, dev.total, free, allocated, self.stats.reserved_bytes.current, dev.allowed)
 
     # ---- state for snapshots --------------------------------------------------------------------
     def segment_blocks(self):

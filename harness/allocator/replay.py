@@ -41,8 +41,9 @@ class ReplayResult:
     # limit). Only for devices of the same total and memory fraction.
     alike_from_bytes: int = 0
     alike_below_bytes: int | None = None
-    # A lean replay keeps only the peaks of allocated, requested and reserved bytes, the OOMs and
-    # the cache flushes (the split statistics and fragmentation stay 0, the steady window None).
+    # A lean replay keeps only the peak of reserved bytes, the OOMs (their allocated bytes None) and
+    # the cache flushes (the other peaks, split statistics and fragmentation stay 0, the steady
+    # window None).
     lean: bool = False
     requests: int = 0
     settings: str = ""
@@ -375,7 +376,7 @@ def replay_events(events, settings: AllocSettings, device: Device | None = None,
 def _replay_lean(events, alloc: CachingAllocator, result: ReplayResult, stop_at_oom: bool, start: int = 0,
                  live: dict | None = None) -> None:
     """replay_events' loop for a lean replay that reports no events: no window, no peaks to observe
-    (the allocator's own statistics keep them; CachingAllocator.run_lean). From request `start` on
+    (the allocator's own statistic keeps reserved's; CachingAllocator.run_lean). From request `start` on
     with `live` (key -> block) where it goes on from a Checkpoint."""
     def on_oom(i: int, oom: OutOfMemory, size: int, tag) -> bool:
         result.ooms.append(_oom_row(oom, i, size, tag))
