@@ -191,6 +191,16 @@ def test_a_serving_plan_puts_the_harness_beside_vllms_arithmetic(tmp_path, tp, m
 
 
 @pytest.mark.slow
+def test_a_grids_search_bounds_follow_the_axis_searched():
+    """serve-8b searches the batch up to 256 sequences; the same grid searched over the length goes
+    as far as Llama-3-8B's positions (8,192), not to 256."""
+    from harness.config.compose import compose
+    from harness.plan.frontier import axis_values
+
+    assert max(axis_values(compose(["sweeps=serve-8b"]))) == 256
+    assert max(axis_values(compose(["sweeps=serve-8b", "plan.axis=seq_len"]))) == 8192
+
+
 def test_a_sequence_frontier_searches_multiples_of_the_step(tmp_path):
     r = run_cli("plan", "sweeps=smoke", "batch_size=2", "plan.axis=seq_len", "plan.cards=[t4,l4]",
                 "plan.margin=0.96", f"results_dir={tmp_path}")

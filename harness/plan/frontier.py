@@ -66,7 +66,6 @@ def axis_values(cfg) -> list[int]:
     step = plan.step or DEFAULT_STEP[plan.axis]
     hi = plan.hi or DEFAULT_HI.get(plan.axis)
     if hi is None:  # seq_len: as far as the model's positions go
-
         hi = max_positions(hf_config(cfg.model)) or 32768
     first = -(-plan.lo // step) * step if step > 1 else plan.lo  # multiples of the step: 128, 256, ...
     values = search.grid(first, hi, step)
