@@ -17,6 +17,7 @@ import pytest
 from harness.config.point import Card
 from harness.launch import runner
 from harness.record.row import COLUMNS
+from harness.report.tables import fits_table
 from tests.conftest import REPO, run_cli, train_point
 
 pytestmark = pytest.mark.slow
@@ -96,6 +97,10 @@ def test_inference_point_runs_prefill_and_decode(tmp_path):
     rec = json.loads(next(tmp_path.glob("runs/*/result.json")).read_text())
     assert rec["status"] == "ok" and len(rec["step_allocated_bytes"]) == 1 + 16
     assert rec["optimizer_bytes"] == 0 and rec["grads_bytes"] == 0
+    # the report names no optimizer for it (the config's default is none it runs)
+    header, [row] = fits_table(pd.read_parquet(next(tmp_path.glob("runs/*/results.parquet"))),
+                               pd.DataFrame(columns=["run_id", "card", "edge", "headroom_pct"]))
+    assert row[header.index("optimizer")] == "-"
 
 
 def test_point_beyond_the_card_is_an_oom_row_not_a_failure(tmp_path):

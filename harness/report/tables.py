@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from harness.analysis.verdict import layout, spread
+from harness.config.point import WorkloadName
 from harness.report.words import ckpt_word, job_args, job_label
 from harness.units import GiB
 
@@ -53,9 +54,9 @@ def _shape_cells(r) -> list[str]:
 
 
 def _knob_cells(r) -> list[str]:
-    """optimizer, args, allocator, leak."""
-    return [f"{r['optimizer']}/{r['optimizer_impl']}", job_args(r) or "-", str(r["allocator_conf"] or "default"),
-            str(r.get("leak") or "none")]
+    """optimizer ("-" when serving: none runs), args, allocator, leak."""
+    optimizer = "-" if r["workload"] == WorkloadName.infer else f"{r['optimizer']}/{r['optimizer_impl']}"
+    return [optimizer, job_args(r) or "-", str(r["allocator_conf"] or "default"), str(r.get("leak") or "none")]
 
 
 def gpus(row) -> str:
