@@ -2,6 +2,9 @@
 
     python -m harness sweep workload=custom workload.target=examples.gpt:build \
         batch_size=4,8 seq_len=512,1024 precision=bf16 checkpointing=false,true
+
+Over several GPUs it spreads itself over the mesh it is handed (`parallel.dp_shard=8`: FSDP2;
+`parallel.dp_replicate=8`: DDP; both: HSDP).
 """
 
 import torch
@@ -53,10 +56,27 @@ def train_step(model, optimizer, batch):
     optimizer.zero_grad(set_to_none=True)
 
 
+def spread(model: GPT, mesh) -> nn.Module:
+    """The model over the job's GPUs: FSDP2 on each block and then the root, as torchtitan applies
+    it (over 2-D dp_replicate x dp_shard: HSDP), or DDP where it is only replicated."""
+    names = mesh.mesh_dim_names
+    if "tp" in names:
+        raise ValueError("examples.gpt spreads itself by FSDP2 or DDP: parallel.tp needs a tensor-parallel plan")
+    if "dp_shard" in names:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    return nn.parallel.DistributedDataParallel(model)
+
+
 def build(k: Knobs) -> Job:
     layers, d = int(k.args.get("layers", 4)), int(k.args.get("d_model", 256))
     heads, vocab = int(k.args.get("heads", 4)), int(k.args.get("vocab", 8192))
     model = GPT(vocab, d, layers, heads, context=k.seq_len).to(k.dtype)
+    if k.mesh is not None:
+        model = spread(model, k.mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     x = torch.randint(0, vocab, (k.batch_size, k.seq_len))
     y = torch.randint(0, vocab, (k.batch_size, k.seq_len))

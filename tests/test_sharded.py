@@ -132,15 +132,22 @@ _ORACLE = [
 ]
 
 
-def _users_job() -> Point:
-    from tests.test_workload import custom_point
+# Users' jobs that spread themselves over Knobs.mesh: a Llama made whole, then FSDP2 per layer and
+# the root; examples/gpt.py's GPT by FSDP2, and by DDP
+_USERS_JOBS = [("tests.jobs.fsdp_job:build", Parallel(dp_shard=2)), ("examples.gpt:build", Parallel(dp_shard=2)),
+               ("examples.gpt:build", Parallel(dp_replicate=2))]
 
-    return custom_point("tests.jobs.fsdp_job:build", batch_size=2, seq_len=32).replace(parallel=Parallel(dp_shard=2))
+
+def _users_job(target: str, parallel: Parallel) -> Point:
+    from tests.test_workload import SMALL, custom_point
+
+    return custom_point(target, SMALL.get(target), batch_size=2, seq_len=32).replace(parallel=parallel)
 
 
 def _oracle_points() -> list[Point]:
     """Every job this module checks against gloo ranks (run in one set of processes)."""
-    return [*(_sharded(precision=p, checkpointing=c, param_dtype=d) for p, c, d in _ORACLE), _users_job()]
+    return [*(_sharded(precision=p, checkpointing=c, param_dtype=d) for p, c, d in _ORACLE),
+            *(_users_job(*job) for job in _USERS_JOBS)]
 
 
 @pytest.mark.slow
@@ -166,13 +173,17 @@ def test_one_fake_rank_traces_what_each_gloo_rank_allocates(precision, checkpoin
 
 
 @pytest.mark.slow
-def test_a_users_job_sharding_itself_over_the_mesh_it_is_handed_traces_as_each_gloo_rank_allocates(shared):
-    """A job of your own given Knobs.mesh applies FSDP2 itself (tests/jobs/fsdp_job.py, its model
-    made whole first, as such a job does): the fake rank 0 allocates what each real rank does."""
-    point = _users_job()
+@pytest.mark.parametrize("target,parallel", _USERS_JOBS)
+def test_a_users_job_sharding_itself_over_the_mesh_it_is_handed_traces_as_each_gloo_rank_allocates(
+        target, parallel, shared):
+    """A job of your own given Knobs.mesh spreads itself (FSDP2 on a model made whole first, as such
+    a job does; DDP): the fake rank 0 allocates what each real rank does, and holds less than the
+    job on one GPU where it shards."""
+    point = _users_job(target, parallel)
     m, tracker = run_point(point, emulate_cuda=False, fake=True)
     allocs, freed, retags = _lives(tracker.journal())
-    assert m["params_bytes"] < run_point(point.replace(parallel=Parallel()), emulate_cuda=False)[0]["params_bytes"]
+    whole = run_point(point.replace(parallel=Parallel()), emulate_cuda=False)[0]["params_bytes"]
+    assert m["params_bytes"] < whole if parallel.dp_shard > 1 else m["params_bytes"] == whole
     for rank, (after_steps, (real_allocs, real_freed, real_retags)) in _real_ranks(point, _oracle_points(), shared).items():
         assert (real_allocs, real_retags) == (allocs, retags), f"rank {rank}"
         assert real_freed.keys() == freed.keys() and after_steps == m["step_allocated_bytes"], f"rank {rank}"
