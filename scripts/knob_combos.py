@@ -1,9 +1,10 @@
 """Random combinations of the documented knobs, each run as a user runs it:
-`python scripts/knob_combos.py [N] [SEED] [--presets] [backend=cpu ...]`.
+`python scripts/knob_combos.py [N] [SEED] [--presets | --custom] [backend=cpu ...]`.
 
 Each combination is one `python -m harness run model=tiny ...` (two at a time); with `--presets`,
 on the 7B-70B presets instead (deeper than tiny's two layers: their traces are synthesized from a
-few, and DDP's shallow journals are shared between counts), with up to 64 GPUs. A run must end in a
+few, and DDP's shallow journals are shared between counts), with up to 64 GPUs; with `--custom`,
+the examples as jobs of the user's own (workload=custom), the GPT over several GPUs. A run must end in a
 row (exit 0: ok or OOM) or be refused before anything runs (exit 2, one line naming the key); an
 error row (exit 1) or any other exit is a bug, and the script exits 1 after listing them. Prints
 each run's exit code and overrides, then the refusals by message.
@@ -64,6 +65,30 @@ def combination(rng: random.Random, presets: bool = False) -> list[str]:
     return o
 
 
+# The examples as users run them (workload=custom), small: their own models, optimizers and steps
+EXAMPLES = {"examples.gpt:build": ["+workload.args.layers=2", "+workload.args.d_model=128", "+workload.args.vocab=2048"],
+            "examples.resnet:build": ["+workload.args.image_size=64"],
+            "examples.leaky:build": ["+workload.args.width=128"]}
+
+
+def custom_combination(rng: random.Random) -> list[str]:
+    """One point of a job of the user's own (an example): the knobs a custom job takes, and the
+    GPT spread over several GPUs (FSDP2, DDP, HSDP: what it applies itself)."""
+    target = rng.choice(list(EXAMPLES))
+    o = ["workload=custom", f"workload.target={target}", *EXAMPLES[target], f"batch_size={rng.choice([1, 2, 4])}",
+         f"seq_len={rng.choice([64, 128])}", f"precision={rng.choice(['fp32', 'bf16', 'fp16', 'amp_bf16', 'amp_fp16'])}",
+         f"allocator={rng.choice(['default', 'expandable', 'max_split_512', 'roundup4', 'gc80'])}",
+         f"gpu={rng.choice(['a100-80gb', 't4', 'h100-80gb', 'rtx4060', 'mi300x', 'l4'])}"]
+    if rng.random() < 0.4:
+        o.append("checkpointing=true")
+    if target == "examples.gpt:build" and rng.random() < 0.6:
+        shard, replicate = rng.choice([(2, 1), (4, 1), (1, 2), (2, 2)])
+        o += [f"parallel.dp_shard={shard}"] if shard > 1 else []
+        o += [f"parallel.dp_replicate={replicate}"] if replicate > 1 else []
+        o.append("parallel.nodes=auto")
+    return o
+
+
 def run(overrides: list[str], results: Path) -> tuple[int, str, str | None]:
     """(exit code, the last line it printed to stderr, the row's status)."""
     r = subprocess.run([sys.executable, "-m", "harness", "run", *overrides, f"results_dir={results}"],
@@ -74,12 +99,12 @@ def run(overrides: list[str], results: Path) -> tuple[int, str, str | None]:
 
 
 def main(args: list[str]) -> int:
-    presets = "--presets" in args
-    args = [a for a in args if a != "--presets"]
+    presets, custom = "--presets" in args, "--custom" in args
+    args = [a for a in args if a not in ("--presets", "--custom")]
     n = int(args[0]) if args else 40
     rng = random.Random(int(args[1]) if len(args) > 1 else 0)
     extra = args[2:]
-    combos = [combination(rng, presets) + extra for _ in range(n)]
+    combos = [(custom_combination(rng) if custom else combination(rng, presets)) + extra for _ in range(n)]
     refused: collections.Counter = collections.Counter()
     bad = []
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(2) as pool:
