@@ -297,3 +297,62 @@ def test_a_trace_whose_fused_rows_lie_out_of_order_is_not_rewritten():
             TraceEvent(1, "free", 1, 4096, "activation", "forward", 0, "", 0)]
     assert fused_swap.frame(trace_store.to_frame(lone), CUDNN) is None
     assert fused_swap.frame(trace_store.to_frame([e._replace(kernel="") for e in lone]), CUDNN) is None
+
+
+def test_flash_splits_a_decode_steps_keys_by_the_cards_sms_and_not_on_rocm():
+    """flash_api.cpp's heuristic (its own example: 48 blocks on 108 SMs take 2 splits) and the
+    accumulators it sizes: Llama-3-8B decoding one sequence over 1,021 keys (32 heads over 8: taken
+    as 4 queries a key/value head) on an A100 takes 8 splits (as many as key blocks), 1,024 B of
+    log-sum-exp and 131,072 B of output; a batch of 32 fills the A100 (one split, none); an MI300X's
+    flash (AOTriton) allocates none."""
+    from harness.config import kernels
+    from harness.config.attention import FusedShape
+
+    assert kernels.num_splits_heuristic(48, 108, 64, 128) == 2
+
+    def on(card, b):
+        return kernels.flash_splitkv_bytes(FusedShape(b, 32, 8, 1, 1021, 128, 128, 2),
+                                           kernels.geometry(cards.by_key()[card]))
+
+    assert on("a100-80gb", 1) == (8 * 8 * 4 * 4, 8 * 8 * 4 * 128 * 4)
+    assert on("a100-80gb", 32) == (0, 0) and on("mi300x", 1) == (0, 0)
+    assert on("l4", 1) != on("a100-80gb", 1) or on("l4", 4) != on("a100-80gb", 4)
+
+
+def test_a_flash_decode_traces_its_split_kv_accumulators_sized_again_for_each_card_and_dropped_for_cudnn():
+    """The tiny model serving 2 x 512 tokens on an A100: each flash call (prefill and decode) makes
+    its two accumulators between its log-sum-exp and RNG state, freed in that order before the next
+    allocation; the trace sized for an MI300X has none, for an L4 its own; rewritten for cuDNN it is
+    the H100's trace, and an H100's trace rewritten for flash is the A100's without them (the
+    cuDNN rows do not say the call's shape)."""
+    from harness.config.point import Workload
+    from harness.probe.sim import fused_swap, repeat
+    from harness.record import trace_store
+
+    point = train_point(batch_size=2, seq_len=512).replace(workload=Workload(name="infer", new_tokens=3))
+
+    def trace(card):
+        return run_point(point.replace(gpu=cards.by_key()[card]))[1].events
+
+    flash, cudnn = trace("a100-80gb"), trace("h100-80gb")
+    split = [i for i, e in enumerate(flash) if e.kernel.startswith("splitkv:")]
+    assert len(split) == 2 * 2 * (1 + 3)  # two a call: two layers, the prefill and three decode steps
+    for i in split[::2]:
+        lse, acc_lse, acc_out, rng, unused, *frees = flash[i - 1:i + 6]
+        assert (lse.kernel, rng.kernel, unused.kernel) == tuple(attention.fused_code("fwd", w)
+                                                               for w in ("lse", "rng", "unused"))
+        assert acc_out.kernel.startswith("splitkv:1:")
+        assert [(f.action, f.key) for f in frees] == [("free", acc_lse.key), ("free", acc_out.key)]
+    df = trace_store.to_frame(flash)
+    assert not trace_store.sized_for(df, cards.by_key()["mi300x"])["kernel"].str.startswith("splitkv:").any()
+    l4 = trace_store.sized_for(df, cards.by_key()["l4"])
+    assert len(l4) <= len(df) and l4["kernel"].str.startswith("splitkv:").any()
+
+    def without_workspaces(events):
+        return [e._replace(size=0) if e.kind == "workspace" else e for e in events]
+
+    assert repeat.canonical(without_workspaces(fused_swap.swapped(flash, CUDNN))) == \
+        repeat.canonical(without_workspaces(cudnn))
+    accumulators = {flash[i].key for i in split}
+    assert repeat.canonical(without_workspaces(fused_swap.swapped(cudnn, FLASH))) == \
+        repeat.canonical(without_workspaces([e for e in flash if e.key not in accumulators]))

@@ -205,9 +205,9 @@ def test_steps_is_checked_per_workload_before_anything_runs():
 # One F.scaled_dot_product_attention call and its backward on an H200 (torch 2.11, cuDNN 9.19),
 # laid out as transformers lays q, k, v out (B, S, H, D transposed), each backend pinned with
 # sdpa_kernel: every allocation and free in order, from the memory history (.devrun/sdpa2.py in the
-# issue note). Flash's forward splits the keys where B x H x S/128 is small against the card's SMs
-# (two more blocks, freed at once): the virtual GPU does not model that, so those shapes' flash
-# rows are left out.
+# issue note). Flash's forward splits the keys where B x H x S/64 is small against the card's SMs:
+# a log-sum-exp and an output accumulator per split, after its output and log-sum-exp, freed as it
+# returns (config.kernels.flash_splitkv_bytes; 1 x 1000 x 8: 2 splits, 1 x 2048 x 4: 2).
 H200_ATTENTION = [
     ("cudnn", (2, 1024, 16, 16, 128), "a8 a8 a8388608 a131072 a256 f256 a8388608 a8388608 a8388608 a16908544 f16908544 "
                                       "f131072 f8 f8"),
@@ -215,12 +215,16 @@ H200_ATTENTION = [
                                       "f131072 f131072 f16 f8"),
     ("cudnn", (1, 1000, 8, 8, 64), "a8 a8 a1024000 a32000 a256 f256 a1024000 a1024000 a1024000 a2080256 f2080256 "
                                    "f32000 f8 f8"),
+    ("flash", (1, 1000, 8, 8, 64), "a1024000 a32000 a64000 a4096000 a16 a8 f64000 f4096000 a1024000 a1024000 "
+                                   "a1024000 a32768 a2097152 f2097152 f32768 f32000 f16 f8"),
     ("cudnn", (2, 512, 32, 8, 128), "a8 a8 a8388608 a131072 a256 f256 a8388608 a2097152 a2097152 a33685760 f33685760 "
                                     "f131072 f8 f8"),
     ("flash", (2, 512, 32, 8, 128), "a8388608 a131072 a16 a8 a8388608 a2097152 a2097152 a131072 a16777216 a8388608 "
                                     "a8388608 f8388608 f8388608 f16777216 f131072 f131072 f16 f8"),
     ("cudnn", (1, 2048, 4, 4, 80), "a8 a8 a1310720 a32768 a256 f256 a1310720 a1310720 a1310720 a2654464 f2654464 "
                                    "f32768 f8 f8"),
+    ("flash", (1, 2048, 4, 4, 80), "a1310720 a32768 a65536 a6291456 a16 a8 f65536 f6291456 a1310720 a1310720 "
+                                   "a1310720 a32768 a3145728 f3145728 f32768 f32768 f16 f8"),
     ("cudnn", (3, 384, 12, 4, 96), "a8 a8 a2654208 a55296 a256 f256 a2654208 a884736 a884736 a10672384 f10672384 "
                                    "f55296 f8 f8"),
     ("flash", (3, 384, 12, 4, 96), "a2654208 a55296 a16 a8 a2654208 a884736 a884736 a55296 a5308416 a2654208 "
@@ -235,9 +239,11 @@ def test_fused_attention_allocates_what_it_does_on_an_h200(kernel, shape, measur
     outputs, saved tensors and each kernel's scratch, in the order the card's allocator saw them."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from harness.config import cards, kernels
+
     b, s, h, hk, d = shape
     pinned = SDPBackend.CUDNN_ATTENTION if kernel == "cudnn" else SDPBackend.FLASH_ATTENTION
-    tr = StorageTracker(emulate_cublas_workspace=False)
+    tr = StorageTracker(emulate_cublas_workspace=False, geometry=kernels.geometry(cards.by_key()["h200"]))
     with FakeTensorMode(), cu.cuda_kernels((9, 0)), tr, sdpa_kernel([pinned]):
         xq = torch.randn(b, s, h * d, dtype=torch.bfloat16, requires_grad=True)
         xk, xv = (torch.randn(b, s, hk * d, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))

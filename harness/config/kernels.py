@@ -7,6 +7,12 @@ returns, yet counted by max_memory_allocated and placed by the allocator like an
   (aten/src/ATen/native/cuda/Reduce.cuh, setReduceConfig and gpu_reduce_kernel). How many blocks
   share an output follows the card's SM count and threads per SM. Measured on an H200 (132 SMs):
   a bf16 (2048, 2048) column sum 33,554,432 B + 64 B, (4096, 11008) 140,902,400 B + 344 B.
+- Flash attention's forward splits the keys across blocks where the batch x heads x query blocks
+  would leave the SMs idle (a decode step's one query at a small batch): it allocates a log-sum-exp
+  and an output accumulator per split (fp32), after its output and log-sum-exp, and frees them as it
+  returns (aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp, mha_fwd,
+  set_params_splitkv, num_splits_heuristic). How many splits follows the SM count. Measured on an
+  H200: 1 x 1000 tokens x 8 heads of 64, 64,000 B + 4,096,000 B (2 splits).
 - FSDP2's copy-out of an all-gather (split_with_sizes_copy) and copy-in of a reduce-scatter
   (_chunk_cat) pack their launch tables into one int64 tensor on the card
   (aten/src/ATen/native/cuda/TensorShape.cu, pack_vecs); split_with_sizes_copy's follows the SM
@@ -22,6 +28,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from harness.config.attention import FusedShape
 from harness.config.point import Card
 
 # Where a card's SM count is not known (a card the user describes without gpu.multiprocessors): the
@@ -152,11 +159,68 @@ def split_copy_table(chunk_bytes: list[int], num_chunks: int, g: Geometry) -> in
 
 # ---- a trace's record of them -------------------------------------------------------------------
 
+# ---- flash attention's split-KV forward (flash_api.cpp) ------------------------------------------
+
+# Where the SM count is unknown: splits as on a CUDA card with more SMs than any of the catalog's
+# (an RTX 5090's 170): the most accumulators such a card would allocate
+_SPARE_SMS = 192
+
+
+def num_splits_heuristic(batch_nheads_mblocks: int, num_sms: int, num_n_blocks: int, max_splits: int) -> int:
+    """flash_api.cpp's: 1 where the blocks almost fill the SMs; else the fewest splits reaching 85%
+    of the best efficiency (blocks over whole waves), a split count that changes the blocks per split."""
+    if batch_nheads_mblocks >= 0.8 * num_sms:
+        return 1
+    max_splits = min(max_splits, num_sms, num_n_blocks)
+
+    def eligible(n: int) -> bool:
+        return n == 1 or -(-num_n_blocks // n) != -(-num_n_blocks // (n - 1))
+
+    efficiency = {}
+    for n in range(1, max_splits + 1):
+        if eligible(n):
+            waves = batch_nheads_mblocks * n / num_sms
+            efficiency[n] = waves / math.ceil(waves)
+    best = max(efficiency.values(), default=0.0)
+    return next((n for n, e in efficiency.items() if e >= 0.85 * best), 1)
+
+
+def flash_splitkv_bytes(shape: FusedShape, g: Geometry) -> tuple[int, int]:
+    """The log-sum-exp and output accumulators (bytes) flash's forward allocates on a card of
+    geometry `g` for a call of `shape` without dropout; (0, 0) where it takes one split, and on ROCm
+    (its flash is AOTriton's, which allocates none). One query over grouped keys and values is
+    taken as the group's queries over the key/value heads (seqlenq_ngroups_swapped)."""
+    if g.rocm:
+        return 0, 0
+    b, h, s_q = shape.b, shape.h, shape.s_q
+    if s_q == 1 and h > shape.h_k and shape.d % 8 == 0:
+        s_q, h = h // shape.h_k, shape.h_k
+    head = -(-shape.d // 8) * 8
+    rounded = -(-head // (32 if head <= 128 else 64)) * (32 if head <= 128 else 64)
+    block_n = 256 if head <= 64 else 128 if head <= 128 else 64
+    sms = g.multiprocessors or _SPARE_SMS
+    # two blocks an SM: 128 threads a block
+    splits = num_splits_heuristic(b * h * -(-s_q // 64), 2 * sms, -(-shape.s_k // block_n), 128)
+    if splits == 1:
+        return 0, 0
+    return splits * b * h * s_q * 4, splits * b * h * s_q * rounded * 4
+
+
+SPLITKV_PREFIX = "splitkv:"
+
+
+def splitkv_code(shape: FusedShape, part: int) -> str:
+    """The code of a flash forward's log-sum-exp (part 0) or output (part 1) accumulator."""
+    return f"{SPLITKV_PREFIX}{part}:" + ",".join(str(int(v)) for v in shape)
+
+
 def scratch_bytes(code: str, g: Geometry) -> int:
     """The bytes of the allocation a trace recorded as `code` (a kernel's, as the tracker wrote it)
     on a card of geometry `g`; 0 where that card's launch makes none."""
     kind, _, rest = code.partition(":")
     part, _, args = rest.partition(":")
+    if kind == "splitkv":
+        return flash_splitkv_bytes(FusedShape(*(int(v) for v in args.split(","))), g)[int(part)]
     if kind == "reduce":
         a, outs, ins, fastest, in_vec, out_vec = (int(v) for v in args.split(","))
         found = reduce_buffers(Reduction(a, outs, ins, bool(fastest), in_vec, out_vec), g)

@@ -8,7 +8,10 @@ is per call, in the rows the tracker names (config.attention.fused_code):
 - backward: flash's scratch (config.attention.flash_backward_scratch, 2 or 4 blocks, freed in
   reverse), cuDNN's one block (cudnn_backward_scratch).
 
-The RNG state and unused tensor are freed where the seed and offset are (which where: _PAIRED). A
+The RNG state and unused tensor are freed where the seed and offset are (which where: _PAIRED).
+Flash's split-KV accumulators (config.kernels.flash_splitkv_bytes: after its log-sum-exp, freed as
+it returns) are cuDNN's nowhere: dropped for cuDNN. A trace taken with cuDNN and rewritten for flash
+has none (where the card would split the keys, it lacks them: a few MiB at most, freed at once). A
 trace without these codes (from before them) is not rewritten: `frame` declines it.
 """
 
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from harness.config import attention
 from harness.config.attention import CUDNN, FLASH, FUSED_PREFIX, FusedShape, fused_code, fused_parts
+from harness.config.kernels import SPLITKV_PREFIX
 from harness.probe.sim.tracker import TraceEvent
 from harness.record import trace_store
 
@@ -52,12 +56,16 @@ def swapped(events: list[TraceEvent], to: str) -> list[TraceEvent]:
     frm = CUDNN if to == FLASH else FLASH
     keys = iter(range(min([0, *(e.key for e in events)]) - 1, -(1 << 62), -1))  # new scratch rows' keys
     resized: dict[int, int] = {}  # small output's key -> its bytes under `to`
+    dropped: set[int] = set()  # keys of flash's split-KV accumulators, which cuDNN makes none of
     out: list[TraceEvent] = []
     i = 0
     while i < len(events):
         e = events[i]
         if e.action == "free":  # (a key names a storage while it lives: forgotten at its free)
-            out.append(e._replace(size=resized.pop(e.key, e.size)))
+            if e.key in dropped:
+                dropped.discard(e.key)
+            else:
+                out.append(e._replace(size=resized.pop(e.key, e.size)))
             i += 1
             continue
         if not e.kernel.startswith(FUSED_PREFIX):
@@ -66,7 +74,7 @@ def swapped(events: list[TraceEvent], to: str) -> list[TraceEvent]:
             continue
         phase, what, shape, _ = fused_parts(e.kernel)
         if phase == "fwd" and what in ("out", _SMALL[frm][0][0]):
-            i = _forward(events, i, frm, to, out, resized, keys)
+            i = _forward(events, i, frm, to, out, resized, keys, dropped)
         elif phase == "bwd" and what == frm:
             assert shape is not None
             i = _backward(events, i, shape, frm, to, out, keys)
@@ -75,10 +83,16 @@ def swapped(events: list[TraceEvent], to: str) -> list[TraceEvent]:
     return out
 
 
-def _forward(events, i, frm, to, out, resized, keys) -> int:
-    """One call's forward rows from row `i` (allocs: its outputs, then cuDNN's scratch and its free)."""
+def _forward(events, i, frm, to, out, resized, keys, dropped) -> int:
+    """One call's forward rows from row `i` (allocs: its outputs, flash's split-KV accumulators
+    among them, then cuDNN's scratch and its free); the accumulators' keys into `dropped`."""
     roles: dict[str, TraceEvent] = {}
-    while i < len(events) and events[i].action == "alloc" and events[i].kernel.startswith(FUSED_PREFIX + "fwd:"):
+    while i < len(events) and events[i].action == "alloc" and events[i].kernel.startswith(
+            (FUSED_PREFIX + "fwd:", SPLITKV_PREFIX)):
+        if events[i].kernel.startswith(SPLITKV_PREFIX):
+            dropped.add(events[i].key)
+            i += 1
+            continue
         what = fused_parts(events[i].kernel)[1]
         if what == "scratch":  # cuDNN's, freed before the call returns
             if i + 1 == len(events) or events[i + 1].key != events[i].key:

@@ -39,6 +39,18 @@ def _fused_backward(kernel: str):
     return scratch
 
 
+def _flash_forward(args, g) -> list[tuple[int, str]]:
+    """Flash's split-KV accumulators (config.kernels.flash_splitkv_bytes): none with dropout, nor
+    where the card takes one split."""
+    q, k, v = args[0], args[1], args[2]  # (B, H, S, D) as SDPA's flash op takes them
+    if len(args) > 3 and args[3] > 0:
+        return []
+    shape = attention.FusedShape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3],
+                                 q.element_size())
+    sizes = kernels.flash_splitkv_bytes(shape, g)
+    return [(n, kernels.splitkv_code(shape, part)) for part, n in enumerate(sizes)] if sizes[1] else []
+
+
 # ---- reductions ---------------------------------------------------------------------------------
 
 def _dense(t: torch.Tensor) -> bool:
@@ -151,6 +163,7 @@ def _split_copy(args, g, outs) -> list[tuple[int, str]]:
 
 
 _BY_ARGS = {
+    _aten._scaled_dot_product_flash_attention.default: _flash_forward,
     _aten._scaled_dot_product_flash_attention_backward.default: _fused_backward(attention.FLASH),
     _aten._scaled_dot_product_cudnn_attention.default: lambda args, g: [(256, attention.fused_code("fwd", "scratch"))],
     _aten._scaled_dot_product_cudnn_attention_backward.default: _fused_backward(attention.CUDNN),

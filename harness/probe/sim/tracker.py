@@ -417,28 +417,35 @@ class StorageTracker(TorchDispatchMode):
                     for i, t in enumerate(out) if isinstance(t, torch.Tensor)]
         else:
             made = [(t, "") for t in _tensors((out,))]
-        for t, code in made:
+        scratch = [] if host else kernel_scratch.of(func, args, kwargs, self.geometry)
+        # the op's scratch comes after its outputs and goes in reverse; flash's forward makes its
+        # split-KV accumulators after its output and log-sum-exp, before its RNG state and unused
+        # tensor, and frees them in the order made (mha_fwd; an H200's memory history)
+        flash = func is _FLASH_FORWARD and bool(scratch)
+        before = 2 if flash else len(made)
+        keys: list[int] = []
+        for i, (t, code) in enumerate(made):
+            if i == before:
+                keys = self._scratch_made(scratch)
             if t.device.type != "meta":
                 self.track(t, kind, host or (self.real_is_host and not isinstance(t, FakeTensor)), code)
         # the GEMM's output is allocated first, then the handle's workspace (at its first call; an
         # H200's snapshot: the rotary embedding's 262,144 B product, then 33,554,432 B)
         if self.emulate_cublas_workspace and not host and func.overloadpacket.__name__ in _GEMM_OPS:
             self._workspace(func)
-        if not host:
-            scratch = kernel_scratch.of(func, args, kwargs, self.geometry)
-            if scratch:
-                self._scratch(scratch)
+        if scratch:
+            keys = keys or self._scratch_made(scratch)
+            for key in keys if flash else reversed(keys):  # freed before the op returns
+                self._record_free(key)
         return out
 
-    def _scratch(self, made: list[tuple[int, str]]) -> None:
-        """A kernel's own allocations ((bytes, code) each: kernel_scratch), freed in reverse
-        before it returns."""
+    def _scratch_made(self, made: list[tuple[int, str]]) -> list[int]:
+        """A kernel's own allocations ((bytes, code) each: kernel_scratch), recorded; their keys."""
         keys = []
         for size, code in made:
             keys.append(self._synthetic_key())
             self._record_alloc(keys[-1], size, "temporary", code)
-        for key in reversed(keys):
-            self._record_free(key)
+        return keys
 
     # ---- module attribution ----------------------------------------------------------
     def attach_modules(self, model: torch.nn.Module) -> list:
