@@ -25,6 +25,8 @@ so one trace serves every card of the catalog (record.trace_store.sized_for).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 from typing import NamedTuple
 
@@ -157,8 +159,6 @@ def split_copy_table(chunk_bytes: list[int], num_chunks: int, g: Geometry) -> in
     return 8 * (4 * n + 1 + sum(-(-c // (_BYTES_PER_BLOCK * iters)) for c in chunk_bytes))
 
 
-# ---- a trace's record of them -------------------------------------------------------------------
-
 # ---- flash attention's split-KV forward (flash_api.cpp) ------------------------------------------
 
 # Where the SM count is unknown: splits as on a CUDA card with more SMs than any of the catalog's
@@ -166,10 +166,14 @@ def split_copy_table(chunk_bytes: list[int], num_chunks: int, g: Geometry) -> in
 _SPARE_SMS = 192
 
 
+@functools.lru_cache(maxsize=4096)  # (every card asks it of every decode step's launch)
 def num_splits_heuristic(batch_nheads_mblocks: int, num_sms: int, num_n_blocks: int, max_splits: int) -> int:
     """flash_api.cpp's: 1 where the blocks almost fill the SMs; else the fewest splits reaching 85%
     of the best efficiency (blocks over whole waves), a split count that changes the blocks per split."""
-    if batch_nheads_mblocks >= 0.8 * num_sms:
+    def f32(x: float) -> float:  # its arithmetic is C++ float's (each operation rounded to it)
+        return ctypes.c_float(x).value
+
+    if f32(batch_nheads_mblocks) >= f32(f32(0.8) * num_sms):
         return 1
     max_splits = min(max_splits, num_sms, num_n_blocks)
 
@@ -179,10 +183,10 @@ def num_splits_heuristic(batch_nheads_mblocks: int, num_sms: int, num_n_blocks: 
     efficiency = {}
     for n in range(1, max_splits + 1):
         if eligible(n):
-            waves = batch_nheads_mblocks * n / num_sms
-            efficiency[n] = waves / math.ceil(waves)
+            waves = f32(f32(batch_nheads_mblocks * n) / num_sms)
+            efficiency[n] = f32(waves / math.ceil(waves))
     best = max(efficiency.values(), default=0.0)
-    return next((n for n, e in efficiency.items() if e >= 0.85 * best), 1)
+    return next((n for n, e in efficiency.items() if e >= 0.85 * best), 1)  # (0.85: a double)
 
 
 def flash_splitkv_bytes(shape: FusedShape, g: Geometry) -> tuple[int, int]:
@@ -213,6 +217,8 @@ def splitkv_code(shape: FusedShape, part: int) -> str:
     """The code of a flash forward's log-sum-exp (part 0) or output (part 1) accumulator."""
     return f"{SPLITKV_PREFIX}{part}:" + ",".join(str(int(v)) for v in shape)
 
+
+# ---- a trace's record of them -------------------------------------------------------------------
 
 def scratch_bytes(code: str, g: Geometry) -> int:
     """The bytes of the allocation a trace recorded as `code` (a kernel's, as the tracker wrote it)
