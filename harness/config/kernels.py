@@ -162,7 +162,7 @@ def split_copy_table(chunk_bytes: list[int], num_chunks: int, g: Geometry) -> in
 # ---- flash attention's split-KV forward (flash_api.cpp) ------------------------------------------
 
 # Where the SM count is unknown: splits as on a CUDA card with more SMs than any of the catalog's
-# (an RTX 5090's 170): the most accumulators such a card would allocate
+# (an RTX 5090's 170), which splits where the catalog's cards fill their SMs without
 _SPARE_SMS = 192
 
 
