@@ -205,3 +205,52 @@ def test_a_job_over_two_gpus_runs_as_two_nccl_ranks_and_the_virtual_gpu_predicts
           f"real {list(real['rank_peak_allocated_bytes'])}")
     for measured in real["rank_peak_allocated_bytes"]:
         assert abs(sim["peak_allocated_bytes"] - measured) <= 0.025 * measured
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,keys", [(1, 32, 8, 1021), (4, 32, 8, 8192), (1, 16, 16, 3000)])
+def test_a_flash_decode_step_allocates_its_split_kv_accumulators_as_the_virtual_gpu_says(batch, heads, kv_heads,
+                                                                                         keys):
+    """One query over a KV cache (Llama-3-8B's grouped heads, and heads alike), flash pinned: the card's
+    memory history of the call (its output, log-sum-exp, split-KV accumulators, RNG state) is the
+    virtual GPU's on this card's SMs (config.kernels.flash_splitkv_bytes)."""
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from harness.config import kernels
+    from harness.probe.sim import cuda_emulation as cu
+    from harness.probe.sim.tracker import StorageTracker
+
+    props = torch.cuda.get_device_properties(0)
+    if props.major < 8:
+        pytest.skip("flash attention needs sm80 or newer")
+    d = 128
+
+    def call(device=None):
+        q = torch.randn(batch, heads, 1, d, dtype=torch.bfloat16, device=device)
+        k, v = (torch.randn(batch, kv_heads, keys, d, dtype=torch.bfloat16, device=device) for _ in range(2))
+        return q, k, v
+
+    q, k, v = call("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=1000)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=heads != kv_heads)
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    real = " ".join(f"{e['action'][0]}{e['size']}" for e in snap["device_traces"][0]
+                    if e["action"] in ("alloc", "free_requested"))
+    del out
+
+    g = kernels.Geometry(props.multi_processor_count, props.max_threads_per_multi_processor)
+    tr = StorageTracker(emulate_cublas_workspace=False, geometry=g)
+    with FakeTensorMode(), cu.cuda_kernels((props.major, props.minor)), tr, sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        q, k, v = call()
+        start = len(tr.events)
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=heads != kv_heads)  # (kept, as above)
+        virtual = " ".join(f"{e.action[0]}{e.size}" for e in tr.events[start:])
+        del out
+    print(f"\n[gpu-check] flash decode {batch}x{heads}/{kv_heads}x{keys}: real {real} | virtual {virtual}")
+    assert real == virtual
