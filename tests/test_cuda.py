@@ -244,7 +244,7 @@ def test_a_flash_decode_step_allocates_its_split_kv_accumulators_as_the_virtual_
                     if e["action"] in ("alloc", "free_requested"))
     del out
 
-    g = kernels.Geometry(props.multi_processor_count, props.max_threads_per_multi_processor)
+    g = kernels.Geometry(props.multi_processor_count, kernels.threads_per_multiprocessor((props.major, props.minor)))
     tr = StorageTracker(emulate_cublas_workspace=False, geometry=g)
     with FakeTensorMode(), cu.cuda_kernels((props.major, props.minor)), tr, sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         q, k, v = call()
