@@ -15,7 +15,7 @@ from matplotlib.ticker import MaxNLocator, NullLocator
 from harness.config import nccl
 from harness.config.point import Card
 from harness.report import words
-from harness.report.tables import group_label
+from harness.report.tables import group_labels
 from harness.units import GiB
 
 # The breakdown at the peak, in the allocator's order of permanence.
@@ -197,7 +197,7 @@ def frontiers(fr: pd.DataFrame) -> plt.Figure | None:
     ok = fr[(fr["status"] == "ok")] if fr is not None and not fr.empty else None
     if ok is None or ok.empty:
         return None
-    ok = ok.assign(_group=ok.apply(group_label, axis=1))
+    ok = ok.assign(_group=group_labels(ok))
     cards = list(dict.fromkeys(ok.sort_values("card_memory_bytes")["card"]))
     groups = list(dict.fromkeys(ok["_group"]))
     fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(cards) + 2), 4.5))

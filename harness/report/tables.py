@@ -146,6 +146,29 @@ def group_label(r) -> str:
     return f"{r.model} {r.workload} {r.precision}{_ckpt_suffix(r)}, {fixed}{alloc}"
 
 
+# What else tells a plan's groups apart (plan.frontier's group columns), named where groups whose
+# labels are otherwise one differ by it
+_GROUP_EXTRAS = (("optimizer", "optimizer"), ("optimizer_impl", "optimizer.impl"), ("leak", "leak"),
+                 ("workload_args", "args"), ("traced_on", "traced on"), ("margin", "margin"))
+
+
+def group_labels(fr: pd.DataFrame) -> list[str]:
+    """Each row's group_label, and where rows of other groups share it, what else their groups
+    differ by (an optimizer swept beside the searched axis, ...): one label a group."""
+    base = [group_label(r) for r in fr.itertuples(index=False)]
+    extras = [(c, name) for c, name in _GROUP_EXTRAS if c in fr.columns]
+    values = {c: fr[c].astype(str).tolist() for c, _ in extras}
+    by_label: dict[str, list[int]] = {}
+    for i, label in enumerate(base):
+        by_label.setdefault(label, []).append(i)
+    out = []
+    for i, label in enumerate(base):
+        rows = by_label[label]
+        differ = [f"{name} {values[c][i]}" for c, name in extras if len({values[c][j] for j in rows}) > 1]
+        out.append(", ".join([label, *differ]))
+    return out
+
+
 def _ckpt_suffix(r) -> str:
     """"", " ckpt" or " ckpt=op" for a row (a frame's row, or a namedtuple of itertuples)."""
     ckpt = ckpt_word(r._asdict() if hasattr(r, "_asdict") else r)
@@ -159,11 +182,11 @@ def frontier_table(fr: pd.DataFrame) -> Table:
     header = ["group", "axis", "margin", "card", "fewest GPUs that fit" if fewest else "largest that fits",
               "first OOM", "peak reserved GiB", "headroom GiB", "cache flushes", "probes / grid"]
     rows, failed = [], set()
-    for r in fr.itertuples(index=False):
+    for label, r in zip(group_labels(fr), fr.itertuples(index=False), strict=True):
         if r.status != "ok":  # one line per group: the search stopped at a probe that failed
-            if group_label(r) not in failed:
-                failed.add(group_label(r))
-                rows.append([group_label(r), r.axis, f"{r.margin:.0%}", "all", "error", "-", "-", "-", "-", "-"])
+            if label not in failed:
+                failed.add(label)
+                rows.append([label, r.axis, f"{r.margin:.0%}", "all", "error", "-", "-", "-", "-", "-"])
             continue
         largest = "none" if pd.isna(r.largest) else f"{int(r.largest)}"
         if not pd.isna(r.largest) and pd.isna(r.first_oom):
@@ -179,7 +202,7 @@ def frontier_table(fr: pd.DataFrame) -> Table:
             largest += f" ({EDGE_WORDS[where]})"
         if where == "after_retry":  # reserved without a limit exceeds the room: no headroom to speak of
             headroom = "none (fits on retry)"
-        rows.append([group_label(r), r.axis, f"{r.margin:.0%}", r.card, largest, first, gib(r.peak_reserved_bytes),
+        rows.append([label, r.axis, f"{r.margin:.0%}", r.card, largest, first, gib(r.peak_reserved_bytes),
                      headroom, flushes, f"{int(r.probes)} / {int(r.grid_points)}"])
     return header, rows
 
@@ -192,9 +215,9 @@ def serving_table(fr: pd.DataFrame) -> Table:
     header = ["group", "card", "KV B/token", "gpu_memory_utilization", "harness (HF generate)",
               "vLLM arithmetic", "vLLM KV GiB", "why they differ"]
     rows = []
-    for r in sv.itertuples(index=False):
+    for label, r in zip(group_labels(sv), sv.itertuples(index=False), strict=True):
         ours = "none" if pd.isna(r.largest) else str(int(r.largest))
-        rows.append([group_label(r), r.card, f"{int(r.kv_bytes_per_token):,}", f"{r.gpu_memory_utilization:.2f}",
+        rows.append([label, r.card, f"{int(r.kv_bytes_per_token):,}", f"{r.gpu_memory_utilization:.2f}",
                      ours, str(int(r.vllm_largest)), gib(max(0, r.vllm_kv_bytes)), str(r.why)])
     return header, rows
 
