@@ -260,7 +260,7 @@ def _group_columns(cfg, point: Point, axis: str) -> dict:
             "checkpointing_policy": str(cfg.checkpointing_policy) if cfg.checkpointing else None,
             "optimizer": cfg.optimizer.name, "optimizer_impl": cfg.optimizer.impl,
             "allocator_conf": cfg.allocator.conf, "leak": cfg.workload.leak, "axis": axis,
-            "traced_on": point.gpu.key,  # the card its probes are traced on (plan.cards: judged)
+            "traced_on": point.gpu.name,  # the card its probes are traced on (plan.cards: judged)
             "batch_size": cfg.batch_size if axis != "batch_size" else None,
             "world_size": None if axis == "world_size" else point.parallel.world_size,
             # world_size: the degree searched, and the others the group keeps ("tp=2")
