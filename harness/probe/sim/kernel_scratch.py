@@ -22,9 +22,8 @@ from harness.config.kernels import Geometry, Reduction
 _aten = torch.ops.aten
 
 
-def _fused_shape(args) -> attention.FusedShape:
-    q, k, v = args[1], args[2], args[3]  # (B, H, S, D) as SDPA's backward ops take them
-    b, h, s_q, d = q.shape
+def _fused_shape(q, k, v) -> attention.FusedShape:
+    b, h, s_q, d = q.shape  # (B, H, S, D) as SDPA's fused ops take them
     return attention.FusedShape(b, h, k.shape[1], s_q, k.shape[2], d, v.shape[3], q.element_size())
 
 
@@ -32,7 +31,7 @@ def _fused_backward(kernel: str):
     """A fused backward's scratch, each block's code naming its call (for the trace as the other
     fused kernel runs it: probe.sim.fused_swap)."""
     def scratch(args, g) -> list[tuple[int, str]]:
-        shape = _fused_shape(args)
+        shape = _fused_shape(*args[1:4])  # (after the output's gradient)
         blocks = attention.fused_backward_scratch(kernel, shape)
         return [(n, attention.fused_code("bwd", kernel, shape, i if kernel == attention.FLASH else None))
                 for i, n in enumerate(blocks)]
@@ -42,11 +41,9 @@ def _fused_backward(kernel: str):
 def _flash_forward(args, g) -> list[tuple[int, str]]:
     """Flash's split-KV accumulators (config.kernels.flash_splitkv_bytes): none with dropout, nor
     where the card takes one split."""
-    q, k, v = args[0], args[1], args[2]  # (B, H, S, D) as SDPA's flash op takes them
     if len(args) > 3 and args[3] > 0:
         return []
-    shape = attention.FusedShape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3],
-                                 q.element_size())
+    shape = _fused_shape(*args[:3])
     sizes = kernels.flash_splitkv_bytes(shape, g)
     return [(n, kernels.splitkv_code(shape, part)) for part, n in enumerate(sizes)] if sizes[1] else []
 

@@ -166,6 +166,9 @@ def pointwise_lists_on_shards() -> Iterator[None]:
                 return None
         return specs
 
+    def local(a):  # a list of DTensors as their local tensors
+        return [t._local_tensor for t in a] if isinstance(a, (list, tuple)) and a and isinstance(a[0], DTensor) else a
+
     def on_shards(op, args, kwargs):
         specs = layout(args, kwargs)
         if specs is None:
@@ -174,10 +177,6 @@ def pointwise_lists_on_shards() -> Iterator[None]:
                 return op(*args, **kwargs)
             finally:
                 handlers[op] = on_shards
-
-        def local(a):
-            return [t._local_tensor for t in a] if isinstance(a, (list, tuple)) and a and isinstance(a[0], DTensor) else a
-
         out = op(*map(local, args), **{k: local(v) for k, v in kwargs.items()})
         if out is None:
             return None
