@@ -2,6 +2,7 @@
 and a catalog card that would take another is judged by a trace of its own."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -18,9 +19,10 @@ H100, B200, MI300X, RTX5090 = (9, 0), (10, 0), (9, 4), (12, 0)
 
 
 def _call(dtype="bfloat16", head_dim=128, mask=False, grad=True, dropout=False, enabled=(True, True, True, True),
-          value_dim=None):
+          value_dim=None, grouped=False, enable_gqa=None):
     return Call(dtype=dtype, head_dim=head_dim, value_dim=value_dim or head_dim, mask=mask, grad=grad, dropout=dropout,
-                causal_nonsquare=False, enabled=enabled)
+                causal_nonsquare=False, enabled=enabled, grouped=grouped,
+                enable_gqa=grouped if enable_gqa is None else enable_gqa)
 
 
 @pytest.mark.parametrize("capability, call, kernel", [
@@ -55,6 +57,50 @@ def _call(dtype="bfloat16", head_dim=128, mask=False, grad=True, dropout=False, 
 ])
 def test_the_attention_kernel_is_the_one_cuda_picks_on_the_cards_capability(capability, call, kernel):
     assert attention.kernel(capability, call) == kernel
+
+
+# Grouped K and V (fewer key/value heads than query heads, as transformers passes them with
+# enable_gqa where there is no mask): flash and cuDNN take them; torch 2.13's memory-efficient
+# kernel does not (check_batch_size_and_num_heads_dense<false>), so such a call takes the math path
+@pytest.mark.parametrize("capability, call, before_2_14, from_2_14", [
+    (A100, _call(grouped=True), FLASH, FLASH),
+    (H100, _call(grouped=True), CUDNN, CUDNN),
+    (A100, _call("float32", grouped=True), MATH, EFFICIENT),
+    (H100, _call("float32", grouped=True), MATH, EFFICIENT),
+    (T4, _call("float16", grouped=True), MATH, EFFICIENT),  # no flash below sm80
+    (A100, _call(grouped=True, mask=True), MATH, EFFICIENT),  # flash takes no mask
+    (MI300X, _call("float32", grouped=True), MATH, MATH),  # ROCm's memory-efficient kernel: never grouped
+    (A100, _call(grouped=True, enable_gqa=False), MATH, MATH),  # no fused kernel without the flag
+    (H100, _call(grouped=True, enable_gqa=False), MATH, MATH),
+])
+def test_grouped_key_value_heads_take_the_kernels_built_for_them_else_the_math_path(
+        capability, call, before_2_14, from_2_14, monkeypatch):
+    for takes_grouped, expected in ((False, before_2_14), (True, from_2_14)):
+        monkeypatch.setattr(attention, "efficient_takes_grouped", lambda takes=takes_grouped: takes)
+        assert attention.kernel(capability, call) == expected
+
+
+def test_the_installed_torchs_memory_efficient_kernel_takes_grouped_heads_as_its_headers_say():
+    """efficient_takes_grouped reads torch's version; the installed build's sdp_utils_cpp.h says
+    whether its heads check has `supports_mqa`, which came with grouped heads in that kernel."""
+    import torch
+
+    header = Path(torch.__file__).parent / "include/ATen/native/transformers/sdp_utils_cpp.h"
+    if not header.exists():
+        pytest.skip(f"this torch build ships no {header.name}")
+    assert attention.efficient_takes_grouped() == ("supports_mqa" in header.read_text())
+
+
+def test_an_fp32_step_with_grouped_heads_attends_as_the_installed_torch_does():
+    """tiny has 4 query heads over 2 key/value heads, which transformers passes with enable_gqa:
+    in fp32 on an A100, before torch 2.14, the math path holds the B x H x S x S scores; from
+    2.14 the memory-efficient kernel takes K and V as they are (no expanded copy, no scores)."""
+    b, s, heads = 2, 1024, 4  # (scores of 32 MiB: more than the cuBLAS workspace)
+    m, tracker = run_point(train_point(batch_size=b, seq_len=s, precision="fp32"))
+    expected = EFFICIENT if attention.efficient_takes_grouped() else MATH
+    assert {(c["grouped"], c["enable_gqa"], c["kernel"]) for c in json.loads(m["attention_calls"])} == {(True, True, expected)}
+    scores = b * heads * s * s * 4
+    assert (max(e.size for e in tracker.events if e.action == "alloc") >= scores) == (expected == MATH)
 
 
 def test_cards_of_one_attention_class_choose_alike_and_others_apart():

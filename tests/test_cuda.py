@@ -254,3 +254,47 @@ def test_a_flash_decode_step_allocates_its_split_kv_accumulators_as_the_virtual_
         del out
     print(f"\n[gpu-check] flash decode {batch}x{heads}/{kv_heads}x{keys}: real {real} | virtual {virtual}")
     assert real == virtual
+
+
+def test_an_fp32_call_over_grouped_heads_takes_the_kernel_and_memory_the_virtual_gpu_says():
+    """fp32 queries over grouped key/value heads with enable_gqa, as transformers passes them without a
+    mask, every backend enabled: torch 2.13's memory-efficient kernel refuses grouped heads, so the
+    card takes the math path (config.attention.efficient_takes_grouped); the card's memory history
+    of the forward is the virtual GPU's."""
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from harness.config import attention
+    from harness.probe.sim import cuda_emulation as cu
+    from harness.probe.sim.tracker import StorageTracker
+
+    props = torch.cuda.get_device_properties(0)
+    b, heads, kv_heads, s, d = 2, 8, 2, 512, 64
+
+    def call(device=None):
+        q = torch.randn(b, heads, s, d, device=device, requires_grad=True)
+        k, v = (torch.randn(b, kv_heads, s, d, device=device, requires_grad=True) for _ in range(2))
+        return q, k, v
+
+    q, k, v = call("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=1000)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    real = " ".join(f"{e['action'][0]}{e['size']}" for e in snap["device_traces"][0]
+                    if e["action"] in ("alloc", "free_requested"))
+    del out
+
+    tr = StorageTracker(emulate_cublas_workspace=False)
+    with FakeTensorMode(), cu.cuda_kernels((props.major, props.minor)), tr:
+        q, k, v = call()
+        start = len(tr.events)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (kept, as above)
+        virtual = " ".join(f"{e.action[0]}{e.size}" for e in tr.events[start:])
+        del out
+    chosen = attention.kernel((props.major, props.minor), attention.call_of(q, k, v, is_causal=True, enable_gqa=True))
+    print(f"\n[gpu-check] fp32 grouped {b}x{heads}/{kv_heads}x{s}: {chosen}; real {real} | virtual {virtual}")
+    assert real == virtual

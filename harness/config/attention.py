@@ -13,8 +13,11 @@ call it made would take the same kernel there (`takes_alike`).
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from dataclasses import asdict, dataclass
+from importlib import metadata
 from typing import NamedTuple
 
 FLASH, EFFICIENT, MATH, CUDNN = "flash", "efficient", "math", "cudnn"
@@ -36,6 +39,8 @@ class Call:
     causal_nonsquare: bool  # is_causal with fewer queries than keys (flash refuses it)
     # torch.backends.cuda.{flash,mem_efficient,math,cudnn}_sdp_enabled() at the call
     enabled: tuple[bool, bool, bool, bool] = (True, True, True, True)
+    grouped: bool = False  # K and V have fewer heads than q (grouped-query attention)
+    enable_gqa: bool = False  # the call's flag: without it no fused kernel takes grouped K and V
 
 
 def _in(cap: tuple[int, int], low: tuple[int, int], high: tuple[int, int]) -> bool:
@@ -43,7 +48,7 @@ def _in(cap: tuple[int, int], low: tuple[int, int], high: tuple[int, int]) -> bo
 
 
 def _flash(cap: tuple[int, int], c: Call) -> bool:
-    if c.mask or c.causal_nonsquare or c.dtype not in _HALF or not _in(cap, (8, 0), (12, 1)):
+    if c.mask or c.causal_nonsquare or c.dtype not in _HALF or not _in(cap, (8, 0), (12, 1)) or not _heads(c, True):
         return False
     if c.head_dim != c.value_dim or c.head_dim > 256 or c.head_dim % 8:
         return False
@@ -53,8 +58,27 @@ def _flash(cap: tuple[int, int], c: Call) -> bool:
     return True
 
 
+@functools.cache
+def efficient_takes_grouped() -> bool:
+    """Whether the installed torch's memory-efficient kernel takes grouped K and V (enable_gqa) on
+    CUDA: from 2.14 (pytorch#191085; its sdp_utils_cpp.h has `supports_mqa`, 2.13's has not).
+    Before, its dense constraints refuse them and such a call falls to the math path, which
+    expands K and V and materializes the B x H x S x S scores."""
+    found = re.match(r"(\d+)\.(\d+)", metadata.version("torch"))
+    return found is not None and (int(found[1]), int(found[2])) >= (2, 14)
+
+
+def rocm(cap: tuple[int, int]) -> bool:
+    return cap in ((9, 4), (9, 5))  # MI300/MI350 as torch reports them
+
+
+def _heads(c: Call, takes_grouped: bool) -> bool:
+    # check_batch_size_and_num_heads_dense: grouped K and V only with enable_gqa, to a kernel built for them
+    return not c.grouped or (c.enable_gqa and takes_grouped)
+
+
 def _efficient(cap: tuple[int, int], c: Call) -> bool:
-    if not _in(cap, (5, 0), (12, 1)):
+    if not _in(cap, (5, 0), (12, 1)) or not _heads(c, efficient_takes_grouped() and not rocm(cap)):
         return False
     if c.dtype not in (("float16", "float32", "bfloat16") if cap[0] >= 8 else ("float16", "float32")):
         return False
@@ -69,7 +93,7 @@ def _efficient(cap: tuple[int, int], c: Call) -> bool:
 
 def _prefers_cudnn(cap: tuple[int, int]) -> bool:
     # check_prefer_cudnn_attention: majors 9 and 10 (an MI300X's "9.4" is ROCm's: no cuDNN)
-    return cap[0] in (9, 10) and cap not in ((9, 4), (9, 5))
+    return cap[0] in (9, 10) and not rocm(cap)
 
 
 def _cudnn_wide(cap: tuple[int, int]) -> bool:
@@ -81,7 +105,7 @@ def _cudnn(cap: tuple[int, int], c: Call) -> bool:
     # can_use_cudnn_attention: fp16/bf16 from sm80, head dims %8 and <= 128 (256 on sm90/sm10x,
     # backward then only for <= 128, 192/128 or 256/256); dropout only at multiples of 1/16, which
     # a Call does not record: a call with dropout is left to flash.
-    if c.dtype not in _HALF or not _in(cap, (8, 0), (12, 1)) or c.dropout:
+    if c.dtype not in _HALF or not _in(cap, (8, 0), (12, 1)) or c.dropout or not _heads(c, True):
         return False
     if c.head_dim % 8 or c.value_dim % 8:
         return False
@@ -109,10 +133,11 @@ def kernel(capability: tuple[int, int] | None, call: Call) -> str | None:
 
 
 # What each kernel holds, least first: flash keeps the output and a B x H x S log-sum-exp;
-# memory-efficient the same with the log-sum-exp padded to 32 and grouped K and V expanded; math
-# the B x H x S x S scores and their softmax. At every moment of a step, a heavier kernel's
-# allocations hold at least a lighter one's. cuDNN's are ordered against its own only: its
-# scratch is unrounded where flash's rounds S to 128, and its seed and offset are two blocks.
+# memory-efficient the same with the log-sum-exp padded to 32 (grouped K and V take math before
+# torch 2.14: efficient_takes_grouped); math the B x H x S x S scores and their softmax. At every
+# moment of a step, a heavier kernel's allocations hold at least a lighter one's. cuDNN's are
+# ordered against its own only: its scratch is unrounded where flash's rounds S to 128, and its
+# seed and offset are two blocks.
 _WEIGHT = {FLASH: 0, EFFICIENT: 1, MATH: 2}
 
 
@@ -211,7 +236,8 @@ def attention_class(capability: tuple[int, int] | None) -> str:
     """What of a capability the choice reads: cards of one class choose alike for every call."""
     cap = capability or DEFAULT_CAPABILITY
     bits = (cap[0] >= 8, cap[0] >= 7, _in(cap, (8, 0), (12, 1)), _in(cap, (5, 0), (12, 1)),
-            _in(cap, (8, 6), (8, 9)) or _in(cap, (12, 0), (12, 1)), _prefers_cudnn(cap), _cudnn_wide(cap))
+            _in(cap, (8, 6), (8, 9)) or _in(cap, (12, 0), (12, 1)), _prefers_cudnn(cap), _cudnn_wide(cap),
+            rocm(cap) and efficient_takes_grouped())  # (ROCm's memory-efficient kernel takes no grouped K and V)
     return "".join("1" if b else "0" for b in bits)
 
 
@@ -221,7 +247,8 @@ def takes_alike(capability: tuple[int, int] | None, column) -> bool:
     return all(kernel(capability, call) == took for call, took in taken(column))
 
 
-def call_of(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False) -> Call:
+def call_of(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+            enable_gqa: bool = False) -> Call:
     """The call F.scaled_dot_product_attention is making, under torch's current settings."""
     import torch
 
@@ -231,7 +258,8 @@ def call_of(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal
                 grad=torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)),
                 dropout=dropout_p > 0, causal_nonsquare=bool(is_causal) and query.shape[-2] != key.shape[-2],
                 enabled=(backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled(),
-                         backends.math_sdp_enabled(), backends.cudnn_sdp_enabled()))
+                         backends.math_sdp_enabled(), backends.cudnn_sdp_enabled()),
+                grouped=key.dim() >= 3 and int(key.shape[-3]) != int(query.shape[-3]), enable_gqa=bool(enable_gqa))
 
 
 def to_column(calls: list[Call], capability: tuple[int, int] | None) -> str | None:

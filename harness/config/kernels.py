@@ -30,6 +30,7 @@ import functools
 import math
 from typing import NamedTuple
 
+from harness.config import attention
 from harness.config.attention import FusedShape
 from harness.config.point import Card
 
@@ -65,8 +66,8 @@ def threads_per_multiprocessor(capability: tuple[int, int] | None) -> int:
 
 def geometry(card: Card) -> Geometry:
     cap = card.capability
-    rocm = cap in ((9, 4), (9, 5))  # MI300/MI350 as torch reports them (config.attention's test too)
-    return Geometry(card.multiprocessors, threads_per_multiprocessor(cap), 64 if rocm else 32, rocm)
+    on_rocm = attention.rocm(cap)
+    return Geometry(card.multiprocessors, threads_per_multiprocessor(cap), 64 if on_rocm else 32, on_rocm)
 
 
 # ---- Reduce.cuh ---------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ def as_on(card: tuple[int, int] | None, device: tuple[int, int] | None, calls: l
     original = F.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        call = _as_cast(attention.call_of(query, key, value, attn_mask, dropout_p, is_causal), query)
+        call = _as_cast(attention.call_of(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa), query)
         if call not in calls:
             calls.append(call)
         kernel = pinned(card, device, call)

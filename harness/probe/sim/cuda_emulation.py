@@ -48,7 +48,7 @@ def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if has_torch_function_variadic(query, key, value, attn_mask):
         return handle_torch_function(cuda_sdpa, (query, key, value, attn_mask), query, key, value, attn_mask=attn_mask,
                                      dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    call = attention.call_of(query, key, value, attn_mask, dropout_p, is_causal)
+    call = attention.call_of(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     calls = _attention["calls"]
     if calls is not None and call not in calls:
         calls.append(call)
@@ -68,12 +68,7 @@ def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         return torch.ops.aten._scaled_dot_product_cudnn_attention(
             query, key, value, attn_mask, grad, dropout_p, is_causal and attn_mask is None, False, scale=scale)[0]
-    if key.shape[1] != query.shape[1]:
-        # The memory-efficient kernel takes no grouped KV heads: expand them, as the
-        # fallback does (one K- and one V-sized copy per layer).
-        rep = query.shape[1] // key.shape[1]
-        key = key.repeat_interleave(rep, dim=1)
-        value = value.repeat_interleave(rep, dim=1)
+    # (grouped K and V reach here only where the installed torch's kernel takes them as they are)
     if attn_mask is not None:
         attn_mask = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     out = torch.ops.aten._scaled_dot_product_efficient_attention(
