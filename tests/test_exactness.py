@@ -256,6 +256,66 @@ def test_fused_attention_allocates_what_it_does_on_an_h200(kernel, shape, measur
     assert seen == measured
 
 
+# Each layer's memory-efficient attention backward in demo-1b's fp32 history on an H200 (B 2 x H 16 x
+# 1024 x 128, tests/data/snapshots/h200-demo1b-fp32.events.json.gz, 16 layers x 2 steps): q's, k's and
+# v's gradients, grad_out x out and its sum (fp32: the kernel does not compute delta), delta, the
+# workspace for the query gradient's accumulators (the 128-row kernel: 8 x 2 blocks of 16 + 32,768 B a
+# head), then delta and the workspace go
+H200_EFFICIENT_BACKWARD = ("a16777216 a16777216 a16777216 a16777216 a131072 a131072 f131072 f16777216 a16785408 "
+                           "f131072 f16785408")
+
+
+def test_the_memory_efficient_backward_allocates_what_demo_1bs_fp32_layers_did_on_an_h200():
+    """The fp32 forward keeps its output and log-sum-exp on the card (its philox seed and offset on the
+    host); the backward makes delta from three tensors and a workspace (config.kernels), as each of
+    the history's 32 attention backwards did."""
+    import gzip
+    import json
+
+    from harness.config import cards, kernels
+
+    with gzip.open(REPO / "tests" / "data" / "snapshots" / "h200-demo1b-fp32.events.json.gz", "rt") as f:
+        history = " ".join(f"{a[0]}{n}" for a, _, n, _ in json.load(f)["events"] if a in ("alloc", "free_requested"))
+    assert history.count(H200_EFFICIENT_BACKWARD) == 32
+    b, s, h, d = 2, 1024, 16, 128
+    tr = StorageTracker(emulate_cublas_workspace=False, geometry=kernels.geometry(cards.by_key()["h200"]))
+    with FakeTensorMode(), cu.cuda_kernels((9, 0)), tr:
+        q, k, v = (torch.randn(b, s, h * d, requires_grad=True).view(b, s, h, d).transpose(1, 2) for _ in range(3))
+        g = torch.randn(b, s, h * d)
+        start = len(tr.events)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        forward = " ".join(f"{e.action[0]}{e.size}" for e in tr.events[start:])
+        start = len(tr.events)
+        out.transpose(1, 2).reshape(b, s, h * d).backward(g)
+        backward = " ".join(f"{e.action[0]}{e.size}" for e in tr.events[start:])
+    assert forward == "a16777216 a131072"
+    assert backward == H200_EFFICIENT_BACKWARD + " f131072"  # (then the log-sum-exp it saved)
+
+
+def test_the_memory_efficient_backwards_workspace_follows_the_kernel_the_card_launches():
+    """The fp32 kernel's rows of queries a block: 128 where a block may take A100-class shared memory
+    and the head dim is over 64, else 64 (Turing's kernels, sm86/89/12x's 99 KB, small head dims).
+    16-bit calls compute delta in the kernel; ROCm's AOTriton allocates delta alone, and only where
+    its fused backward does not run."""
+    from harness.config import cards, kernels
+    from harness.config.attention import FusedShape
+
+    def parts(key, shape):
+        return kernels.efficient_backward_bytes(shape, kernels.geometry(cards.by_key()[key]))
+
+    fp32 = FusedShape(2, 16, 16, 1024, 1024, 128, 128, 4)
+    assert parts("h200", fp32) == (16777216, 131072, 131072, 16785408)
+    assert parts("a100-80gb", fp32) == parts("b200", fp32) == parts("h200", fp32)
+    per_head_64 = 16 * 2 * (16 + 64 * 64 * 4)  # 16 x 2 blocks of 64 rows x 64 columns
+    assert parts("rtx4090", fp32)[3] == parts("t4", fp32)[3] == parts("rtx5090", fp32)[3] == 32 * per_head_64
+    small = FusedShape(2, 16, 16, 1024, 1024, 64, 64, 4)
+    assert parts("h200", small)[3] == parts("t4", small)[3] == 32 * 16 * (16 + 64 * 64 * 4)
+    assert parts("h200", fp32._replace(esize=2)) == (0, 0, 131072, 0)
+    assert parts("mi300x", fp32) == (0, 0, 131072, 0) and parts("mi300x", small._replace(s_q=256, s_k=256)) == (0,) * 4
+    code = kernels.efficient_code(fp32, 3)
+    assert kernels.scratch_bytes(code, kernels.geometry(cards.by_key()["l4"])) == 32 * per_head_64
+
+
 # ---- reductions' own allocations ---------------------------------------------------------------
 
 # x.sum(0) on an H200 (132 SMs) for a contiguous (rows, cols) x, and for bf16 x.float().sum(0) too:

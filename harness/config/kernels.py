@@ -13,6 +13,12 @@ returns, yet counted by max_memory_allocated and placed by the allocator like an
   returns (aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp, mha_fwd,
   set_params_splitkv, num_splits_heuristic). How many splits follows the SM count. Measured on an
   H200: 1 x 1000 tokens x 8 heads of 64, 64,000 B + 4,096,000 B (2 splits).
+- The memory-efficient attention backward (attention_backward.cu, _efficient_attention_backward;
+  kernel_backward.h) works out delta, the rowwise sum of the output's gradient times the output,
+  with three tensors where its kernel does not (fp32), and gives the kernel a workspace that
+  accumulates the query's gradient over blocks of keys. The workspace's rows per block follow which
+  kernel launches, by the card's architecture and shared memory. Measured on an H200: demo-1b's
+  B2 x H16 x 1024 fp32 backward, 16,777,216 + 131,072 + 131,072 B, then 16,785,408 B.
 - FSDP2's copy-out of an all-gather (split_with_sizes_copy) and copy-in of a reduce-scatter
   (_chunk_cat) pack their launch tables into one int64 tensor on the card
   (aten/src/ATen/native/cuda/TensorShape.cu, pack_vecs); split_with_sizes_copy's follows the SM
@@ -45,6 +51,7 @@ class Geometry(NamedTuple):
     threads_per_multiprocessor: int  # max_threads_per_multi_processor
     warp: int = 32
     rocm: bool = False
+    capability: tuple[int, int] | None = None  # which kernels are built for it (None: an A100's)
 
 
 # A card nothing is known of: SM count unknown, 2048 threads each
@@ -67,7 +74,7 @@ def threads_per_multiprocessor(capability: tuple[int, int] | None) -> int:
 def geometry(card: Card) -> Geometry:
     cap = card.capability
     on_rocm = attention.rocm(cap)
-    return Geometry(card.multiprocessors, threads_per_multiprocessor(cap), 64 if on_rocm else 32, on_rocm)
+    return Geometry(card.multiprocessors, threads_per_multiprocessor(cap), 64 if on_rocm else 32, on_rocm, cap)
 
 
 # ---- Reduce.cuh ---------------------------------------------------------------------------------
@@ -219,6 +226,47 @@ def splitkv_code(shape: FusedShape, part: int) -> str:
     return f"{SPLITKV_PREFIX}{part}:" + ",".join(str(int(v)) for v in shape)
 
 
+# ---- the memory-efficient attention's backward --------------------------------------------------
+
+def _efficient_f32_rows(head_dim: int, g: Geometry) -> int:
+    """kBlockSizeI of the fp32 backward kernel that launches (cutlassB.h, the first whose head
+    dims hold the call's and whose shared memory the card gives a block): 64 rows of queries on
+    Turing; on sm80 and newer 128 for head dims over 64 where a block may take A100-class shared
+    memory (163 KB or more: sm80, sm87, sm90, sm10x), else 64 (99 KB: sm86, sm89, sm12x). An
+    H200 ran the 128-row kernel for head dim 128 (its workspace)."""
+    cap = g.capability or attention.DEFAULT_CAPABILITY
+    small_shared = cap < (8, 0) or cap in ((8, 6), (8, 9)) or cap[0] == 12
+    return 64 if head_dim <= 64 or small_shared else 128
+
+
+def efficient_backward_bytes(shape: FusedShape, g: Geometry) -> tuple[int, int, int, int]:
+    """What the memory-efficient attention backward allocates after its gradients, in order (bytes;
+    0: none there): the output's gradient times the output and its sum over the value dim (fp32,
+    where the kernel does not compute delta itself: kKernelComputesDelta is for 16-bit types),
+    delta (B x H x S_q fp32), and the kernel's workspace: for fp32, the query gradient's
+    accumulators, a 16-byte lock and a rows x 64 fp32 tile for each block of rows and 64 columns of
+    the head dim (GradQTempStorage; workspace_size()). The 16-bit kernels' workspace (their own
+    kernel list, and key and value accumulators by split) is not modelled. On ROCm (AOTriton) delta
+    alone, where its fused backward (head dim <= 192, head dim x S_q < 32768) does not run."""
+    b, h, s_q, d = shape.b, shape.h, shape.s_q, shape.d
+    delta = b * h * s_q * 4
+    if g.rocm:
+        return 0, 0, (0 if d <= 192 and d * s_q < 64 * 512 else delta), 0
+    if shape.esize != 4:
+        return 0, 0, delta, 0
+    rows = _efficient_f32_rows(max(d, shape.d_v), g)
+    per_head = -(-s_q // rows) * -(-d // 64) * (4 + rows * 64)  # floats
+    return b * s_q * h * shape.d_v * 4, b * s_q * h * 4, delta, b * h * (-(-per_head // 4) * 4) * 4
+
+
+EFFICIENT_PREFIX = "effbwd:"
+
+
+def efficient_code(shape: FusedShape, part: int) -> str:
+    """The code of the memory-efficient backward's part `part` (efficient_backward_bytes' order)."""
+    return f"{EFFICIENT_PREFIX}{part}:" + ",".join(str(int(v)) for v in shape)
+
+
 # ---- a trace's record of them -------------------------------------------------------------------
 
 def scratch_bytes(code: str, g: Geometry) -> int:
@@ -228,6 +276,8 @@ def scratch_bytes(code: str, g: Geometry) -> int:
     part, _, args = rest.partition(":")
     if kind == "splitkv":
         return flash_splitkv_bytes(FusedShape(*(int(v) for v in args.split(","))), g)[int(part)]
+    if kind == "effbwd":
+        return efficient_backward_bytes(FusedShape(*(int(v) for v in args.split(","))), g)[int(part)]
     if kind == "reduce":
         a, outs, ins, fastest, in_vec, out_vec = (int(v) for v in args.split(","))
         found = reduce_buffers(Reduction(a, outs, ins, bool(fastest), in_vec, out_vec), g)

@@ -12,6 +12,7 @@ launch does not split, the trace holds no allocation for it, also for a card who
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
@@ -20,6 +21,15 @@ from harness.config import attention, kernels
 from harness.config.kernels import Geometry, Reduction
 
 _aten = torch.ops.aten
+
+
+class Scratch(NamedTuple):
+    """One allocation a kernel makes for itself: bytes on the traced card, its launch's code, and
+    where it is freed: right after the op's scratch allocation of that index is made (the kernel's
+    own order), else as the op returns."""
+    bytes: int
+    code: str
+    freed_after: int | None = None
 
 
 def _fused_shape(q, k, v) -> attention.FusedShape:
@@ -46,6 +56,15 @@ def _flash_forward(args, g) -> list[tuple[int, str]]:
     shape = _fused_shape(*args[:3])
     sizes = kernels.flash_splitkv_bytes(shape, g)
     return [(n, kernels.splitkv_code(shape, part)) for part, n in enumerate(sizes)] if sizes[1] else []
+
+
+def _efficient_backward(args, g) -> list[Scratch]:
+    """The memory-efficient backward's delta and workspace (config.kernels.efficient_backward_bytes):
+    the product and its sum go once delta is made (their expression's temporaries, last first);
+    delta and the workspace as it returns, in that order."""
+    shape = _fused_shape(*args[1:4])  # (after the output's gradient)
+    sizes = kernels.efficient_backward_bytes(shape, g)
+    return [Scratch(n, kernels.efficient_code(shape, part), 2 if part < 2 else None) for part, n in enumerate(sizes)]
 
 
 # ---- reductions ---------------------------------------------------------------------------------
@@ -162,6 +181,7 @@ def _split_copy(args, g, outs) -> list[tuple[int, str]]:
 _BY_ARGS = {
     _aten._scaled_dot_product_flash_attention.default: _flash_forward,
     _aten._scaled_dot_product_flash_attention_backward.default: _fused_backward(attention.FLASH),
+    _aten._scaled_dot_product_efficient_attention_backward.default: _efficient_backward,
     _aten._scaled_dot_product_cudnn_attention.default: lambda args, g: [(256, attention.fused_code("fwd", "scratch"))],
     _aten._scaled_dot_product_cudnn_attention_backward.default: _fused_backward(attention.CUDNN),
     _aten.sum.dim_IntList: _sum_like(1),
@@ -181,14 +201,26 @@ _BY_ARGS = {
 _FSDP = {"chunk_cat": _chunk_cat, "split_with_sizes_copy": _split_copy}
 
 
-def of(func, args, kwargs, g: Geometry) -> list[tuple[int, str]]:
+# Ops that free what scratch is left as they return in the order made, not last first: flash's
+# forward (mha_fwd; an H200's memory history) and the memory-efficient backward (delta, a local of
+# the launch, then the workspace)
+_FREED_IN_ORDER = {_aten._scaled_dot_product_flash_attention.default,
+                   _aten._scaled_dot_product_efficient_attention_backward.default}
+
+
+def of(func, args, kwargs, g: Geometry) -> list[Scratch]:
     """The scratch an op's CUDA kernel allocates on a card of geometry `g`, in the order it
-    allocates it (each (bytes, code)); freed in reverse before the op returns."""
+    allocates it; what is left of it is freed before the op returns (freed_in_order)."""
     fn = _BY_ARGS.get(func)
     if fn is not None:
-        return fn(args, g)
+        return [Scratch(*s) for s in fn(args, g)]
     if getattr(func, "namespace", None) == "fsdp":
         fsdp = _FSDP.get(func.overloadpacket.__name__)
         if fsdp is not None:
-            return fsdp(args, g, (kwargs or {}).get("out"))
+            return [Scratch(*s) for s in fsdp(args, g, (kwargs or {}).get("out"))]
     return []
+
+
+def freed_in_order(func) -> bool:
+    """Whether `func` frees its scratch left at its return in the order made (else last first)."""
+    return func in _FREED_IN_ORDER

@@ -84,6 +84,7 @@ _SOLE_STORAGE_USES = 2
 # cuDNN's forward makes its philox seed and offset (8 B each) before its output and log-sum-exp
 _CUDNN_FORWARD = _aten._scaled_dot_product_cudnn_attention.default
 _FLASH_FORWARD = _aten._scaled_dot_product_flash_attention.default
+_EFFICIENT_FORWARD = _aten._scaled_dot_product_efficient_attention.default
 # The fused forwards' outputs their rows name (config.attention.fused_code), by position: cuDNN's in
 # the order it makes them, flash's in its outputs' order (its others are empty: none tracked)
 _CUDNN_OUTPUTS = ((6, "seed"), (7, "offset"), (0, "out"), (1, "lse"))
@@ -415,15 +416,20 @@ class StorageTracker(TorchDispatchMode):
         elif func is _FLASH_FORWARD:
             made = [(t, attention.fused_code("fwd", _FLASH_OUTPUTS[i]) if i in _FLASH_OUTPUTS else "")
                     for i, t in enumerate(out) if isinstance(t, torch.Tensor)]
+        elif func is _EFFICIENT_FORWARD and not self.geometry.rocm:
+            # its philox seed and offset are host tensors outside CUDA graphs (attention.cu,
+            # _efficient_attention_forward; an H200's history has no 8-B blocks per layer)
+            for t in out[2:]:
+                self.track(t, kind, host=True)
+            made = [(t, "") for t in out[:2]]
         else:
             made = [(t, "") for t in _tensors((out,))]
         scratch = [] if host else kernel_scratch.of(func, args, kwargs, self.geometry)
-        # the op's scratch comes after its outputs and goes in reverse; flash's forward makes its
-        # split-KV accumulators after its output and log-sum-exp, before its RNG state and unused
-        # tensor, and frees them in the order made (mha_fwd; an H200's memory history)
-        flash = func is _FLASH_FORWARD and bool(scratch)
-        before = 2 if flash else len(made)
-        keys: list[int] = []
+        # the op's scratch comes after its outputs; flash's forward makes its split-KV accumulators
+        # after its output and log-sum-exp, before its RNG state and unused tensor (mha_fwd; an
+        # H200's memory history)
+        before = 2 if func is _FLASH_FORWARD and scratch else len(made)
+        keys: list[int] | None = None
         for i, (t, code) in enumerate(made):
             if i == before:
                 keys = self._scratch_made(scratch)
@@ -434,18 +440,22 @@ class StorageTracker(TorchDispatchMode):
         if self.emulate_cublas_workspace and not host and func.overloadpacket.__name__ in _GEMM_OPS:
             self._workspace(func)
         if scratch:
-            keys = keys or self._scratch_made(scratch)
-            for key in keys if flash else reversed(keys):  # freed before the op returns
+            keys = self._scratch_made(scratch) if keys is None else keys
+            for key in keys if kernel_scratch.freed_in_order(func) else reversed(keys):  # before the op returns
                 self._record_free(key)
         return out
 
-    def _scratch_made(self, made: list[tuple[int, str]]) -> list[int]:
-        """A kernel's own allocations ((bytes, code) each: kernel_scratch), recorded; their keys."""
-        keys = []
-        for size, code in made:
-            keys.append(self._synthetic_key())
-            self._record_alloc(keys[-1], size, "temporary", code)
-        return keys
+    def _scratch_made(self, made: list[kernel_scratch.Scratch]) -> list[int]:
+        """A kernel's own allocations, recorded in order, each freed where the kernel frees it
+        (Scratch.freed_after: those of one index last first); the keys of those left, in order."""
+        keys: dict[int, int] = {}
+        for i, s in enumerate(made):
+            if s.bytes:
+                keys[i] = self._synthetic_key()
+                self._record_alloc(keys[i], s.bytes, "temporary", s.code)
+            for j in sorted((j for j in keys if made[j].freed_after == i), reverse=True):
+                self._record_free(keys.pop(j))
+        return list(keys.values())
 
     # ---- module attribution ----------------------------------------------------------
     def attach_modules(self, model: torch.nn.Module) -> list:
