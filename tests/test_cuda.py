@@ -207,6 +207,22 @@ def test_a_job_over_two_gpus_runs_as_two_nccl_ranks_and_the_virtual_gpu_predicts
         assert abs(sim["peak_allocated_bytes"] - measured) <= 0.025 * measured
 
 
+def _history_of(call) -> str:
+    """The card's allocations and frees while `call()` runs ("a<bytes> f<bytes> ..."), its result
+    held until the history is taken."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=1000)
+    out = call()
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    del out
+    return " ".join(f"{e['action'][0]}{e['size']}" for e in snap["device_traces"][0]
+                    if e["action"] in ("alloc", "free_requested"))
+
+
 @pytest.mark.parametrize("batch,heads,kv_heads,keys", [(1, 32, 8, 1021), (4, 32, 8, 8192), (1, 16, 16, 3000)])
 def test_a_flash_decode_step_allocates_its_split_kv_accumulators_as_the_virtual_gpu_says(batch, heads, kv_heads,
                                                                                          keys):
@@ -233,16 +249,8 @@ def test_a_flash_decode_step_allocates_its_split_kv_accumulators_as_the_virtual_
         return q, k, v
 
     q, k, v = call("cuda")
-    torch.cuda.synchronize()
-    torch.cuda.memory._record_memory_history(max_entries=1000)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=heads != kv_heads)
-    torch.cuda.synchronize()
-    snap = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
-    real = " ".join(f"{e['action'][0]}{e['size']}" for e in snap["device_traces"][0]
-                    if e["action"] in ("alloc", "free_requested"))
-    del out
+        real = _history_of(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=heads != kv_heads))
 
     g = kernels.Geometry(props.multi_processor_count, kernels.threads_per_multiprocessor((props.major, props.minor)))
     tr = StorageTracker(emulate_cublas_workspace=False, geometry=g)
@@ -278,15 +286,7 @@ def test_an_fp32_call_over_grouped_heads_takes_the_kernel_and_memory_the_virtual
         return q, k, v
 
     q, k, v = call("cuda")
-    torch.cuda.synchronize()
-    torch.cuda.memory._record_memory_history(max_entries=1000)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    torch.cuda.synchronize()
-    snap = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
-    real = " ".join(f"{e['action'][0]}{e['size']}" for e in snap["device_traces"][0]
-                    if e["action"] in ("alloc", "free_requested"))
-    del out
+    real = _history_of(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
 
     tr = StorageTracker(emulate_cublas_workspace=False)
     with FakeTensorMode(), cu.cuda_kernels((props.major, props.minor)), tr:
