@@ -402,3 +402,49 @@ def test_a_flash_decode_traces_its_split_kv_accumulators_sized_again_for_each_ca
     accumulators = {flash[i].key for i in split}
     assert repeat.canonical(without_workspaces(fused_swap.swapped(cudnn, FLASH))) == \
         repeat.canonical(without_workspaces([e for e in flash if e.key not in accumulators]))
+
+
+# ---- why a run attends with the math path (analysis.attention_path) ---------------------------
+
+def _math_row(card_key, *calls):
+    return {"gpu": cards.by_key()[card_key].name,
+            ATTENTION_CALLS: attention.to_column(list(calls), cards.by_key()[card_key].capability)}
+
+
+def test_a_call_on_the_math_path_is_read_with_each_single_change_that_gets_it_a_fused_kernel(monkeypatch):
+    from harness.analysis.attention_path import Lift, math_paths
+
+    monkeypatch.setattr(attention, "efficient_takes_grouped", lambda: False)
+    # fp32 over grouped heads on an H200: expanded K and V take memory-efficient, 16-bit cuDNN
+    [p] = math_paths(_math_row("h200", _call("float32", grouped=True)))
+    assert p.lifts == (Lift(("grouped_heads",), EFFICIENT), Lift(("precision",), CUDNN, "bfloat16"),
+                       Lift(("precision",), CUDNN, "float16"))
+    assert p.newer_torch  # (torch 2.14's memory-efficient kernel takes them)
+    # bf16 over grouped heads on a T4: no single change does; fp16 with K and V expanded does
+    [p] = math_paths(_math_row("t4", _call(grouped=True)))
+    assert p.lifts == (Lift(("grouped_heads", "precision"), EFFICIENT, "float16"),) and not p.newer_torch
+    [p] = math_paths(_math_row("t4", _call()))
+    assert p.lifts == (Lift(("precision",), EFFICIENT, "float16"),)
+    [p] = math_paths(_math_row("a100-80gb", _call(enabled=(False, False, True, False))))
+    assert p.lifts == (Lift(("disabled",), FLASH),)
+    [p] = math_paths(_math_row("a100-80gb", _call(head_dim=6)))
+    assert p.lifts[0] == Lift(("head_dim",), FLASH)
+    assert math_paths(_math_row("a100-80gb", _call())) == []  # flash: not the math path
+    assert math_paths({"gpu": "my card", ATTENTION_CALLS: attention.to_column([_call()], T4)}) == []
+
+
+@pytest.mark.slow  # one CLI run
+def test_the_report_says_why_a_runs_attention_takes_the_math_path(tmp_path):
+    """tiny's 4 query heads over 2 key/value heads in fp32 on an A100 (torch 2.13): the math path;
+    the report's section names the changes that lift it."""
+    from tests.conftest import run_cli
+
+    r = run_cli("run", "model=tiny", "precision=fp32", f"results_dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    md = next(tmp_path.glob("**/report.md")).read_text()
+    if attention.efficient_takes_grouped():
+        assert "## Attention on the math path" not in md
+        return
+    section = md.split("## Attention on the math path", 1)[1].split("\n## ", 1)[0]
+    assert "grouped key/value heads" in section and "it would take efficient" in section
+    assert "math path" in r.stdout

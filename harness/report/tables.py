@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pandas as pd
 
+from harness.analysis.attention_path import math_paths
 from harness.analysis.verdict import layout, spread
 from harness.config.point import WorkloadName
-from harness.report.words import ckpt_word, job_args, job_label
+from harness.report.words import ckpt_word, job_args, job_label, math_path
 from harness.units import GiB
 
 Table = tuple[list[str], list[list[str]]]
@@ -120,6 +121,13 @@ def fold_uniform_cards(table: Table, fit_long: pd.DataFrame, keep: set[str]) -> 
     kept = [i for i in range(len(header)) if i not in drop]
     caption = "; ".join(f"{what}: {', '.join(cards)}" for what, cards in folded.items() if cards)
     return ([header[i] for i in kept], [[r[i] for i in kept] for r in rows]), caption
+
+
+def math_path_table(df: pd.DataFrame) -> Table:
+    """Each run whose attention takes the math path on its card, and why (analysis.attention_path)."""
+    rows = [[job_label(r), str(r["gpu"]), math_path(p, str(r["gpu"]))]
+            for r in df.to_dict("records") for p in math_paths(r)]
+    return ["job", "card", "why"], rows
 
 
 def verdict_table(judged: pd.DataFrame) -> Table:

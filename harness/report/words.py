@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from harness.analysis.attention_path import MathPath
 from harness.analysis.kinds import KindReading, ShapeReading
 from harness.analysis.oom_text import OomReading
 from harness.analysis.verdict import leak_of
@@ -228,6 +229,28 @@ def kind_reason(r: KindReading) -> str:
                 f"({g(r.allocated_bytes - r.static_bytes)} above it), does not")
     return (f"allocated {g(r.allocated_bytes)} fits {g(r.room_bytes)}; reserved {g(r.reserved_bytes)} "
             f"({g(r.reserved_bytes - r.allocated_bytes)} cached but unallocated) does not")
+
+
+# A change that lifts an attention call off the math path (analysis.attention_path), in words
+_LIFTS = {"grouped_heads": "K and V expanded to every query head (transformers does so where it passes a mask)",
+          "disabled": "the fused kernels enabled (torch.backends.cuda.*_sdp_enabled, sdpa_kernel)",
+          "head_dim": "a head dim that is a multiple of 8"}
+_PRECISIONS = {"bfloat16": "bf16 (precision=bf16 or amp_bf16)", "float16": "fp16 (precision=fp16 or amp_fp16)"}
+
+
+def math_path(p: MathPath, card: str) -> str:
+    """Why an attention call takes the math path on `card`, and what would give it a fused kernel."""
+    c = p.call
+    call = (f"{c.dtype} queries, head dim {c.head_dim}" + (", grouped key/value heads" if c.grouped else "")
+            + (", a mask" if c.mask else ""))
+    head = (f"attention takes the math path on {card} ({call}): each call holds its B x H x S x S scores "
+            "and their softmax, which a fused kernel never makes")
+    if not p.lifts:
+        return head + "; no fused kernel takes such a call on this card."
+    ways = [f"with {_and([_PRECISIONS[lift.dtype] if why == 'precision' and lift.dtype else _LIFTS[why] for why in lift.why])}"
+            f" it would take {lift.fused}" for lift in p.lifts]
+    newer = "; torch 2.14's memory-efficient kernel takes grouped heads as they are" if p.newer_torch else ""
+    return head + "; " + "; ".join(ways) + newer + "."
 
 
 def shape_numbers(r: ShapeReading) -> str:
