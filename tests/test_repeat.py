@@ -180,6 +180,53 @@ def test_training_steps_after_the_second_are_copies_of_it_traced_or_synthesized(
     assert "steps 2 -> 5" in _assert_same_as_full(five)["trace_method"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model,seq_len,tp", [("7b", 64, 1), ("7b", 608, 1), ("llama3-8b", 700, 2)])
+def test_decode_steps_past_the_traced_three_grow_from_them_into_the_full_trace(model, seq_len, tp):
+    """Serving 8 tokens: the shallow depths decode 3 (4 at the check), the rest grow from them a
+    token a step (each layer's cache, flash's split-KV accumulators resized for their longer keys:
+    608 tokens split on an A100, 64 do not), entry for entry the full trace's."""
+    p = _point(model, workload="infer", seq_len=seq_len).replace(parallel=Parallel(tp=tp))
+    p = p.replace(workload=dataclasses.replace(p.workload, new_tokens=8))
+    assert shortcut.decodes_beyond(p)
+    assert "decode steps 3 -> 8" in _assert_same_as_full(p)["trace_method"]
+
+
+@pytest.mark.slow
+def test_decode_steps_whose_flash_starts_splitting_the_keys_are_all_traced():
+    """A 100-token prompt decoded to 140: flash's keys pass one block of 128 on the way, where its
+    split-KV accumulators begin (a step the traced ones have no entry for): every step is traced."""
+    p = _point("7b", workload="infer", seq_len=140)
+    p = p.replace(workload=dataclasses.replace(p.workload, new_tokens=40))
+    assert not shortcut.decodes_beyond(p)
+    assert "decode steps" not in _assert_same_as_full(p)["trace_method"]
+
+
+def test_a_growing_step_grows_each_entry_and_each_kernel_code_by_what_the_step_before_did():
+    """Step 2 grows on step 1 as step 1 did on step 0: the cache a token longer, freed a step
+    later; a kernel's code a key longer, its bytes what `grow` says of the new code."""
+    from harness.probe.sim import steps
+
+    def ev(action, key, size, step, kernel=""):
+        return TraceEvent(0, action, key, size, "activation", "decode", step, "attn", 0, kernel)
+    journal = []
+    for step, (cache, keys) in enumerate([(1024, 10), (1152, 11), (1280, 12)]):
+        journal += [ev("alloc", 10 + step, cache, step), *([ev("free", 9 + step, cache - 128, step)] if step else []),
+                    ev("alloc", 20 + step, 4 * keys, step, f"splitkv:1:{keys}"),
+                    ev("free", 20 + step, 4 * keys, step, f"splitkv:1:{keys}"), ev("end", 0, 0, step)]
+    journal.insert(3, ev("free", 9, 896, 0))  # (step 0 frees the prefill's: as the later ones)
+    journal.insert(0, ev("alloc", 9, 896, -1))
+    grown = steps.extend(journal, 5, grow=lambda code: 4 * int(code.rsplit(":", 1)[1]))
+    step4 = [(e.action, e.size, e.kernel) for e in grown if e.step == 4]
+    assert step4 == [("alloc", 1536, ""), ("free", 1408, ""), ("alloc", 56, "splitkv:1:14"),
+                     ("free", 56, "splitkv:1:14"), ("end", 0, "")]
+    freed = {e.key for e in grown if e.action == "free"}
+    assert [e.key in freed for e in grown if e.action == "alloc" and e.kernel == ""] == [True] * 5 + [False]
+    unlike = [e._replace(module="mlp") if e.step == 2 and e.action == "free" and not e.kernel else e for e in journal]
+    with pytest.raises(NotRepeating, match="not the step before's"):  # a step unlike the one before
+        steps.extend(unlike, 5, grow=lambda code: None)
+
+
 def test_a_step_that_frees_older_memory_does_not_repeat():
     """Step 1 frees a storage of the setup: a copy of step 1 would free it twice."""
     from harness.probe.sim import steps

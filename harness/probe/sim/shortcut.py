@@ -25,11 +25,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.config import attention
-from harness.config.attention import ATTENTION_CALLS
+from harness.config import attention, kernels
+from harness.config.attention import ATTENTION_CALLS, FUSED_PREFIX, FusedShape
 from harness.config.models import hf_config
 from harness.config.point import Leak, Point, WorkloadName
 from harness.probe.sim import ddp_setup, repeat, replicas
@@ -96,9 +97,20 @@ def at_depth(point: Point, n: int) -> Point:
 
 
 def synthesized(point: Point) -> Traced:
-    a, n, steps = SHALLOW, depth(point), point.workload.steps
-    few = traced_steps(point)
-    shallow = point.replace(workload=dataclasses.replace(point.workload, steps=few))
+    a, n = SHALLOW, depth(point)
+    if decodes_beyond(point):
+        # serving: the shallow depths decode DECODE_TRACED tokens after the point's prompt, one more
+        # at a+2; the point's steps grow from them (probe.sim.steps), each a token longer
+        few, steps = DECODE_TRACED + 1, point.workload.new_tokens + 1
+        shallow, checked_on = decoding(point, DECODE_TRACED), decoding(point, DECODE_TRACED + 1)
+        g = kernels.geometry(point.gpu)
+        grow: Callable[[str], int | None] | None = \
+            lambda code: kernels.scratch_bytes(code, g) if code and not code.startswith(FUSED_PREFIX) else None
+        steps_said = f", decode steps {few - 1} -> {steps - 1}"
+    else:
+        steps, few, grow = point.workload.steps, traced_steps(point), None
+        shallow, checked_on = point.replace(workload=dataclasses.replace(point.workload, steps=few)), point
+        steps_said = f", steps {few} -> {steps}" if few < steps else ""
     cache = Path(point.trace_cache) if point.trace_cache else None
     runs: dict[int, tuple[dict, StorageTracker]] = {}
     reused = placed_on = None
@@ -120,16 +132,16 @@ def synthesized(point: Point) -> Traced:
     if reused is None:  # both depths' journals at hand, traced here or at another count
         template = repeat.learn(shallower, deeper, a, _layer_prefix(deeper, a))
 
-    def full(journal: list[TraceEvent]) -> list[TraceEvent]:  # every step of the point
-        return stepwise.extend(journal, steps) if few < steps else journal
+    def full(journal: list[TraceEvent], to: int = steps) -> list[TraceEvent]:  # every step of the point
+        return stepwise.extend(journal, to, grow) if few < to else journal
 
     # A template of a structure already checked (another batch or sequence length of the same job,
     # in this sweep's trace cache) synthesizes as that one did: only its sizes differ.
-    structure = f"{repeat.structure(template)}:steps {few}->{steps}"
+    structure = f"{repeat.structure(template)}:" + (f"decode {few}->{few + 1}" if grow else f"steps {few}->{steps}")
     checked = trace_store.read_note(cache, trace_store.CHECKED, structure)
     if checked is None:
-        runs[a + 2] = run_point(at_depth(point, a + 2))
-        check = repeat.canonical(full(repeat.synthesize(template, a + 2)))
+        runs[a + 2] = run_point(at_depth(checked_on, a + 2))
+        check = repeat.canonical(full(repeat.synthesize(template, a + 2), few + 1 if grow else steps))
         traced = repeat.canonical(ddp_setup.cut(runs[a + 2][1].journal()))
         if check != traced:
             at = next((i for i, (x, y) in enumerate(zip(check, traced)) if x != y), min(len(check), len(traced)))
@@ -164,8 +176,7 @@ def synthesized(point: Point) -> Traced:
     traced_layers = (f"layer {a}, layer {a + 1} placed as on {placed_on}" if placed_on
                      else f"layers {a}, {a + 1} as traced over {counted} GPUs" if other_count is not None
                      else f"layers {a}, {a + 1}")
-    m["trace_method"] = (f"synthesized: {traced_layers} -> {n}{f', steps {few} -> {steps}' if few < steps else ''}"
-                         f"{setup} ({how})")
+    m["trace_method"] = f"synthesized: {traced_layers} -> {n}{steps_said}{setup} ({how})"
     events = [e for e in journal if e.action in ("alloc", "free")]
     return Traced(m, events, {"scalars": scalars, "retained_holder": holder, ATTENTION_CALLS: calls})
 
@@ -193,6 +204,39 @@ def _placed_as_before(cache: Path | None, skeleton: str, shallower: list[TraceEv
 def _as_json(value):
     """`value` as it reads back from JSON (tuples as lists): notes compare so."""
     return json.loads(json.dumps(value, default=str))
+
+
+DECODE_TRACED = 3  # decode steps the shallow depths trace (a serving point's others grow from them)
+_HALF_ATTENTION = {"bf16": "bfloat16", "amp_bf16": "bfloat16", "fp16": "float16", "amp_fp16": "float16"}
+
+
+def decoding(point: Point, tokens: int) -> Point:
+    """The serving point's prompt, `tokens` tokens decoded after it."""
+    w = point.workload
+    return point.replace(seq_len=point.seq_len - w.new_tokens + tokens, workload=dataclasses.replace(w, new_tokens=tokens))
+
+
+def decodes_beyond(point: Point) -> bool:
+    """Whether a serving point's decode steps past the traced ones grow from them: it decodes more,
+    and where its decode attends with flash on its card, flash splits the keys (config.kernels:
+    accumulators a step) at every length it reaches or at none, so that no step makes an
+    allocation the traced ones did not."""
+    w = point.workload
+    if w.name != WorkloadName.infer or w.new_tokens <= DECODE_TRACED:
+        return False
+    c = hf_config(point.model)
+    tp = point.parallel.tp
+    h, h_k = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    d = getattr(c, "head_dim", None) or c.hidden_size // h
+    dtype = _HALF_ATTENTION.get(point.precision)  # (amp_*: autocast attends in the lower precision)
+    call = attention.Call(dtype or "float32", d, d, mask=False, grad=False, dropout=False, causal_nonsquare=False,
+                          grouped=h_k != h, enable_gqa=h_k != h)
+    if dtype is None or attention.kernel(point.gpu.capability, call) != attention.FLASH:
+        return True
+    g, prompt = kernels.geometry(point.gpu), point.seq_len - w.new_tokens
+    splits = {kernels.flash_splitkv_bytes(FusedShape(point.batch_size, h // tp, h_k // tp, 1, s_k, d, d, 2), g)[1] > 0
+              for s_k in range(prompt + 1, point.seq_len + 1)}
+    return len(splits) == 1
 
 
 def traced_steps(point: Point) -> int:

@@ -1,5 +1,7 @@
-"""A training journal's later steps from its first two: from the second step on, a step repeats the
-one before (the optimizer state exists, the gradients of the step before are the ones it frees).
+"""A journal's later steps from its first few: from the second step on, a training step repeats the
+one before (the optimizer state exists, the gradients of the step before are the ones it frees),
+and a decode step repeats the one before one token longer (`grow`: each entry's bytes, and the
+numbers of its kernel's code, change by what they changed by from the step before).
 
 `extend` copies the last step as the next one. A copy's entry that refers to a storage of its own
 step refers to that storage's copy; one that refers to a storage the step before left alive (a
@@ -11,20 +13,29 @@ probe.sim.shortcut checks an extension against a traced journal before it trusts
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
+from collections.abc import Callable
 
 from harness.probe.sim.repeat import NotRepeating, referents
 from harness.probe.sim.tracker import TraceEvent
 
+_NUMBER = re.compile(r"\d+")
 
-def extend(journal: list[TraceEvent], steps: int) -> list[TraceEvent]:
+
+def extend(journal: list[TraceEvent], steps: int,
+           grow: Callable[[str], int | None] | None = None) -> list[TraceEvent]:
     """`journal` (steps 0..k-1 with k >= 2, each closed by its end mark) continued to `steps`
-    steps; seq is the entry's index."""
+    steps; seq is the entry's index. With `grow`, each step grows on the one before as the last
+    traced did on its own predecessor (k >= 3), and `grow(code)` gives the bytes of a kernel's
+    scratch whose code the growth changed (None: its bytes grow as the others')."""
     out = list(journal)
     last = max(e.step for e in out)
-    if last < 1:
-        raise NotRepeating("a journal of one step has no step that repeats")
-    while last + 1 < steps:
+    if last < (2 if grow is not None else 1):
+        raise NotRepeating(f"a journal of {last + 1} step(s) has no step that repeats")
+    if grow is not None:
+        out = _grown(out, last, steps, grow)
+    while last + 1 < steps and grow is None:
         out = _copy_last(out, last)
         last += 1
     return [TraceEvent(i, *e[1:]) for i, e in enumerate(out)]  # (_replace: 3x the time)
@@ -55,6 +66,66 @@ def _copy_last(journal: list[TraceEvent], s: int) -> list[TraceEvent]:
                                    "that no copy of it could refer to")
         copy.append(TraceEvent(e.seq, e.action, key, e.size, e.kind, e.phase, s + 1, e.module, e.stream, e.kernel))
     return journal + copy
+
+
+def _grown(journal: list[TraceEvent], s: int, steps: int, grow: Callable[[str], int | None]) -> list[TraceEvent]:
+    """`journal` and steps s+1 .. steps-1, each step `s` grown by k times what it grew by from
+    step s-1 (whose entries must be step s's but for their bytes and their codes' numbers): one
+    pass over the journal, then each step made from the plan (copies refer as _copy_last's do)."""
+    ref = referents(journal)
+    succ = _successors(journal, s - 1, s, ref)
+    rows, before = ([i for i, e in enumerate(journal) if e.step == t] for t in (s, s - 1))
+    if len(rows) != len(before):
+        raise NotRepeating(f"decode steps {s - 1} and {s} make {len(before)} and {len(rows)} entries")
+    at = {i: n for n, i in enumerate(rows)}
+    plan = []  # per entry of step s: (how its key is found, bytes a step, code's numbers a step)
+    for i, j in zip(rows, before, strict=True):
+        e, p = journal[i], journal[j]
+        if (e.action, e.kind, e.phase, e.module, e.stream, _NUMBER.sub("", e.kernel)) != \
+                (p.action, p.kind, p.phase, p.module, p.stream, _NUMBER.sub("", p.kernel)):
+            raise NotRepeating(f"entry {i} of step {s} is not the step before's")
+        how: tuple = ("same",)
+        if e.action == "alloc":
+            how = ("new",)
+        elif i in ref:
+            x = ref[i]
+            if journal[x].step == s:
+                how = ("own", at[x])
+            elif journal[x].step == s - 1 and x in succ:
+                how = ("before", at[succ[x]])
+            else:
+                raise NotRepeating(f"entry {i} of step {s} refers to a storage of step {journal[x].step} "
+                                   "that no copy of it could refer to")
+        numbers = [int(a) - int(b) for a, b in zip(_NUMBER.findall(e.kernel), _NUMBER.findall(p.kernel))]
+        plan.append((how, e.size - p.size, numbers if any(numbers) else None))
+    out = list(journal)
+    keys_before = [journal[i].key for i in rows]
+    next_key = max((abs(e.key) for e in journal), default=0) + 1
+    for k in range(1, steps - s):
+        keys: list[int] = []
+        for i, (how, more, numbers) in zip(rows, plan, strict=True):
+            e = journal[i]
+            if how[0] == "new":
+                key, next_key = next_key, next_key + 1
+            else:
+                key = keys[how[1]] if how[0] == "own" else keys_before[how[1]] if how[0] == "before" else e.key
+            keys.append(key)
+            size, code = e.size + k * more, e.kernel
+            if numbers is not None:
+                code = _renumbered(code, [int(v) + k * d for v, d in zip(_NUMBER.findall(code), numbers)])
+                resized = grow(code)
+                size = size if resized is None else resized
+            if size <= 0 and e.action == "alloc":
+                raise NotRepeating(f"entry {i} of step {s} would allocate {size} B {k} step(s) later")
+            out.append(TraceEvent(e.seq, e.action, key, size, e.kind, e.phase, s + k, e.module, e.stream, code))
+        keys_before = keys
+    return out
+
+
+def _renumbered(code: str, numbers: list[int]) -> str:
+    """`code` with its numbers, in order, replaced by `numbers`."""
+    values = iter(numbers)
+    return _NUMBER.sub(lambda _: str(next(values)), code)
 
 
 def _successors(journal: list[TraceEvent], before: int, last: int, ref: dict[int, int]) -> dict[int, int]:
