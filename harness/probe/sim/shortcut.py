@@ -103,9 +103,7 @@ def synthesized(point: Point) -> Traced:
         # at a+2; the point's steps grow from them (probe.sim.steps), each a token longer
         few, steps = DECODE_TRACED + 1, point.workload.new_tokens + 1
         shallow, checked_on = decoding(point, DECODE_TRACED), decoding(point, DECODE_TRACED + 1)
-        g = kernels.geometry(point.gpu)
-        grow: Callable[[str], int | None] | None = \
-            lambda code: kernels.scratch_bytes(code, g) if code and not code.startswith(FUSED_PREFIX) else None
+        grow: Callable[[str], int | None] | None = _sized_on(point.gpu)
         steps_said = f", decode steps {few - 1} -> {steps - 1}"
     else:
         steps, few, grow = point.workload.steps, traced_steps(point), None
@@ -214,6 +212,13 @@ def decoding(point: Point, tokens: int) -> Point:
     """The serving point's prompt, `tokens` tokens decoded after it."""
     w = point.workload
     return point.replace(seq_len=point.seq_len - w.new_tokens + tokens, workload=dataclasses.replace(w, new_tokens=tokens))
+
+
+def _sized_on(card) -> Callable[[str], int | None]:
+    """A kernel's code -> its scratch's bytes on `card` where the card sizes it (config.kernels),
+    else None (a fused attention kernel's rows grow as any other)."""
+    g = kernels.geometry(card)
+    return lambda code: kernels.scratch_bytes(code, g) if code and not code.startswith(FUSED_PREFIX) else None
 
 
 def decodes_beyond(point: Point) -> bool:

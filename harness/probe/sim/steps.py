@@ -35,9 +35,10 @@ def extend(journal: list[TraceEvent], steps: int,
         raise NotRepeating(f"a journal of {last + 1} step(s) has no step that repeats")
     if grow is not None:
         out = _grown(out, last, steps, grow)
-    while last + 1 < steps and grow is None:
-        out = _copy_last(out, last)
-        last += 1
+    else:
+        while last + 1 < steps:
+            out = _copy_last(out, last)
+            last += 1
     return [TraceEvent(i, *e[1:]) for i, e in enumerate(out)]  # (_replace: 3x the time)
 
 
