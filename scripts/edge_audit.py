@@ -1,0 +1,58 @@
+"""Each recorded "fits with room" of a sweep's rows against a replay of the row's trace as the card
+runs it: `python scripts/edge_audit.py <results.parquet> [...]`.
+
+A row's edge on a card of another cuBLAS workspace (or kernel scratch sized by other SMs) is decided
+by the traced run's peaks where the card's room lies outside per_card.band. This replays the trace
+with the card's own workspace and scratch, without a limit, and lists each pair whose recorded
+`room` has a low end under that replay's reserved peak (such a card fits only on the allocator's
+retry, or not at all), with the largest rise of reserved it saw. Prints; exits 1 where it lists any.
+"""
+
+import sys
+
+import pandas as pd
+
+from harness.allocator.model import Device
+from harness.allocator.replay import replay_events
+from harness.allocator.settings import AllocSettings
+from harness.config import cards, cublas, nccl
+from harness.plan import fit
+from harness.record.row import WORKSPACE, recorded_edge
+
+
+def audit(rows: pd.DataFrame) -> tuple[int, int, int]:
+    """(pairs checked, suspects, largest rise of the reserved peak in bytes)."""
+    checked = suspects = rise = 0
+    for row in rows.to_dict("records"):
+        if pd.isna(row.get("trace_path")) or pd.isna(row.get(WORKSPACE)):
+            continue
+        peaks: dict = {}
+        for c in cards.cards():
+            key = (cublas.workspace_bytes(c.capability), fit._sizing(row, c))
+            if key == (int(row[WORKSPACE]), None):
+                continue  # the traced card's own rows: its replay decided it
+            if key not in peaks:
+                trace = fit._trace_rows(str(row["trace_path"]), *key)
+                settings = AllocSettings.from_conf(row.get("allocator_conf") or "")
+                peaks[key] = replay_events(trace, settings, Device(), lean=True)[0].peak_reserved_bytes
+            rise = max(rise, peaks[key] - int(row["peak_reserved_bytes"]))
+            checked += 1
+            low_end = nccl.on_rows_rank(c, row).at_worst().room()
+            if recorded_edge(row, c.key) == "room" and peaks[key] > low_end:
+                suspects += 1
+                print(f"{row['run_id']} b{row['batch_size']} s{row['seq_len']} {row['precision']} on {c.key}: "
+                      f"recorded room; reserved {peaks[key]} B with its own sizes > low end {low_end:.0f} B")
+    return checked, suspects, rise
+
+
+def main(paths: list[str]) -> int:
+    total = 0
+    for path in paths:
+        checked, suspects, rise = audit(pd.read_parquet(path))
+        print(f"{path}: {checked} pairs, {suspects} suspect, reserved rose by up to {rise} B")
+        total += suspects
+    return 1 if total else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
