@@ -64,5 +64,12 @@ def hf_config(model_cfg):
     return config
 
 
+def attention_shape(config) -> tuple[int, int, int]:
+    """(heads, key/value heads, head dim) of a transformers config (grouped-query attention included)."""
+    heads = config.num_attention_heads
+    return (heads, getattr(config, "num_key_value_heads", None) or heads,
+            getattr(config, "head_dim", None) or config.hidden_size // heads)
+
+
 def max_positions(config) -> int | None:
     return getattr(config, "max_position_embeddings", None)

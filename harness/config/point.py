@@ -35,6 +35,11 @@ class Precision(StrEnum):
     def is_amp(self) -> bool:
         return self.startswith("amp_")
 
+    @property
+    def compute_dtype(self) -> str:
+        """The torch dtype (without "torch.") the layers compute in: amp_*'s autocast dtype."""
+        return {"fp32": "float32"}.get(self, "float16" if self.endswith("fp16") else "bfloat16")
+
 
 class CheckpointingPolicy(StrEnum):
     """What checkpointing=true keeps of each block's forward for backward (torchtitan's names)."""

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import math
 
-from harness.config.models import hf_config
-from harness.config.point import Card
+from harness.config.models import attention_shape, hf_config
+from harness.config.point import Card, Precision
 
-# Bytes per element of the KV cache: under autocast the k/v projections produce the autocast dtype.
-_KV_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "amp_bf16": 2, "amp_fp16": 2}
+# Bytes per element of the KV cache, in the dtype its layers compute in (Precision.compute_dtype)
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def kv_shape(model_cfg) -> tuple[int, int, int]:
     """(layers, kv_heads, head_dim) of a model config group (grouped-query attention included)."""
     c = hf_config(model_cfg)
-    heads = c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    _heads, kv_heads, head_dim = attention_shape(c)
     return c.num_hidden_layers, kv_heads, head_dim
 
 
@@ -29,7 +27,7 @@ def kv_bytes_per_token(model_cfg, precision: str, tp: int = 1) -> int:
     """K and V, every layer: 2 x layers x kv_heads x head_dim x element bytes; a rank's share of the
     key/value heads over tensor parallel (`tp` divides them: config.point)."""
     layers, kv_heads, head_dim = kv_shape(model_cfg)
-    return 2 * layers * (kv_heads // tp) * head_dim * _KV_ELEMENT_BYTES[precision]
+    return 2 * layers * (kv_heads // tp) * head_dim * _ELEMENT_BYTES[Precision(precision).compute_dtype]
 
 
 def vllm_capacity(card: Card, utilization: float, weights_bytes: int, activation_peak_bytes: int,

@@ -19,7 +19,7 @@ from harness.allocator.settings import K_LARGE_BUFFER, AllocSettings
 from harness.config import attention, cublas, kernels, nccl
 from harness.config import cards as catalog
 from harness.config.attention import ATTENTION_CALLS, CUDNN, FLASH
-from harness.config.models import hf_config
+from harness.config.models import attention_shape, hf_config
 from harness.config.point import Backend, Card, Point, WorkloadName, fewest_nodes
 from harness.probe import rank
 from harness.probe.cuda import run as cuda
@@ -266,10 +266,7 @@ def _attention_scratch(point: Point) -> int | None:
     lives at a time); None for a user's job (its attention shapes are its own)."""
     if point.workload.name == WorkloadName.custom:
         return None
-    c = hf_config(point.model)
-    h = c.num_attention_heads
-    h_k = getattr(c, "num_key_value_heads", None) or h
-    d = getattr(c, "head_dim", None) or c.hidden_size // h
+    h, h_k, d = attention_shape(hf_config(point.model))
     b, s = point.batch_size, point.seq_len
     return max(sum(attention.flash_backward_scratch(b, h, h_k, s, s, d, 2)),
                attention.cudnn_backward_scratch(b, h, h_k, s, s, d, d, 2))

@@ -31,8 +31,8 @@ from pathlib import Path
 
 from harness.config import attention, kernels
 from harness.config.attention import ATTENTION_CALLS, FUSED_PREFIX, FusedShape
-from harness.config.models import hf_config
-from harness.config.point import Leak, Point, WorkloadName
+from harness.config.models import attention_shape, hf_config
+from harness.config.point import Leak, Point, Precision, WorkloadName
 from harness.probe.sim import ddp_setup, repeat, replicas
 from harness.probe.sim import steps as stepwise
 from harness.probe.sim.measure import measurements
@@ -205,7 +205,6 @@ def _as_json(value):
 
 
 DECODE_TRACED = 3  # decode steps the shallow depths trace (a serving point's others grow from them)
-_HALF_ATTENTION = {"bf16": "bfloat16", "amp_bf16": "bfloat16", "fp16": "float16", "amp_fp16": "float16"}
 
 
 def decoding(point: Point, tokens: int) -> Point:
@@ -229,14 +228,11 @@ def decodes_beyond(point: Point) -> bool:
     w = point.workload
     if w.name != WorkloadName.infer or w.new_tokens <= DECODE_TRACED:
         return False
-    c = hf_config(point.model)
     tp = point.parallel.tp
-    h, h_k = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    d = getattr(c, "head_dim", None) or c.hidden_size // h
-    dtype = _HALF_ATTENTION.get(point.precision)  # (amp_*: autocast attends in the lower precision)
-    call = attention.Call(dtype or "float32", d, d, mask=False, grad=False, dropout=False, causal_nonsquare=False,
-                          grouped=h_k != h, enable_gqa=h_k != h)
-    if dtype is None or attention.kernel(point.gpu.capability, call) != attention.FLASH:
+    h, h_k, d = attention_shape(hf_config(point.model))
+    call = attention.Call(Precision(point.precision).compute_dtype, d, d, mask=False, grad=False, dropout=False,
+                          causal_nonsquare=False, grouped=h_k != h, enable_gqa=h_k != h)
+    if attention.kernel(point.gpu.capability, call) != attention.FLASH:  # (flash takes 16-bit calls only)
         return True
     g, prompt = kernels.geometry(point.gpu), point.seq_len - w.new_tokens
     splits = {kernels.flash_splitkv_bytes(FusedShape(point.batch_size, h // tp, h_k // tp, 1, s_k, d, d, 2), g)[1] > 0
