@@ -221,9 +221,14 @@ def flash_splitkv_bytes(shape: FusedShape, g: Geometry) -> tuple[int, int]:
 SPLITKV_PREFIX = "splitkv:"
 
 
+def _shape_code(prefix: str, shape: FusedShape, part: int) -> str:
+    """The code of part `part` of an attention kernel's scratch for a call of `shape`."""
+    return f"{prefix}{part}:" + ",".join(str(int(v)) for v in shape)
+
+
 def splitkv_code(shape: FusedShape, part: int) -> str:
     """The code of a flash forward's log-sum-exp (part 0) or output (part 1) accumulator."""
-    return f"{SPLITKV_PREFIX}{part}:" + ",".join(str(int(v)) for v in shape)
+    return _shape_code(SPLITKV_PREFIX, shape, part)
 
 
 # ---- the memory-efficient attention's backward --------------------------------------------------
@@ -264,7 +269,11 @@ EFFICIENT_PREFIX = "effbwd:"
 
 def efficient_code(shape: FusedShape, part: int) -> str:
     """The code of the memory-efficient backward's part `part` (efficient_backward_bytes' order)."""
-    return f"{EFFICIENT_PREFIX}{part}:" + ",".join(str(int(v)) for v in shape)
+    return _shape_code(EFFICIENT_PREFIX, shape, part)
+
+
+# An attention kernel's scratch by its code's kind: its parts' bytes from the call's shape and the card
+_BY_SHAPE = {SPLITKV_PREFIX[:-1]: flash_splitkv_bytes, EFFICIENT_PREFIX[:-1]: efficient_backward_bytes}
 
 
 # ---- a trace's record of them -------------------------------------------------------------------
@@ -274,10 +283,8 @@ def scratch_bytes(code: str, g: Geometry) -> int:
     on a card of geometry `g`; 0 where that card's launch makes none."""
     kind, _, rest = code.partition(":")
     part, _, args = rest.partition(":")
-    if kind == "splitkv":
-        return flash_splitkv_bytes(FusedShape(*(int(v) for v in args.split(","))), g)[int(part)]
-    if kind == "effbwd":
-        return efficient_backward_bytes(FusedShape(*(int(v) for v in args.split(","))), g)[int(part)]
+    if kind in _BY_SHAPE:
+        return _BY_SHAPE[kind](FusedShape(*(int(v) for v in args.split(","))), g)[int(part)]
     if kind == "reduce":
         a, outs, ins, fastest, in_vec, out_vec = (int(v) for v in args.split(","))
         found = reduce_buffers(Reduction(a, outs, ins, bool(fastest), in_vec, out_vec), g)

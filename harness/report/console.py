@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import pandas as pd
 
 from harness.config import cards as catalog
@@ -68,8 +70,7 @@ def render(df: pd.DataFrame, fit_long: pd.DataFrame, title: str) -> None:
     for r in df[df["status"].isin(["error", "timeout"])].itertuples(index=False):
         console.print(f"[red]{r.status}[/] {r.run_id}: {escape(str(r.error))}")
     # each reason a run's attention takes the math path on its card, once, with how many runs it holds for
-    why = pd.Series([r[2] for r in tables.math_path_table(df)[1]], dtype=object).value_counts(sort=False)
-    for sentence, n in why.items():
+    for sentence, n in collections.Counter(r[2] for r in tables.math_path_table(df)[1]).items():
         console.print(f"[yellow]{n} run(s):[/] {escape(str(sentence))}")
 
 

@@ -3,7 +3,7 @@ one before (the optimizer state exists, the gradients of the step before are the
 and a decode step repeats the one before one token longer (`grow`: each entry's bytes, and the
 numbers of its kernel's code, change by what they changed by from the step before).
 
-`extend` copies the last step as the next one. A copy's entry that refers to a storage of its own
+`extend` copies the last step as each next one. A copy's entry that refers to a storage of its own
 step refers to that storage's copy; one that refers to a storage the step before left alive (a
 gradient its zero_grad frees) refers to that storage's successor: the storage the copied step
 left alive in the same role (kind at the step's end, phase, module: the n-th of a role to the
@@ -29,62 +29,26 @@ def extend(journal: list[TraceEvent], steps: int,
     steps; seq is the entry's index. With `grow`, each step grows on the one before as the last
     traced did on its own predecessor (k >= 3), and `grow(code)` gives the bytes of a kernel's
     scratch whose code the growth changed (None: its bytes grow as the others')."""
-    out = list(journal)
-    last = max(e.step for e in out)
+    last = max(e.step for e in journal)
     if last < (2 if grow is not None else 1):
         raise NotRepeating(f"a journal of {last + 1} step(s) has no step that repeats")
-    if grow is not None:
-        out = _grown(out, last, steps, grow)
-    else:
-        while last + 1 < steps:
-            out = _copy_last(out, last)
-            last += 1
+    out = _stamped(journal, last, steps, grow) if last + 1 < steps else list(journal)
     return [TraceEvent(i, *e[1:]) for i, e in enumerate(out)]  # (_replace: 3x the time)
 
 
-def _copy_last(journal: list[TraceEvent], s: int) -> list[TraceEvent]:
-    """`journal` and a copy of its step `s` as step s+1."""
+def _stamped(journal: list[TraceEvent], s: int, steps: int,
+             grow: Callable[[str], int | None] | None) -> list[TraceEvent]:
+    """`journal` and steps s+1 .. steps-1, each a copy of step `s` (grown k times what it grew by
+    from step s-1, whose entries must then be step s's but for their bytes and their codes'
+    numbers): one pass over the journal for the plan of a copy, then each copy made from it."""
     ref = referents(journal)
     succ = _successors(journal, s - 1, s, ref)
-    key_of: dict[int, int] = {}  # alloc entry of step s -> its copy's key
-    next_key = max((abs(e.key) for e in journal), default=0) + 1
-    copy = []
-    for i, e in enumerate(journal):
-        if e.step != s:
-            continue
-        key = e.key
-        if e.action == "alloc":
-            key = key_of[i] = next_key
-            next_key += 1
-        elif i in ref:
-            x = ref[i]
-            if journal[x].step == s:
-                key = key_of[x]
-            elif journal[x].step == s - 1 and x in succ:
-                key = journal[succ[x]].key
-            else:
-                raise NotRepeating(f"entry {i} of step {s} refers to a storage of step {journal[x].step} "
-                                   "that no copy of it could refer to")
-        copy.append(TraceEvent(e.seq, e.action, key, e.size, e.kind, e.phase, s + 1, e.module, e.stream, e.kernel))
-    return journal + copy
-
-
-def _grown(journal: list[TraceEvent], s: int, steps: int, grow: Callable[[str], int | None]) -> list[TraceEvent]:
-    """`journal` and steps s+1 .. steps-1, each step `s` grown by k times what it grew by from
-    step s-1 (whose entries must be step s's but for their bytes and their codes' numbers): one
-    pass over the journal, then each step made from the plan (copies refer as _copy_last's do)."""
-    ref = referents(journal)
-    succ = _successors(journal, s - 1, s, ref)
-    rows, before = ([i for i, e in enumerate(journal) if e.step == t] for t in (s, s - 1))
-    if len(rows) != len(before):
-        raise NotRepeating(f"decode steps {s - 1} and {s} make {len(before)} and {len(rows)} entries")
+    rows = [i for i, e in enumerate(journal) if e.step == s]
     at = {i: n for n, i in enumerate(rows)}
-    plan = []  # per entry of step s: (how its key is found, bytes a step, code's numbers a step)
-    for i, j in zip(rows, before, strict=True):
-        e, p = journal[i], journal[j]
-        if (e.action, e.kind, e.phase, e.module, e.stream, _NUMBER.sub("", e.kernel)) != \
-                (p.action, p.kind, p.phase, p.module, p.stream, _NUMBER.sub("", p.kernel)):
-            raise NotRepeating(f"entry {i} of step {s} is not the step before's")
+    growth = _growth(journal, rows, s) if grow is not None else [(0, None)] * len(rows)
+    keyed = []  # per entry of step s: how its copy's key is found
+    for i in rows:
+        e = journal[i]
         how: tuple = ("same",)
         if e.action == "alloc":
             how = ("new",)
@@ -97,14 +61,13 @@ def _grown(journal: list[TraceEvent], s: int, steps: int, grow: Callable[[str], 
             else:
                 raise NotRepeating(f"entry {i} of step {s} refers to a storage of step {journal[x].step} "
                                    "that no copy of it could refer to")
-        numbers = [int(a) - int(b) for a, b in zip(_NUMBER.findall(e.kernel), _NUMBER.findall(p.kernel))]
-        plan.append((how, e.size - p.size, numbers if any(numbers) else None))
+        keyed.append(how)
     out = list(journal)
     keys_before = [journal[i].key for i in rows]
     next_key = max((abs(e.key) for e in journal), default=0) + 1
     for k in range(1, steps - s):
         keys: list[int] = []
-        for i, (how, more, numbers) in zip(rows, plan, strict=True):
+        for i, how, (more, numbers) in zip(rows, keyed, growth, strict=True):
             e = journal[i]
             if how[0] == "new":
                 key, next_key = next_key, next_key + 1
@@ -112,7 +75,7 @@ def _grown(journal: list[TraceEvent], s: int, steps: int, grow: Callable[[str], 
                 key = keys[how[1]] if how[0] == "own" else keys_before[how[1]] if how[0] == "before" else e.key
             keys.append(key)
             size, code = e.size + k * more, e.kernel
-            if numbers is not None:
+            if numbers is not None and grow is not None:
                 code = _renumbered(code, [int(v) + k * d for v, d in zip(_NUMBER.findall(code), numbers)])
                 resized = grow(code)
                 size = size if resized is None else resized
@@ -120,6 +83,23 @@ def _grown(journal: list[TraceEvent], s: int, steps: int, grow: Callable[[str], 
                 raise NotRepeating(f"entry {i} of step {s} would allocate {size} B {k} step(s) later")
             out.append(TraceEvent(e.seq, e.action, key, size, e.kind, e.phase, s + k, e.module, e.stream, code))
         keys_before = keys
+    return out
+
+
+def _growth(journal: list[TraceEvent], rows: list[int], s: int) -> list[tuple[int, list[int] | None]]:
+    """Per entry of step `s` (`rows`): the bytes it grew by from the same entry of step s-1, and
+    the numbers of its kernel's code (None where they did not change)."""
+    before = [i for i, e in enumerate(journal) if e.step == s - 1]
+    if len(rows) != len(before):
+        raise NotRepeating(f"decode steps {s - 1} and {s} make {len(before)} and {len(rows)} entries")
+    out = []
+    for i, j in zip(rows, before, strict=True):
+        e, p = journal[i], journal[j]
+        if (e.action, e.kind, e.phase, e.module, e.stream, _NUMBER.sub("", e.kernel)) != \
+                (p.action, p.kind, p.phase, p.module, p.stream, _NUMBER.sub("", p.kernel)):
+            raise NotRepeating(f"entry {i} of step {s} is not the step before's")
+        numbers = [int(a) - int(b) for a, b in zip(_NUMBER.findall(e.kernel), _NUMBER.findall(p.kernel))]
+        out.append((e.size - p.size, numbers if any(numbers) else None))
     return out
 
 
