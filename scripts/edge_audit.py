@@ -1,11 +1,12 @@
 """Each recorded "fits with room" of a sweep's rows against a replay of the row's trace as the card
 runs it: `python scripts/edge_audit.py <results.parquet> [...]`.
 
-A row's edge on a card of another cuBLAS workspace (or kernel scratch sized by other SMs) is decided
-by the traced run's peaks where the card's room lies outside per_card.band. This replays the trace
-with the card's own workspace and scratch, without a limit, and lists each pair whose recorded
-`room` has a low end under that replay's reserved peak (such a card fits only on the allocator's
-retry, or not at all), with the largest rise of reserved it saw. Prints; exits 1 where it lists any.
+A row's edge on a card of another cuBLAS workspace (or kernel scratch sized by other SMs) comes from
+a replay of the trace as that card runs it (probe.worker; rows from before 2026-12 took a band
+around the traced peaks, which was not sound). This replays the trace with the card's own workspace
+and scratch, without a limit, and lists each pair whose recorded `room` has a low end under that
+replay's reserved peak (such a card fits only on the allocator's retry, or not at all), with the
+largest rise of reserved it saw. Prints; exits 1 where it lists any.
 """
 
 import sys

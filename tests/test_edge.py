@@ -299,10 +299,10 @@ def test_every_cards_lean_replays_of_a_sharded_trace_go_on_from_checkpoints_past
 
 
 def test_cards_of_several_kernel_sizings_are_judged_by_one_replay_as_by_their_own():
-    """worker._edges_by_sizes on demo-1b over 4 A100s (FSDP2, one layer), exact: cards of 46 to 132
-    SMs (their launch tables and reductions sized by them) every 4 MiB of room around the peaks,
-    one sizing replayed without a limit and the rest going on from it, get the edges a replay of
-    each card's own rows gives."""
+    """worker._edges_by_sizes on demo-1b over 4 A100s (FSDP2, one layer): cards of 46 to 132 SMs
+    (their launch tables and reductions sized by them) every 4 MiB of room around the peaks, one
+    sizing replayed without a limit and the rest going on from it where their state is its, get the
+    edges and the reserved peak a replay of each card's own rows gives (an OOM by the peaks, none)."""
     import dataclasses
 
     from harness.config import nccl
@@ -316,18 +316,22 @@ def test_cards_of_several_kernel_sizings_are_judged_by_one_replay_as_by_their_ow
              for sms in (46, 82, 132) for room in range(peaks.peak_allocated_bytes - 8 * MiB,  # (NCCL's spread: 512 MiB)
                                                         peaks.peak_reserved_bytes + 560 * MiB, 4 * MiB)]
     assert len({sized.sizes(c) for c in probe}) == 3
-    got = worker._edges_by_sizes(sized, settings, point, probe, rec, exact=True)
+    got = worker._edges_by_sizes(sized, settings, point, probe, rec)
     own = {c.key: reserved.catalog_edges(sized.rows(c), settings, [nccl.on_rank(c, point.parallel)])[c.key]
            for c in probe}
-    assert got == own
-    assert set(got.values()) == set(reserved.EDGES)
+    assert {k: e for k, (e, _) in got.items()} == own
+    assert set(own.values()) == set(reserved.EDGES)
+    for c in probe:
+        peak = got[c.key][1]
+        assert peak is None and own[c.key] == "oom" or peak == reserved.replay_events(
+            sized.rows(c), settings)[0].peak_reserved_bytes, c.key
 
 
-def test_cards_of_another_workspace_far_from_their_edge_are_decided_as_their_own_replay_decides_them():
-    """worker._edges_by_sizes decides a card of another cuBLAS workspace by the traced peaks where
-    its room lies further from them than the workspaces' and scratch's band, else by a replay with
-    its workspaces: either way each card's edge is that replay's (the tiny model, 16 x 1024 tokens, on an A100; cards
-    of Hopper's 32 MiB workspace every 8 MiB of room from below its allocated to past its reserved)."""
+def test_cards_of_another_workspace_are_decided_as_their_own_replay_decides_them():
+    """worker._edges_by_sizes judges a card of another cuBLAS workspace by a replay with its
+    workspaces, but where its room lies under what the traced run surely allocates (an OOM, no
+    replay): each card's edge is that replay's (the tiny model, 16 x 1024 tokens, on an A100; cards of
+    Hopper's 32 MiB workspace every 8 MiB of room from below its allocated to past its reserved)."""
     import dataclasses
 
     from harness.config import cublas
@@ -340,13 +344,53 @@ def test_cards_of_another_workspace_far_from_their_edge_are_decided_as_their_own
     df = trace_store.to_frame(tracker.events)
     rows, settings = trace_store.replay_rows(df), AllocSettings.from_conf("")
     unlimited = reserved.replay_events(rows, settings, reserved.Device(total=80 * GiB))[0]
-    peaks = unlimited.peak_reserved_bytes, unlimited.peak_allocated_bytes
-    rec = {"peak_reserved_bytes": peaks[0], "peak_allocated_bytes": peaks[1]}
+    rec = {"peak_reserved_bytes": unlimited.peak_reserved_bytes, "peak_allocated_bytes": unlimited.peak_allocated_bytes}
     hopper = [dataclasses.replace(_card(room), key=f"c{room // MiB}", compute_capability="9.0")
               for room in range(8 * MiB, unlimited.peak_reserved_bytes + 240 * MiB, 8 * MiB)]
     got = worker._edges_by_sizes(Sized(df), settings, point, hopper, rec)
     own = trace_store.with_workspaces(rows, cublas.workspace_bytes((9, 0)))
-    assert got == reserved.catalog_edges(own, settings, hopper)
-    decided = [c for c in hopper if worker._by_bounds(point, *peaks, c, *Sized(df).band(
-        c, a100, 2 * abs(cublas.workspace_bytes((9, 0)) - cublas.workspace_bytes((8, 0)))))]
-    assert 0 < len(decided) < len(hopper) and {got[c.key] for c in decided} == {"room", "oom"}
+    assert {k: e for k, (e, _) in got.items()} == reserved.catalog_edges(own, settings, hopper)
+    replayed = {peak for _, peak in got.values()} - {None}
+    assert replayed == {reserved.replay_events(own, settings)[0].peak_reserved_bytes}
+    assert 0 < sum(peak is None for _, peak in got.values()) < len(hopper)  # the OOMs under its allocated peak
+
+
+def test_a_larger_workspace_that_costs_a_segment_is_no_fit_on_a_card_the_traced_peaks_fit(tmp_path):
+    """A 60 GiB tensor freed, an A100's cuBLAS workspace (8 MiB) cut from its cached block, then a
+    tensor 16 MiB short of 60 GiB: on the A100 it fits the rest of that block; with a Hopper's 32 MiB
+    workspace it does not, and the allocator asks for a second 60 GiB segment. The row calls the
+    H100 80GB an OOM though the traced peaks leave it 18 GiB, records each card's own reserved peak,
+    and a plan's margin, headroom and verdict read it."""
+    from harness.analysis.verdict import verdicts
+    from harness.config import cublas
+    from harness.plan import fit
+    from harness.probe import worker
+    from harness.probe.sim.tracker import TraceEvent
+    from harness.record.row import base_record, cards_reserved
+
+    a100, h100, h200 = (cards.by_key()[k] for k in ("a100-80gb", "h100-80gb", "h200"))
+    big = 60 * GiB
+    events = [TraceEvent(0, "alloc", 1, big, "parameter", "setup", -1, ""),
+              TraceEvent(1, "free", 1, big, "parameter", "setup", -1, ""),
+              TraceEvent(2, "alloc", 2, cublas.workspace_bytes((8, 0)), "workspace", "forward", 0, ""),
+              TraceEvent(3, "alloc", 3, big - 16 * MiB, "activation", "forward", 0, ""),
+              TraceEvent(4, "free", 3, big - 16 * MiB, "activation", "forward", 0, "")]
+    point = train_point().replace(gpu=a100)
+    rec = {**base_record(point), "peak_allocated_bytes": big, "attention_calls": None}
+    df = trace_store.to_frame(events)
+    df.to_parquet(tmp_path / trace_store.TRACE_FILE, index=False)
+    row = worker._replayed(point, rec, df, tmp_path, 0.0)
+    assert row["peak_reserved_bytes"] == big
+    assert h100.at_worst().room() > big + 16 * GiB  # what any bound on the traced peaks would call room
+    assert "h100-80gb" not in row["fits_cards"] and "a100-80gb" in row["fits_cards"]
+    mine, second = cards_reserved(row), big - 16 * MiB  # the second segment: the request's size
+    assert mine["h100-80gb"] == mine["h200"] == big + second
+    assert "h200" in row["fits_cards"]
+    assert not fit.fits(row, h100, margin=0.05)
+    assert fit.headroom_bytes(row, h200) == h200.room() - (big + second)
+    # the job on a T4 OOMs; a card problem, whose card needed is sized by that card's own reserved peak
+    job = {**row, "run_id": "job", "status": "oom", "gpu": "T4", "kind": "params", "sweep": "s"}
+    verdict = verdicts(pd.DataFrame([job])).iloc[0]
+    assert verdict["verdict"] == "card problem"
+    card = cards.by_key()[verdict["card_needed"]]
+    assert verdict["card_headroom_bytes"] == card.room() - (mine.get(card.key) or big)

@@ -22,7 +22,7 @@ import pandas as pd
 from harness.config import cards as catalog
 from harness.config import nccl
 from harness.config.point import PARALLEL_KNOBS, TP_SWITCHES, Card
-from harness.record.row import TRAFFIC, checkpointing_of, listed, recorded_edge
+from harness.record.row import TRAFFIC, checkpointing_of, listed, recorded_edge, reserved_on
 
 # What each kind of remedy costs (a code, worded by the report), and its rank: cheapest first.
 COSTS = {
@@ -189,7 +189,7 @@ def verdicts(df: pd.DataFrame, missing: Sequence[dict] = ()) -> pd.DataFrame:
                 rank = (sum(COSTS[c["kind"]][0] for c in changes) + len(changes) * 10 + (100 if where == "tight" else 0),
                         spread(other)[0])
                 key = repr([(c["kind"], c["value"], c["steps"]) for c in changes])  # one per distinct remedy
-                reserved = int(_val(other.get("peak_reserved_bytes")) or 0)
+                reserved = reserved_on(other, card.key) or 0
                 found.setdefault(key, (rank, {"run_id": other.get("run_id"), "changes": changes, "edge": where,
                                               "peak_reserved_bytes": reserved,
                                               "headroom_bytes": nccl.on_rows_rank(card, other).room() - reserved}))
@@ -226,6 +226,6 @@ def _card_needed(runs: list[dict], cards: dict[str, Card]) -> dict:
         return {}
     sure = [(run, c) for run, c in fitting if _edge(run, c.key) != "tight"]
     run, smallest = min(sure or fitting, key=lambda rc: (spread(rc[0])[0] * rc[1].memory_bytes, spread(rc[0])[0]))
-    headroom = nccl.on_rows_rank(smallest, run).room() - int(run.get("peak_reserved_bytes") or 0)
+    headroom = nccl.on_rows_rank(smallest, run).room() - (reserved_on(run, smallest.key) or 0)
     return {"card_needed": smallest.key, "card_count": spread(run)[0], "card_headroom_bytes": headroom,
             "card_headroom_pct": 100 * headroom / smallest.memory_bytes, "card_edge": _edge(run, smallest.key)}

@@ -14,9 +14,10 @@ from harness.config import attention, cublas, nccl
 from harness.config import cards as catalog
 from harness.config.attention import ATTENTION_CALLS
 from harness.config.point import Card
-from harness.probe.sim import per_card, reserved
+from harness.probe.sim import reserved
 from harness.record import trace_store
-from harness.record.row import WORKSPACE, listed, recorded_edge
+from harness.record.row import WORKSPACE, cards_reserved, listed, recorded_edge
+from harness.record.row import reserved_on as row_reserved_on
 
 
 def _missing(v) -> bool:
@@ -33,22 +34,24 @@ def _peaks(row: dict) -> tuple[int, int] | None:
 
 
 def _fits_on(row: dict, c: Card) -> bool:
+    """Whether the run fits `c` (the card as the job's GPU sees it, its margin off): by the peaks of
+    the run as `c` runs it where they settle it, else by a replay of that run on `c`."""
     # the card's cuBLAS workspaces where the trace has any (config.cublas)
     own = None if _missing(row.get(WORKSPACE)) else cublas.workspace_bytes(c.capability)
-    if not attention.takes_alike(c.capability, row.get(ATTENTION_CALLS)):
-        # a card of other attention kernels: its own trace (probe.worker), where one was taken
-        apart = None if _missing(row.get("trace_path")) else trace_store.apart_path(Path(row["trace_path"]), c.key)
-        if apart is not None and apart.is_file():
-            return _fits_by_trace({**row, "trace_path": str(apart)}, c, own)
-        if not attention.swaps_fused_on(c.capability, row.get(ATTENTION_CALLS)):
-            return False
-        # cuDNN for flash or back, left untraced far from its edge (probe.worker._far_from_their_edge): the
-        # traced run stands for it, within one call's scratch and a segment or two
     res, alloc = _peaks(row)
-    # another workspace, or kernels' scratch of another size near the card's edge: the trace replayed with theirs
-    above, below = _scratch_band(row, c)
-    near = (above or below) and not (c.at_worst().room() >= res + above or c.room() < alloc - below)
-    if (own is not None and own != int(row[WORKSPACE])) or near:
+    mine = cards_reserved(row).get(c.key)  # its reserved peak, where its run differs and a replay found it
+    if not attention.takes_alike(c.capability, row.get(ATTENTION_CALLS)):
+        # a card of other attention kernels: its own trace (probe.worker), where one was taken; where
+        # none was, the worker found it an OOM by the traced peaks
+        apart = None if _missing(row.get("trace_path")) else trace_store.apart_path(Path(row["trace_path"]), c.key)
+        if apart is None or not apart.is_file():
+            return False
+        return (mine is not None and mine <= c.room()) or _fits_by_trace({**row, "trace_path": str(apart)}, c, own)
+    if (own is not None and own != int(row[WORKSPACE])) or _sizing(row, c) is not None:
+        # another workspace or kernels' scratch of other sizes: the trace replayed with theirs, unless
+        # its own reserved peak fits (a bound on that peak from the traced one is not sound)
+        if mine is not None and mine <= c.room():
+            return True
         return not _missing(row.get("trace_path")) and _fits_by_trace(row, c, own)
     known = reserved.fits_by_numbers(c, res, alloc)
     if known is not None:
@@ -56,6 +59,13 @@ def _fits_on(row: dict, c: Card) -> bool:
     if _missing(row.get("trace_path")):
         return False  # the peaks say it does not fit without a cache flush; no trace to check that
     return _fits_by_trace(row, c)
+
+
+def reserved_on(row: dict, card: Card) -> int | None:
+    """The run's reserved peak without a limit as `card` runs it (record.row.reserved_on; allocated
+    where reserved is unknown)."""
+    peaks = _peaks(row)
+    return None if peaks is None else row_reserved_on(row, card.key) or peaks[0]
 
 
 @functools.lru_cache(maxsize=256)
@@ -78,15 +88,6 @@ def _sizing(row: dict, c: Card) -> tuple[int, str] | None:
     trace's own sizes are the card's."""
     codes, sizes = _sizes(row, c)
     return None if sizes == codes else (c.multiprocessors, c.compute_capability)
-
-
-def _scratch_band(row: dict, c: Card) -> tuple[int, int]:
-    """How far the run's peaks may move on `c` for its kernels' scratch of other sizes
-    (per_card.band); (0, 0) where the sizes are the traced card's."""
-    codes, sizes = _sizes(row, c)
-    if sizes == codes:
-        return 0, 0
-    return per_card.band(per_card.shift(list(codes), tuple(sizes.values()), tuple(codes.values())))
 
 
 def on_rank(row: dict, card: Card, margin: float = 0.0) -> Card:
@@ -118,7 +119,7 @@ def edge(row: dict, card: Card, margin: float = 0.0) -> str | None:
     recorded = recorded_edge(row, card.key) if not margin else None
     if recorded is not None:
         return recorded
-    return reserved.edge(lambda c: _fits_on(row, c), _peaks(row)[0], on_rank(row, card, margin))
+    return reserved.edge(lambda c: _fits_on(row, c), reserved_on(row, card), on_rank(row, card, margin))
 
 
 @functools.lru_cache(maxsize=4)
@@ -154,11 +155,11 @@ def _fits_by_trace(row: dict, card: Card, workspace: int | None = None) -> bool:
 def cache_flushes(row: dict, card: Card, margin: float = 0.0) -> int | None:
     """How often the run's allocator must free its cache and retry on `card` (num_alloc_retries;
     each a device synchronization): 0 when its reserved peak fits; None when unknown."""
-    res = row.get("peak_reserved_bytes")
-    if _missing(res):
+    res = None if _missing(row.get("peak_reserved_bytes")) else reserved_on(row, card)
+    if res is None:
         return None
     rank = on_rank(row, card, margin)
-    if int(res) <= rank.room():
+    if res <= rank.room():
         return 0
     if _missing(row.get("trace_path")):
         return None
@@ -166,11 +167,9 @@ def cache_flushes(row: dict, card: Card, margin: float = 0.0) -> int | None:
 
 
 def headroom_bytes(row: dict, card: Card, margin: float = 0.0) -> int | None:
-    """Room left on `card` at the run's peak reserved bytes (allocated where reserved is unknown)."""
-    peak = row.get("peak_reserved_bytes")
-    if _missing(peak):
-        peak = row.get("peak_allocated_bytes")
-    return None if _missing(peak) else on_rank(row, card, margin).room() - int(peak)
+    """Room left on `card` at the run's peak reserved bytes as the card runs it (reserved_on)."""
+    peak = reserved_on(row, card)
+    return None if peak is None else on_rank(row, card, margin).room() - peak
 
 
 def fit_table(df: pd.DataFrame, margin: float = 0.0) -> pd.DataFrame:

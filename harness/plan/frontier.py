@@ -194,7 +194,7 @@ class Planner:
                    "error": None, "largest": largest, "first_oom": first_oom,
                    "monotone": f.monotone, "probes": len(s.probes), "grid_points": len(g.values),
                    "lo": g.values[0] * others, "hi": g.values[-1] * others, "step": 0 if fewer else _step(g.values),
-                   "peak_reserved_bytes": row.get("peak_reserved_bytes") if row else None,
+                   "peak_reserved_bytes": fit.reserved_on(row, card) if row else None,  # as the card runs it
                    "peak_allocated_bytes": row.get("peak_allocated_bytes") if row else None,
                    "headroom_bytes": fit.headroom_bytes(row, card, plan.margin) if row else None,
                    "edge": fit.edge(row, card, plan.margin) if row else None,

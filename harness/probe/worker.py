@@ -32,9 +32,12 @@ from harness.probe.sim.virtual_cuda import READS_CARD
 from harness.record import provenance, trace_store
 from harness.record.provenance import USER_CODE
 from harness.record.ranks import RANK_RESULT_FILE
-from harness.record.row import COLUMNS, POINT_FILE, RESULT_FILE, WORKSPACE, base_record, recorded_edge, write_row
+from harness.record.row import CARD_RESERVED, COLUMNS, POINT_FILE, RESULT_FILE, WORKSPACE, base_record, recorded_edge, write_row
 
 _COLUMNS = frozenset(COLUMNS)  # what of a trace's measurements a row holds
+# How a card is judged: its edge (reserved.EDGES), and its reserved peak without a limit where a
+# replay of the run as that card makes it found one (None: the traced card's, or an OOM by bounds)
+Judged = tuple[str, int | None]
 
 
 def run_sim(point: Point, run_dir: Path) -> dict:
@@ -132,9 +135,9 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
     rec[WORKSPACE] = workspace
     apart = [c for c in cards if not attention.takes_alike(c.capability, rec.get(ATTENTION_CALLS))]
     here = [c for c in cards if c not in apart and workspace in (None, cublas.workspace_bytes(c.capability))]
-    def own_sized(reserved_bytes: int, allocated_bytes: int) -> list:  # SMs that size its scratch otherwise, near its edge
-        return [c for c in here if not sized.alike(c, point.gpu) and _by_bounds(
-            point, reserved_bytes, allocated_bytes, c, *sized.band(c, point.gpu)) is None]
+    def own_sized(allocated_bytes: int) -> list:  # SMs that size its scratch otherwise, unless surely an OOM
+        return [c for c in here if not sized.alike(c, point.gpu)
+                and not _surely_oom(point, allocated_bytes - sized.shift(c, point.gpu)[1], c)]
 
     # Each card as one of the job's GPUs sees it: NCCL's memory beside the CUDA context's; those
     # judged by the trace with their own scratch sizes are left to _own_sized_edges
@@ -142,32 +145,34 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
     rec.update(reserved.analyse(
         rows, settings, nccl.on_rank(point.gpu, point.parallel), [nccl.on_rank(c, point.parallel) for c in here],
         torch.__version__, snapshot, rec["peak_tensor_bytes"], kept,
-        elsewhere=lambda res, alloc: {c.key for c in own_sized(res, alloc)}), catalog_sha=catalog.digest())
-    own = own_sized(rec["peak_reserved_bytes"], rec["peak_allocated_bytes"])
+        elsewhere=lambda _res, alloc: {c.key for c in own_sized(alloc)}), catalog_sha=catalog.digest())
+    own = own_sized(rec["peak_allocated_bytes"])
     if len(here) < len(cards) or own:
-        edges = {c.key: recorded_edge(rec, c.key) for c in here}
-        edges.update(_own_sized_edges(sized, settings, point, own, rec["peak_reserved_bytes"],
-                                      rec["peak_allocated_bytes"], kept, point.gpu))
-        # cards that only swap flash for cuDNN (or back), far from their edge: the traced peaks decide them
-        far = _far_from_their_edge(point, rec, apart, n_workspaces, sized)
-        edges.update(far)
-        apart = [c for c in apart if c.key not in far]
-        edges.update(_edges_by_sizes(sized, settings, point, [c for c in cards if c not in apart and c not in here],
-                                     rec))
+        judged: dict[str, Judged] = {c.key: (recorded_edge(rec, c.key), None) for c in here}
+        judged.update(_own_sized_edges(sized, settings, point, own, (rec["peak_reserved_bytes"],
+                                       rec["peak_allocated_bytes"]), kept, point.gpu))
+        # cards that only swap flash for cuDNN (or back), their room under what the traced run surely allocates
+        ooms = _swapped_and_oom(point, rec, apart, n_workspaces, sized)
+        judged.update(ooms)
+        apart = [c for c in apart if c.key not in ooms]
+        judged.update(_edges_by_sizes(sized, settings, point, [c for c in cards if c not in apart and c not in here],
+                                      rec))
         if apart:
-            traced, rewritten = _edges_apart(point, rec, settings, apart, run_dir, n_workspaces, edges, sized)
+            traced, rewritten = _edges_apart(point, rec, settings, apart, run_dir, n_workspaces, judged, sized)
             for keys, how in ((traced, "a trace of their attention kernels"),
                               (rewritten, "this trace with its fused attention's rows as their kernel makes them")):
                 if keys:
                     rec["trace_method"] = f"{rec.get('trace_method') or ''}; {', '.join(keys)} judged by {how}"
-        rec.update(reserved.edge_columns({c.key: edges[c.key] for c in cards}))
+        rec.update(reserved.edge_columns({c.key: judged[c.key][0] for c in cards}))
+        replayed = {c.key: judged[c.key][1] for c in cards if judged[c.key][1] is not None}
+        rec[CARD_RESERVED] = json.dumps(replayed) if replayed else None
     rec["wall_s"] = time.perf_counter() - t0
     return rec
 
 
 def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, run_dir: Path,
-                 n_workspaces: int, edges: dict[str, str], sized: Sized) -> tuple[list[str], list[str]]:
-    """Into `edges`, the edge (reserved.EDGES) of each card in `apart`, whose attention kernels
+                 n_workspaces: int, edges: dict[str, Judged], sized: Sized) -> tuple[list[str], list[str]]:
+    """Into `edges`, how each card in `apart` is judged (Judged), whose attention kernels
     differ from the traced card's: cards whose kernels agree judged by a trace on the first of them,
     or, where they only take cuDNN for flash or back, by the point's trace (`sized`) with those
     calls' rows rewritten (probe.sim.fused_swap); returns the keys of the cards judged each way.
@@ -206,7 +211,7 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
             flash_peak = rewrite(FLASH)[1]
             heavier = flash_peak is not None and all(r.room() < flash_peak - less for r in ranked)
         if heavier or all(r.room() < floor for r in ranked):
-            edges.update((c.key, "oom") for c in group)
+            edges.update((c.key, ("oom", None)) for c in group)
             continue
         path = trace_store.apart_path(run_dir / trace_store.TRACE_FILE, group[0].key)
         to = attention.swapped_to(attending, taken)
@@ -221,7 +226,7 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
         for c in group[1:]:  # each card's trace where a plan with a margin looks for it (plan.fit)
             trace_store.apart_path(path, c.key).unlink(missing_ok=True)
             os.link(path, trace_store.apart_path(path, c.key))
-        edges.update(_edges_by_sizes(Sized(df), settings, _on_card(point, group[0]), group, m, exact=True))
+        edges.update(_edges_by_sizes(Sized(df), settings, _on_card(point, group[0]), group, m))
     return traced, rewritten
 
 
@@ -232,33 +237,24 @@ def _on_card(point: Point, card: Card) -> Point:
     return point.replace(gpu=card, parallel=dataclasses.replace(point.parallel, nodes=nodes))
 
 
-def _far_from_their_edge(point: Point, rec: dict, cards: list, n_workspaces: int, sized: Sized) -> dict[str, str]:
-    """The edge (room or oom) of those of `cards` whose attention kernels only swap flash for cuDNN
-    (or back) and whose room lies further from the traced peaks than `_swap_band` and their
-    kernels' scratch's difference (per_card.Sized.shift): the traced run decides them."""
+def _swapped_and_oom(point: Point, rec: dict, cards: list, n_workspaces: int, sized: Sized) -> dict[str, Judged]:
+    """Those of `cards` whose attention kernels only swap flash for cuDNN (or back) and whose room
+    lies under what the traced run surely allocates there (its allocated peak less `_swap_band` and
+    their kernels' scratch's difference, per_card.Sized.shift): each an OOM. Where a card may fit
+    only a replay can tell: a bound on reserved is not sound (another block size may place a large
+    block in a new segment), and the band once said "room" 2.4 GiB under a card's reserved peak."""
     scratch = _attention_scratch(point) if cards else None
     if scratch is None:
         return {}
-    far = {}
-    for c in cards:
-        if not attention.swaps_fused_on(c.capability, rec.get(ATTENTION_CALLS)):
-            continue
-        band = _swap_band(scratch, rec, c, n_workspaces)
-        more, less = sized.shift(c, point.gpu)
-        known = _by_bounds(point, rec["peak_reserved_bytes"], rec["peak_allocated_bytes"], c, band + more, band + less)
-        if known is not None:
-            far[c.key] = known
-    return far
+    return {c.key: ("oom", None) for c in cards
+            if attention.swaps_fused_on(c.capability, rec.get(ATTENTION_CALLS))
+            and _surely_oom(point, rec["peak_allocated_bytes"] - _swap_band(scratch, rec, c, n_workspaces)
+                            - sized.shift(c, point.gpu)[1], c)}
 
 
-def _by_bounds(point: Point, reserved_bytes: int, allocated_bytes: int, card: Card, above: int,
-               below: int) -> str | None:
-    """`card`'s edge where its room lies further from the run's peaks than they may move on it
-    (`above` its reserved: room; `below` its allocated: oom), as one of the job's GPUs; else None."""
-    r = nccl.on_rank(card, point.parallel)
-    if r.at_worst().room() >= reserved_bytes + above:
-        return "room"
-    return "oom" if r.room() < allocated_bytes - below else None
+def _surely_oom(point: Point, allocated_at_least: int, card: Card) -> bool:
+    """Whether `card`, as one of the job's GPUs, has less room than a run surely allocates."""
+    return nccl.on_rank(card, point.parallel).room() < allocated_at_least
 
 
 def _attention_scratch(point: Point) -> int | None:
@@ -304,50 +300,53 @@ def _swap_band(scratch: int, rec: dict, card: Card, n_workspaces: int) -> int:
     return scratch + 2 * K_LARGE_BUFFER + workspaces
 
 
-def _own_sized_edges(sized: Sized, settings: AllocSettings, point: Point, cards: list, reserved_bytes: int,
-                     allocated_bytes: int, kept: Kept, ref: Card, workspace: int | None = None) -> dict[str, str]:
-    """The edge of each of `cards` (of `ref`'s workspaces, other kernel scratch, near their edge)
-    from the trace sized for it (each cuBLAS workspace `workspace` bytes, where given): its peaks
-    bounded by those of `ref`'s replay without a limit and the scratch's shift, else lean replays
-    going on from that replay's checkpoints (`kept`) taken before a replay of the card's rows may be
-    in another state (Sized.alike_until: no unlimited replay of its own)."""
+def _own_sized_edges(sized: Sized, settings: AllocSettings, point: Point, cards: list, peaks: tuple[int, int],
+                     kept: Kept, ref: Card, workspace: int | None = None) -> dict[str, Judged]:
+    """Each of `cards` (of `ref`'s workspaces, its kernels' scratch sized otherwise) judged by the
+    trace as it runs it (each cuBLAS workspace `workspace` bytes, where given). Where a replay of
+    its rows makes every decision `ref`'s replay without a limit made (Sized.alike_until; `peaks`:
+    that replay's reserved and allocated, `kept`: what it kept), its reserved peak is that replay's
+    and lean replays go on from its checkpoints; else its own replay without a limit decides."""
     groups: dict[tuple, list] = {}
     for c in cards:
         groups.setdefault(sized.sizes(c), []).append(c)
-    edges: dict[str, str] = {}
+    out: dict[str, Judged] = {}
     for group in groups.values():
-        until = sized.alike_until(group[0], ref, settings, kept.cached)
-        above, below = sized.band(group[0], ref)
-        edges.update(reserved.lean_edges(
-            sized.rows(group[0], workspace), settings,
-            [nccl.on_rank(c, point.parallel) for c in group], [k for k in kept.checkpoints if k.event <= until],
-            reserved_bytes + above, allocated_bytes - below))
-    return edges
+        rows, ranked = sized.rows(group[0], workspace), [nccl.on_rank(c, point.parallel) for c in group]
+        # allocated at least `ref`'s peak less the scratch smaller here
+        allocated = peaks[1] - sized.shift(group[0], ref)[1]
+        if len(rows) == len(sized.rows(ref)) == sized.alike_until(group[0], ref, settings, kept.cached):
+            edges = reserved.lean_edges(rows, settings, ranked, kept.checkpoints, peaks[0], allocated)
+            out.update((k, (e, peaks[0])) for k, e in edges.items())
+            continue
+        replays, unlimited = reserved.unlimited_replay(rows, settings, max(c.memory_bytes for c in group), ranked,
+                                                       allocated)
+        out.update((k, (e, unlimited.peak_reserved_bytes))
+                   for k, e in reserved.edges_by_replays(replays, unlimited, ranked).items())
+    return out
 
 
-def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: list, rec: dict,
-                    exact: bool = False) -> dict[str, str]:
-    """The edge of each of `cards` from the trace `sized` (of `point`'s card) with each card's cuBLAS
+def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: list, rec: dict) -> dict[str, Judged]:
+    """Each of `cards` judged by the trace `sized` (of `point`'s card) with each card's cuBLAS
     workspaces (config.cublas; one allocation each, made where they were) and its kernels' scratch
-    (config.kernels); but where the card's room lies further from the traced peaks than their
-    differences and two large segments (unless `exact`): those peaks decide it. Of the cards of one
-    workspace, one kernel sizing takes a replay without a limit, the others go on from it."""
+    (config.kernels); an OOM without a replay where its room lies under what the traced run surely
+    allocates there. Of the cards of one workspace, one kernel sizing takes a replay without a
+    limit, the others go on from it where they can (_own_sized_edges)."""
     ref = point.gpu
     traced_with, n = sized.workspaces(ref)
     by_workspace: dict[int | None, list] = {}
-    edges: dict[str, str] = {}
+    out: dict[str, Judged] = {}
     for c in cards:  # a trace without workspaces (real CPU tensors): theirs ignored
         ws = None if traced_with is None else cublas.workspace_bytes(c.capability)
-        known = None if exact else _by_bounds(point, rec["peak_reserved_bytes"], rec["peak_allocated_bytes"], c,
-                                              *sized.band(c, ref, n * abs((ws or 0) - (traced_with or 0))))
-        if known is not None:
-            edges[c.key] = known
+        # the storages' peak at least: the traced one less smaller workspaces and scratch
+        less = n * max(0, (traced_with or 0) - (ws or 0)) + sized.shift(c, ref)[1]
+        if _surely_oom(point, rec["peak_allocated_bytes"] - less, c):
+            out[c.key] = ("oom", None)
         else:
             by_workspace.setdefault(ws, []).append(c)
     for nbytes, group in by_workspace.items():
         first = [c for c in group if sized.alike(c, group[0])]
         workspace = None if nbytes in (None, traced_with) else nbytes
-        # the storages' peak at least: the traced one less smaller workspaces and scratch
         less = 0 if nbytes is None or traced_with is None else min(0, n * (nbytes - traced_with))
         ranked = [nccl.on_rank(c, point.parallel) for c in group]
         alike = [r for r, c in zip(ranked, group, strict=True) if c in first]
@@ -355,11 +354,12 @@ def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: 
         replays, unlimited = reserved.unlimited_replay(  # (checkpoints for the rest's rooms too)
             sized.rows(first[0], workspace), settings, max(c.memory_bytes for c in alike), ranked,
             rec["peak_allocated_bytes"] + less - sized.shift(first[0])[1], kept)
-        edges.update(reserved.edges_by_replays(replays, unlimited, alike))
-        edges.update(_own_sized_edges(sized, settings, point, [c for c in group if c not in first],
-                                      unlimited.peak_reserved_bytes, unlimited.peak_allocated_bytes,
-                                      kept, first[0], workspace))
-    return edges
+        out.update((k, (e, unlimited.peak_reserved_bytes))
+                   for k, e in reserved.edges_by_replays(replays, unlimited, alike).items())
+        out.update(_own_sized_edges(sized, settings, point, [c for c in group if c not in first],
+                                    (unlimited.peak_reserved_bytes, unlimited.peak_allocated_bytes),
+                                    kept, first[0], workspace))
+    return out
 
 
 def run_cuda(point: Point, run_dir: Path) -> dict:

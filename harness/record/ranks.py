@@ -9,10 +9,11 @@ rank that left no row at all; among equals, the lowest rank."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from harness.probe.sim.reserved import EDGES, edge_columns
-from harness.record.row import recorded_edge
+from harness.record.row import CARD_RESERVED, cards_reserved, recorded_edge
 
 RANK_RESULT_FILE = "rank_result.json"  # a rank's row: not result.json, for a sweep's rows are its points'
 STOPPED = "stopped_for_rank"  # a rank row's key: the rank whose failure stopped this one
@@ -67,4 +68,9 @@ def _worst_edges(rows: list[dict]) -> dict:
     """Each card's edge as the rank that is worst off on it sees it."""
     edges = {key: max((recorded_edge(row, key) or "oom" for row in rows), key=EDGES.index)
              for key in rows[0].get("fits_cards") or []}  # a card rank 0 does not fit holds no rank's job
-    return edge_columns(edges)
+    # each card's reserved peak: the largest of any rank's, where a rank recorded its own for it
+    own = [cards_reserved(row) for row in rows]
+    peaks = {key: max(o.get(key, int(row["peak_reserved_bytes"])) for o, row in zip(own, rows, strict=True))
+             for key in sorted(set().union(*own))}
+    return {**edge_columns(edges), CARD_RESERVED: json.dumps(peaks) if peaks else None}
+

@@ -19,6 +19,10 @@ POINT_FILE = "point.json"  # the point the row is of (Point.to_dict)
 # The collectives a row's traffic columns count (`<name>_bytes_per_step`: this GPU's bytes a step)
 TRAFFIC = ("all_gather", "reduce_scatter", "all_reduce")
 WORKSPACE = "cublas_workspace_bytes"
+# Each catalog card's reserved peak without a limit where the run as that card makes it (its cuBLAS
+# workspaces, kernel scratch or attention kernels) differs from the traced card's and a replay found
+# it (JSON {card key: bytes}); a card not in it reserves peak_reserved_bytes, or OOMs by its peaks
+CARD_RESERVED = "card_reserved_bytes"
 
 # Every column a row carries (DESIGN.md "The record"); absent values are None.
 COLUMNS = (
@@ -38,6 +42,7 @@ COLUMNS = (
     "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes", "workspace_bytes",
     "peak_step", "peak_phase", "peak_module", "step_allocated_bytes", "step_peak_bytes",
     "peak_inactive_split_bytes", "fragmentation_bytes", "fits_cards", "tight_cards", "retry_cards",
+    CARD_RESERVED,
     "catalog_sha",  # the catalog the fit verdicts were judged against (config.cards.digest)
     "retained_bytes", "retained_holder",
     "num_alloc_retries", "num_ooms", "oom_phase", "oom_step", "oom_module", "oom_tried_bytes", "oom_message",
@@ -59,6 +64,23 @@ def listed(row, column: str) -> list | None:
     """A list column of a row (fits_cards, ...); None where the row has none (read back as NaN)."""
     value = row.get(column)
     return None if value is None or (isinstance(value, float) and value != value) else list(value)
+
+
+def cards_reserved(row) -> dict[str, int]:
+    """Each card's reserved peak without a limit that the row recorded for that card (CARD_RESERVED);
+    {} where it recorded none."""
+    value = row.get(CARD_RESERVED)
+    return {k: int(v) for k, v in json.loads(value).items()} if isinstance(value, str) else {}
+
+
+def reserved_on(row, card_key: str) -> int | None:
+    """The row's reserved peak without a limit as a catalog card runs it: the card's own where the row
+    recorded one (CARD_RESERVED), else the row's; None where it has none."""
+    own = cards_reserved(row).get(card_key)
+    if own is not None:
+        return own
+    value = row.get("peak_reserved_bytes")
+    return None if value is None or value != value else int(value)  # (missing reads back as NaN)
 
 
 def recorded_edge(row, card_key: str) -> str | None:

@@ -8,7 +8,7 @@ from functools import partial
 
 from harness.allocator.model import draws_small, round_size
 from harness.allocator.replay import ReplayRow
-from harness.allocator.settings import K_LARGE_BUFFER, SIZE_MAX, AllocSettings
+from harness.allocator.settings import SIZE_MAX, AllocSettings
 from harness.config.point import Card
 from harness.record import trace_store
 
@@ -134,9 +134,6 @@ class Sized:
         base = tuple(self.codes.values()) if than is None else self.sizes(than)
         return shift(list(self.codes), self.sizes(card), base)
 
-    def band(self, card: Card, than: Card, workspaces: int = 0) -> tuple[int, int]:
-        return band(self.shift(card, than), workspaces)
-
 
 def _launch(code: str) -> str:
     """A launch's codes (its staging buffer's and its semaphores') alike but for the part."""
@@ -153,11 +150,3 @@ def shift(codes: list[str], theirs: tuple[int, ...], ours: tuple[int, ...]) -> t
         by_launch[_launch(code)] = by_launch.get(_launch(code), 0) + a - b
     return max([0, *by_launch.values()]), max([0, *(-d for d in by_launch.values())])
 
-
-def band(shifted: tuple[int, int], workspaces: int = 0) -> tuple[int, int]:
-    """(above, below): how far a run's peaks may move where its kernels' scratch is sized otherwise
-    (`shifted`: shift's (more, less)) and its cuBLAS workspaces differ by `workspaces` bytes: its
-    reserved up by the more and two large segments those may place otherwise, its allocated down by
-    the less."""
-    more, less = shifted
-    return more + workspaces + 2 * K_LARGE_BUFFER, less + workspaces
