@@ -69,6 +69,14 @@ def to_frame(events: list[TraceEvent]) -> pd.DataFrame:
     return df
 
 
+def events(df: pd.DataFrame) -> list[TraceEvent]:
+    """A trace's frame as the tracker's events (to_frame's inverse, but for `seq`'s gaps)."""
+    from harness.probe.sim.tracker import TraceEvent
+
+    # column lists, not itertuples: a 30k-row trace in 15 ms rather than 110
+    return list(map(TraceEvent._make, zip(*(df[c].tolist() for c in COLUMNS), strict=True)))
+
+
 def storages_peak(df: pd.DataFrame) -> int:
     """The most bytes the trace's storages held at once, as the allocator rounds each (the
     tracker's peak_allocated_bytes for the trace it wrote)."""

@@ -44,9 +44,8 @@ def frame(df: pd.DataFrame, to: str) -> pd.DataFrame | None:
     `swapped` knows them (the caller traces the card instead)."""
     if "kernel" not in df or not df["kernel"].str.startswith(FUSED_PREFIX).any():
         return None
-    events = [TraceEvent._make(r) for r in df[trace_store.COLUMNS].itertuples(index=False, name=None)]
     try:
-        return trace_store.to_frame(swapped(events, to))
+        return trace_store.to_frame(swapped(trace_store.events(df), to))
     except ValueError:
         return None
 
