@@ -85,7 +85,8 @@ def storages_peak(df: pd.DataFrame) -> int:
 
 
 def _allocated(size: pd.Series) -> pd.Series:
-    return ((size + (K_MIN_BLOCK - 1)) // K_MIN_BLOCK * K_MIN_BLOCK).clip(lower=K_MIN_BLOCK)
+    # (0 B: a launch's placeholder, which the card traced makes none of: kernel_scratch)
+    return ((size + (K_MIN_BLOCK - 1)) // K_MIN_BLOCK * K_MIN_BLOCK).clip(lower=K_MIN_BLOCK).where(size > 0, 0)
 
 
 def kernel_codes(df: pd.DataFrame) -> dict[str, int]:
@@ -134,8 +135,11 @@ def sized_for(df: pd.DataFrame, card: Card) -> pd.DataFrame:
     return out
 
 
-def replay_rows(df: pd.DataFrame) -> list[ReplayRow]:
-    """The trace as the allocator model's requests, each tagged with where it happened."""
+def replay_rows(df: pd.DataFrame, placeholders: bool = False) -> list[ReplayRow]:
+    """The trace as the allocator model's requests, each tagged with where it happened; a launch's
+    placeholder (0 B: made on other cards only, kernel_scratch) only where `placeholders`."""
+    if not placeholders and "size" in df and (df["size"] == 0).any():
+        df = df[df["size"] != 0]
     # Python lists, not Series: iterating a Series boxes every value (seconds for a 100k-event trace)
     cols = {c: df[c].tolist() for c in ("phase", "step", "module", "kind", "action", "key")}
     # One tag per distinct place (a few hundred in a trace of tens of thousands of events)

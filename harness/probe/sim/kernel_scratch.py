@@ -5,8 +5,11 @@ arguments to (bytes on the traced card, code): a code ("" for none) names a laun
 depend on the card, for record.trace_store.sized_for to size on another.
 
 A reduction splits across blocks on some cards and not on others only where its output grid lies
-between what their SMs fill (an output wider than ~2,000 x 128 columns); where the traced card's
-launch does not split, the trace holds no allocation for it, also for a card whose launch would.
+between what their SMs fill (an output wider than ~2,000 x 128 columns), and flash splits the keys
+on some only. Where the traced card's launch makes none but a catalog card's would (made_elsewhere),
+the trace holds a placeholder for it: an alloc and a free of 0 B with its code, which no replay on
+the traced card sees and sized_for sizes on the others (an MI300X splits RMSNorm's weight gradient
+over 512 tokens where an A100 does not: 256 MiB staging buffers a 7B trace of the A100 once lacked).
 """
 
 from __future__ import annotations
@@ -49,13 +52,13 @@ def _fused_backward(kernel: str):
 
 
 def _flash_forward(args, g) -> list[tuple[int, str]]:
-    """Flash's split-KV accumulators (config.kernels.flash_splitkv_bytes): none with dropout, nor
+    """Flash's split-KV accumulators (config.kernels.flash_splitkv_bytes): none with dropout; 0 B
     where the card takes one split."""
     if len(args) > 3 and args[3] > 0:
         return []
     shape = _fused_shape(*args[:3])
     sizes = kernels.flash_splitkv_bytes(shape, g)
-    return [(n, kernels.splitkv_code(shape, part)) for part, n in enumerate(sizes)] if sizes[1] else []
+    return [(n if sizes[1] else 0, kernels.splitkv_code(shape, part)) for part, n in enumerate(sizes)]
 
 
 def _efficient_backward(args, g) -> list[Scratch]:
@@ -141,9 +144,10 @@ _extremum = functools.partial(_reducing, accumulator=lambda x: x.element_size(),
 
 
 def _reduction_scratch(r: Reduction | None, g: Geometry) -> list[tuple[int, str]]:
-    found = kernels.reduce_buffers(r, g) if r is not None else None
-    if found is None:
+    """A reduction's staging buffer and semaphores (0 B each where its blocks share no outputs)."""
+    if r is None:
         return []
+    found = kernels.reduce_buffers(r, g) or (0, 0)
     return [(found[0], kernels.reduce_code(r, 0)), (found[1], kernels.reduce_code(r, 1))]
 
 
@@ -219,6 +223,20 @@ def of(func, args, kwargs, g: Geometry) -> list[Scratch]:
         if fsdp is not None:
             return [Scratch(*s) for s in fsdp(args, g, (kwargs or {}).get("out"))]
     return []
+
+
+@functools.cache
+def _catalog_geometries() -> tuple[Geometry, ...]:
+    from harness.config import cards
+
+    return tuple(sorted({kernels.geometry(c) for c in cards.cards()}, key=repr))
+
+
+@functools.lru_cache(maxsize=65536)
+def made_elsewhere(code: str) -> bool:
+    """Whether a catalog card's launch of `code` makes scratch (where the traced card's makes none,
+    the trace keeps a placeholder for it)."""
+    return any(kernels.scratch_bytes(code, g) for g in _catalog_geometries())
 
 
 def freed_in_order(func) -> bool:

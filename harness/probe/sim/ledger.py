@@ -33,7 +33,7 @@ def step_stats(journal: list[TraceEvent]) -> tuple[StepStats, list[StepStats]]:
             s = setup if step < 0 else steps.setdefault(step, StepStats(step=step))
             at = step
         if action == "alloc":
-            n = round_plain(size)
+            n = round_plain(size) if size else 0  # (a launch's placeholder: none on this card)
             live[key] = [size, n, kind]
             allocated += n
             requested += size

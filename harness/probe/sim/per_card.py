@@ -21,7 +21,8 @@ class Sized:
         self.codes = trace_store.kernel_codes(df)  # code -> bytes on the card traced
         self._sizes: dict[tuple, tuple[int, ...]] = {}
         self._rows: dict[tuple[int, ...], list[ReplayRow]] = {}
-        self._marked: list[tuple[int, str]] | None = None  # (row, its launch's code) as traced
+        self._framed: list[ReplayRow] | None = None  # the frame's rows, placeholders too
+        self._marked: list[tuple[int, str]] | None = None  # (row of the frame's, its launch's code)
         self._scratch: dict | None = None  # each scratch key's launch code (trace_store.scratch_keys)
         self._workspaces: dict[tuple[int, ...], tuple[int | None, int]] = {}
 
@@ -36,19 +37,15 @@ class Sized:
         return self.sizes(a) == self.sizes(b)
 
     def rows(self, card: Card, workspace: int | None = None) -> list[ReplayRow]:
-        """The trace's rows as `card` runs it (trace_store.sized_for's, made from the traced rows:
-        a copy with the scratch rows resized, not the frame sized again); each cuBLAS workspace
-        `workspace` bytes where given (trace_store.with_workspaces, not kept)."""
-        sizes = self.sizes(card)
-        if sizes not in self._rows:
-            self._rows[sizes] = self._resized(sizes)
-        rows = self._rows[sizes]
+        """The trace's rows as `card` runs it (trace_store.sized_for's, made from the frame's rows: a
+        copy with the scratch rows resized and those of launches it makes none of dropped, not the
+        frame sized again); each cuBLAS workspace `workspace` bytes where given
+        (trace_store.with_workspaces, not kept)."""
+        rows = self._rows_sized(self.sizes(card))
         return rows if workspace is None else trace_store.with_workspaces(rows, workspace)
 
     def _resized(self, sizes: tuple[int, ...]) -> list[ReplayRow]:
-        base = self._traced_rows()
-        if sizes == tuple(self.codes.values()):
-            return base
+        base = self._framed_rows()
         nbytes = dict(zip(self.codes, sizes, strict=True))
         rows = list(base)
         gone = set()
@@ -56,21 +53,26 @@ class Sized:
             n = nbytes[code]
             if n == 0:  # this card's launch makes none
                 gone.add(rows[i].key)
-            else:
+            elif n != rows[i].size:
                 rows[i] = rows[i]._replace(size=n)
         return [r for r in rows if r.key not in gone] if gone else rows
 
-    def _traced_rows(self) -> list[ReplayRow]:
-        traced = tuple(self.codes.values())
-        if traced not in self._rows:
-            self._rows[traced] = trace_store.replay_rows(self.df)
-        return self._rows[traced]
+    def _framed_rows(self) -> list[ReplayRow]:
+        """Every row of the frame, a launch's placeholders (0 B as traced: kernel_scratch) too."""
+        if self._framed is None:
+            self._framed = trace_store.replay_rows(self.df, placeholders=True)
+        return self._framed
+
+    def _rows_sized(self, sizes: tuple[int, ...]) -> list[ReplayRow]:
+        if sizes not in self._rows:
+            self._rows[sizes] = self._resized(sizes)
+        return self._rows[sizes]
 
     def _marks(self) -> list[tuple[int, str]]:
-        """Every row of a scratch key (its alloc and its free) in the traced rows, with its code."""
+        """Every row of a scratch key (its alloc and its free) in the frame's rows, with its code."""
         if self._marked is None:
             codes = self._scratch_keys()
-            self._marked = [(i, codes[r.key]) for i, r in enumerate(self._traced_rows()) if r.key in codes]
+            self._marked = [(i, codes[r.key]) for i, r in enumerate(self._framed_rows()) if r.key in codes]
         return self._marked
 
     def _scratch_keys(self) -> dict:
@@ -88,7 +90,7 @@ class Sized:
     def scratch_allocs(self, card: Card) -> frozenset[int]:
         """The rows of `rows(card)` that allocate a kernel's scratch (what Kept.watch watches)."""
         rows = self.rows(card)
-        if len(rows) == len(self._traced_rows()):  # the traced rows or a copy of them, none dropped
+        if len(rows) == len(self._framed_rows()):  # the frame's rows or a copy of them, none dropped
             return frozenset(i for i, _code in self._marks() if rows[i].action == "alloc")
         keys = self._scratch_keys()
         return frozenset(i for i, r in enumerate(rows) if r.action == "alloc" and r.key in keys)
@@ -105,7 +107,7 @@ class Sized:
         small = partial(draws_small, divisions=divisions)
         # rows alike in number differ only where the scratch is (each a copy of the traced rows)
         n = min(len(a), len(b))
-        where = (i for i, _code in self._marks()) if len(a) == len(b) == len(self._traced_rows()) else range(n)
+        where = (i for i, _code in self._marks()) if len(a) == len(b) == len(self._framed_rows()) else range(n)
         for i in where:
             x, y = a[i], b[i]
             if x is y or x == y or x.action == y.action == "free" and x.key == y.key:

@@ -79,7 +79,7 @@ def _stamped(journal: list[TraceEvent], s: int, steps: int,
                 code = _renumbered(code, [int(v) + k * d for v, d in zip(_NUMBER.findall(code), numbers)])
                 resized = grow(code)
                 size = size if resized is None else resized
-            if size <= 0 and e.action == "alloc":
+            if (size < 0 or size == 0 and not code) and e.action == "alloc":  # (0 B with a code: a placeholder)
                 raise NotRepeating(f"entry {i} of step {s} would allocate {size} B {k} step(s) later")
             out.append(TraceEvent(e.seq, e.action, key, size, e.kind, e.phase, s + k, e.module, e.stream, code))
         keys_before = keys

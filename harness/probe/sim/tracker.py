@@ -246,7 +246,7 @@ class StorageTracker(TorchDispatchMode):
 
     # ---- bookkeeping -----------------------------------------------------------------
     def _record_alloc(self, key: int, nbytes: int, kind: str, kernel: str = "") -> None:
-        alloc = round_plain(nbytes)
+        alloc = round_plain(nbytes) if nbytes else 0  # (0 B: a launch's placeholder, kernel_scratch)
         self._live[key] = [nbytes, alloc, kind, self.stream]
         self.allocated += alloc
         self.requested += nbytes
@@ -450,7 +450,7 @@ class StorageTracker(TorchDispatchMode):
         (Scratch.freed_after: those of one index last first); the keys of those left, in order."""
         keys: dict[int, int] = {}
         for i, s in enumerate(made):
-            if s.bytes:
+            if s.bytes or (s.code and kernel_scratch.made_elsewhere(s.code)):  # (0 B: a placeholder)
                 keys[i] = self._synthetic_key()
                 self._record_alloc(keys[i], s.bytes, "temporary", s.code)
             for j in sorted((j for j in keys if made[j].freed_after == i), reverse=True):
