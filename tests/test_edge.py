@@ -298,6 +298,25 @@ def test_every_cards_lean_replays_of_a_sharded_trace_go_on_from_checkpoints_past
     assert past_a_change
 
 
+def test_a_lean_replay_without_a_limit_keeps_what_a_full_one_keeps():
+    """demo-1b over 4 A100s (FSDP2, one layer): a lean replay without a limit (its reserved peak only,
+    a third of the time) reaches the full replay's reserved peak, watches the same largest cached
+    blocks and keeps checkpoints from which every capacity's lean replay decides as from the start."""
+    from harness.allocator.model import Device
+
+    a100, _point, sized, settings, peaks = _demo_1b_over_four()
+    rows = sized.rows(a100)
+    capacities = range(peaks.peak_allocated_bytes - 64 * MiB, peaks.peak_reserved_bytes + 64 * MiB, 8 * MiB)
+    full, lean = (Kept(watch=sized.scratch_allocs(a100)) for _ in range(2))
+    by_full = Replays(rows, settings, full).run_unlimited(Device(total=4 * GiB), capacities)
+    by_lean = Replays(rows, settings, lean).run_unlimited(Device(total=4 * GiB), capacities, lean=True)
+    assert by_lean.lean and by_lean.peak_reserved_bytes == by_full.peak_reserved_bytes
+    assert lean.cached == full.cached and full.cached
+    assert {k.event for k in full.checkpoints} <= {k.event for k in lean.checkpoints}
+    went_on, alone = _from_checkpoints_or_start(rows, settings, lean.checkpoints, capacities)
+    assert went_on == alone and any(a[1] for a in alone)  # (some capacities retry)
+
+
 def test_cards_of_several_kernel_sizings_are_judged_by_one_replay_as_by_their_own():
     """worker._edges_by_sizes on demo-1b over 4 A100s (FSDP2, one layer): cards of 46 to 132 SMs
     (their launch tables and reductions sized by them) every 4 MiB of room around the peaks, one

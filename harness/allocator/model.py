@@ -331,6 +331,7 @@ class CachingAllocator:
         # callback(bytes reserved after it) before each cudaMalloc asks the device (the state then is
         # the state before the request that asks: nothing has changed yet)
         self.on_device_ask: Callable[[int], None] | None = None
+        self.requesting = 0  # the request a lean replay's malloc serves (run_lean: its checkpoints')
 
     # ---- addresses -------------------------------------------------------------------------
     def _bump(self, size: int) -> int:
@@ -741,11 +742,14 @@ class CachingAllocator:
         return pool.free[i][1] if i >= 0 and pool.free[i][0] == stream else 0
 
     # ---- a lean replay's loop ------------------------------------------------------------------
-    def run_lean(self, rows, start: int, live: dict, on_oom: Callable[[int, OutOfMemory, int, object], bool]) -> int:
+    def run_lean(self, rows, start: int, live: dict, on_oom: Callable[[int, OutOfMemory, int, object], bool],
+                 watch: frozenset[int] = frozenset(), cached: dict[int, int] | None = None) -> int:
         """Requests `rows[start:]` ((action, key, size, tag, stream) each) on this lean allocator,
         `live` mapping each key to its block; `on_oom(index, error, size, tag)` says whether to stop. Returns
         how many requests were made. malloc and free as the calls make them, inline where a cached
-        block takes the request (most do: a 70B rank's ~90k requests, ~30% faster than the calls)."""
+        block takes the request (most do: a 70B rank's ~90k requests, ~30% faster than the calls).
+        Before each request of `watch`, into `cached`, the largest block its stream's pool had cached
+        (largest_cached); `requesting` names the request a device ask comes from."""
         s = self.settings
         inline = (self.lean and self.on_event is None and self._plain_rounding and not s.expandable_segments
                   and not self._gc_active())  # (what the inline path leaves out)
@@ -755,6 +759,8 @@ class CachingAllocator:
         i = start - 1
         for i, (action, key, orig, tag, stream) in enumerate(islice(rows, start, None), start):
             if action == "alloc":
+                if i in watch:
+                    cached[i] = self.largest_cached(orig, stream)  # type: ignore[index]
                 b = None
                 if inline:  # malloc with _get_free_block's hit, _should_split and _alloc_found_block
                     size = -(-orig // K_MIN_BLOCK) * K_MIN_BLOCK if orig > K_MIN_BLOCK else K_MIN_BLOCK
@@ -779,6 +785,7 @@ class CachingAllocator:
                                 rest.gc_base = pool.get_free_blocks_calls
                             b.allocated, b.requested = True, orig
                 if b is None:
+                    self.requesting = i
                     try:
                         b = malloc(orig, stream)
                     except OutOfMemory as oom:

@@ -336,14 +336,15 @@ def replay_events(events, settings: AllocSettings, device: Device | None = None,
             crossed = False
             while pending and need > pending[-1]:
                 crossed |= pending.pop() >= alloc.stats.allocated_bytes.peak
-            if crossed:  # result.requests: the request being made, counted from 1
-                kept.checkpoints.append(Checkpoint(result.requests - 1, alloc.largest_granted,
+            if crossed:  # the request being made (result.requests counts from 1; a lean loop names it)
+                kept.checkpoints.append(Checkpoint(alloc.requesting if lean else result.requests - 1,
+                                                   alloc.largest_granted,
                                                    *alloc.lean_copy(Device(total=alloc.device.total), live)))
         alloc.on_device_ask = ask
     if on_event is not None:
         alloc.on_event = lambda action, addr, size, stream: on_event(action, addr, size, stream, tag)
     elif lean:
-        _replay_lean(events, alloc, result, stop_at_oom)
+        _replay_lean(events, alloc, result, stop_at_oom, live=live, kept=kept)
         _finish(result, alloc, peaks)
         return result, alloc
     watch, cached = (kept.watch, kept.cached) if kept is not None else (frozenset(), {})
@@ -374,15 +375,16 @@ def replay_events(events, settings: AllocSettings, device: Device | None = None,
 
 
 def _replay_lean(events, alloc: CachingAllocator, result: ReplayResult, stop_at_oom: bool, start: int = 0,
-                 live: dict | None = None) -> None:
+                 live: dict | None = None, kept: Kept | None = None) -> None:
     """replay_events' loop for a lean replay that reports no events: no window, no peaks to observe
     (the allocator's own statistic keeps reserved's; CachingAllocator.run_lean). From request `start` on
-    with `live` (key -> block) where it goes on from a Checkpoint."""
+    with `live` (key -> block) where it goes on from a Checkpoint; what `kept` watches into it."""
     def on_oom(i: int, oom: OutOfMemory, size: int, tag) -> bool:
         result.ooms.append(_oom_row(oom, i, size, tag))
         return stop_at_oom
 
-    result.requests = alloc.run_lean(events, start, {} if live is None else live, on_oom)
+    watch, cached = (kept.watch, kept.cached) if kept is not None else (frozenset(), None)
+    result.requests = alloc.run_lean(events, start, {} if live is None else live, on_oom, watch, cached)
 
 
 class Replays:
@@ -409,12 +411,13 @@ class Replays:
     def _rows(self):
         return self.events() if callable(self.events) else self.events
 
-    def run_unlimited(self, device: Device, capacities: Sequence[int]) -> ReplayResult:
+    def run_unlimited(self, device: Device, capacities: Sequence[int], lean: bool = False) -> ReplayResult:
         """The replay on `device` (no capacity: what the run reserves), its state kept where it
         first asks for more than each of `capacities` (the cards to be asked about): a lean replay
-        on one of them goes on from there rather than from the start (into `kept`, with what it watches)."""
+        on one of them goes on from there rather than from the start (into `kept`, with what it
+        watches). `lean`: its reserved peak only (ReplayResult.lean), a third of the time."""
         return self.add(device, replay_events(self._rows(), self.settings, device, keep_below=capacities,
-                                              kept=self.kept)[0])
+                                              kept=self.kept, lean=lean)[0])
 
     def on(self, device: Device) -> ReplayResult:
         # A card's total memory sizes only expandable segments' address ranges (and OOM messages,

@@ -305,7 +305,7 @@ def _own_sized_edges(sized: Sized, settings: AllocSettings, point: Point, cards:
     """Each of `cards` (of `ref`'s workspaces, its kernels' scratch sized otherwise) judged by the
     trace as it runs it (each cuBLAS workspace `workspace` bytes, where given). Where a replay of
     its rows makes every decision `ref`'s replay without a limit made (Sized.alike_until; `peaks`:
-    that replay's reserved and allocated, `kept`: what it kept), its reserved peak is that replay's
+    that replay's reserved peak and what it surely allocated, `kept`: what it kept), its reserved peak is that replay's
     and lean replays go on from its checkpoints; else its own replay without a limit decides."""
     groups: dict[tuple, list] = {}
     for c in cards:
@@ -320,7 +320,7 @@ def _own_sized_edges(sized: Sized, settings: AllocSettings, point: Point, cards:
             out.update((k, (e, peaks[0])) for k, e in edges.items())
             continue
         replays, unlimited = reserved.unlimited_replay(rows, settings, max(c.memory_bytes for c in group), ranked,
-                                                       allocated)
+                                                       allocated, lean=True)
         out.update((k, (e, unlimited.peak_reserved_bytes))
                    for k, e in reserved.edges_by_replays(replays, unlimited, ranked).items())
     return out
@@ -351,14 +351,14 @@ def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: 
         ranked = [nccl.on_rank(c, point.parallel) for c in group]
         alike = [r for r, c in zip(ranked, group, strict=True) if c in first]
         kept = Kept(watch=sized.scratch_allocs(first[0]))
+        allocated = rec["peak_allocated_bytes"] + less - sized.shift(first[0])[1]  # at least
         replays, unlimited = reserved.unlimited_replay(  # (checkpoints for the rest's rooms too)
-            sized.rows(first[0], workspace), settings, max(c.memory_bytes for c in alike), ranked,
-            rec["peak_allocated_bytes"] + less - sized.shift(first[0])[1], kept)
+            sized.rows(first[0], workspace), settings, max(c.memory_bytes for c in alike), ranked, allocated, kept,
+            lean=True)
         out.update((k, (e, unlimited.peak_reserved_bytes))
                    for k, e in reserved.edges_by_replays(replays, unlimited, alike).items())
         out.update(_own_sized_edges(sized, settings, point, [c for c in group if c not in first],
-                                    (unlimited.peak_reserved_bytes, unlimited.peak_allocated_bytes),
-                                    kept, first[0], workspace))
+                                    (unlimited.peak_reserved_bytes, allocated), kept, first[0], workspace))
     return out
 
 

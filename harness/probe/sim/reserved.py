@@ -63,15 +63,17 @@ def edge_columns(edges: dict[str, str]) -> dict:
 
 
 def unlimited_replay(rows: list[ReplayRow], settings: AllocSettings, total: int, catalog: list[Card],
-                     peak_tensor_bytes: int, kept: Kept | None = None) -> tuple[Replays, ReplayResult]:
+                     peak_tensor_bytes: int, kept: Kept | None = None,
+                     lean: bool = False) -> tuple[Replays, ReplayResult]:
     """The trace's replays and its replay without a limit on a device of `total` bytes (what
     expandable segments' address ranges are sized by). A card between the run's allocated and
     reserved peaks takes a lean replay of its own, which goes on from where this one first asked for
     more than the card holds (alike until then; into `kept`, where given); a card under the
-    storages' peak needs none."""
+    storages' peak needs none. `lean`: the replay without a limit keeps its reserved peak only
+    (its allocated peak reads 0: each card over its reserved peak takes a replay)."""
     replays = Replays(rows, settings, kept)
     rooms = [c.room() for k in catalog for c in (k, k.at_worst())]
-    return replays, replays.run_unlimited(Device(total=total), [r for r in rooms if r >= peak_tensor_bytes])
+    return replays, replays.run_unlimited(Device(total=total), [r for r in rooms if r >= peak_tensor_bytes], lean)
 
 
 def edges_by_replays(replays: Replays, unlimited: ReplayResult, catalog: list[Card]) -> dict[str, str]:
