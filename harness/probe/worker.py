@@ -305,8 +305,9 @@ def _own_sized_edges(sized: Sized, settings: AllocSettings, point: Point, cards:
     """Each of `cards` (of `ref`'s workspaces, its kernels' scratch sized otherwise) judged by the
     trace as it runs it (each cuBLAS workspace `workspace` bytes, where given). Where a replay of
     its rows makes every decision `ref`'s replay without a limit made (Sized.alike_until; `peaks`:
-    that replay's reserved peak and what it surely allocated, `kept`: what it kept), its reserved peak is that replay's
-    and lean replays go on from its checkpoints; else its own replay without a limit decides."""
+    that replay's reserved peak and what it surely allocated; `kept`: what it kept), its reserved
+    peak is that replay's and lean replays go on from its checkpoints; else a lean replay of its
+    own without a limit decides."""
     groups: dict[tuple, list] = {}
     for c in cards:
         groups.setdefault(sized.sizes(c), []).append(c)
