@@ -193,6 +193,23 @@ def test_decode_steps_past_the_traced_three_grow_from_them_into_the_full_trace(m
 
 
 @pytest.mark.slow
+def test_decode_steps_over_which_only_the_traced_card_starts_splitting_grow_through_placeholders():
+    """4 sequences of a 240-token prompt decoded to 270 on an A100: its flash splits the keys from 257
+    on, a card of more SMs' from 129 on, so every step has the accumulators' entries, 0-B
+    placeholders on the A100 until it splits (kernel_scratch): the steps grow, entry for entry the
+    full trace's."""
+    from harness.config import cards, kernels
+    from harness.config.attention import FusedShape
+
+    p = _point("7b", workload="infer", seq_len=270, batch_size=4)
+    p = p.replace(workload=dataclasses.replace(p.workload, new_tokens=30))
+    on_a100 = [kernels.flash_splitkv_bytes(FusedShape(4, 32, 32, 1, s_k, 128, 128, 2),
+                                           kernels.geometry(cards.by_key()["a100-80gb"]))[1] > 0 for s_k in (241, 270)]
+    assert on_a100 == [False, True] and shortcut.decodes_beyond(p)
+    assert "decode steps 3 -> 30" in _assert_same_as_full(p)["trace_method"]
+
+
+@pytest.mark.slow
 def test_decode_steps_whose_flash_starts_splitting_the_keys_are_all_traced():
     """A 100-token prompt decoded to 140: flash's keys pass one block of 128 on the way, where its
     split-KV accumulators begin (a step the traced ones have no entry for): every step is traced."""

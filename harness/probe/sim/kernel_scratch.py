@@ -226,7 +226,8 @@ def of(func, args, kwargs, g: Geometry) -> list[Scratch]:
 
 
 @functools.cache
-def _catalog_geometries() -> tuple[Geometry, ...]:
+def catalog_geometries() -> tuple[Geometry, ...]:
+    """Each distinct geometry of the catalog's cards (the cards a row judges)."""
     from harness.config import cards
 
     return tuple(sorted({kernels.geometry(c) for c in cards.cards()}, key=repr))
@@ -236,7 +237,7 @@ def _catalog_geometries() -> tuple[Geometry, ...]:
 def made_elsewhere(code: str) -> bool:
     """Whether a catalog card's launch of `code` makes scratch (where the traced card's makes none,
     the trace keeps a placeholder for it)."""
-    return any(kernels.scratch_bytes(code, g) for g in _catalog_geometries())
+    return any(kernels.scratch_bytes(code, g) for g in catalog_geometries())
 
 
 def freed_in_order(func) -> bool:

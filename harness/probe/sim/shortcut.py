@@ -35,6 +35,7 @@ from harness.config.models import attention_shape, hf_config
 from harness.config.point import Leak, Point, Precision, WorkloadName
 from harness.probe.sim import ddp_setup, repeat, replicas
 from harness.probe.sim import steps as stepwise
+from harness.probe.sim.kernel_scratch import catalog_geometries
 from harness.probe.sim.measure import measurements
 from harness.probe.sim.repeat import NotRepeating
 from harness.probe.sim.trace import collector, run_point
@@ -223,8 +224,9 @@ def _sized_on(card) -> Callable[[str], int | None]:
 def decodes_beyond(point: Point) -> bool:
     """Whether a serving point's decode steps past the traced ones grow from them: it decodes more,
     and where its decode attends with flash on its card, flash splits the keys (config.kernels:
-    accumulators a step) at every length it reaches or at none, so that no step makes an
-    allocation the traced ones did not."""
+    accumulators a step) on its card or on a catalog card at every length it reaches or at none
+    (its rows, a placeholder where only another card's launch splits: kernel_scratch), so that no
+    step makes an entry the traced ones did not."""
     w = point.workload
     if w.name != WorkloadName.infer or w.new_tokens <= DECODE_TRACED:
         return False
@@ -234,8 +236,9 @@ def decodes_beyond(point: Point) -> bool:
                           causal_nonsquare=False, grouped=h_k != h, enable_gqa=h_k != h)
     if attention.kernel(point.gpu.capability, call) != attention.FLASH:  # (flash takes 16-bit calls only)
         return True
-    g, prompt = kernels.geometry(point.gpu), point.seq_len - w.new_tokens
-    splits = {kernels.flash_splitkv_bytes(FusedShape(point.batch_size, h // tp, h_k // tp, 1, s_k, d, d, 2), g)[1] > 0
+    cards, prompt = {kernels.geometry(point.gpu), *catalog_geometries()}, point.seq_len - w.new_tokens
+    splits = {any(kernels.flash_splitkv_bytes(FusedShape(point.batch_size, h // tp, h_k // tp, 1, s_k, d, d, 2), g)[1]
+                  for g in cards)
               for s_k in range(prompt + 1, point.seq_len + 1)}
     return len(splits) == 1
 

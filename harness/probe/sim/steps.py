@@ -65,6 +65,7 @@ def _stamped(journal: list[TraceEvent], s: int, steps: int,
     out = list(journal)
     keys_before = [journal[i].key for i in rows]
     next_key = max((abs(e.key) for e in journal), default=0) + 1
+    resized_to: dict[int, int] = {}  # a copy's storage `grow` sized -> its bytes (its free's too)
     for k in range(1, steps - s):
         keys: list[int] = []
         for i, how, (more, numbers) in zip(rows, keyed, growth, strict=True):
@@ -79,6 +80,10 @@ def _stamped(journal: list[TraceEvent], s: int, steps: int,
                 code = _renumbered(code, [int(v) + k * d for v, d in zip(_NUMBER.findall(code), numbers)])
                 resized = grow(code)
                 size = size if resized is None else resized
+                if resized is not None and e.action == "alloc":
+                    resized_to[key] = size
+            elif e.action == "free" and key in resized_to:  # (a free names no code: its block's bytes)
+                size = resized_to.pop(key)
             if (size < 0 or size == 0 and not code) and e.action == "alloc":  # (0 B with a code: a placeholder)
                 raise NotRepeating(f"entry {i} of step {s} would allocate {size} B {k} step(s) later")
             out.append(TraceEvent(e.seq, e.action, key, size, e.kind, e.phase, s + k, e.module, e.stream, code))
