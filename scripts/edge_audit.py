@@ -1,23 +1,27 @@
 """Each recorded "fits with room" of a sweep's rows against a replay of the row's trace as the card
 runs it: `python scripts/edge_audit.py <results.parquet> [...]`.
 
-A row's edge on a card of another cuBLAS workspace (or kernel scratch sized by other SMs) comes from
-a replay of the trace as that card runs it (probe.worker; rows from before 2026-12 took a band
-around the traced peaks, which was not sound). This replays the trace with the card's own workspace
-and scratch, without a limit, and lists each pair whose recorded `room` has a low end under that
-replay's reserved peak (such a card fits only on the allocator's retry, or not at all), with the
-largest rise of reserved it saw. Prints; exits 1 where it lists any.
+A row's edge on a card of another cuBLAS workspace, of kernel scratch sized by other SMs, or of other
+attention kernels (the trace taken or rewritten for it) comes from a replay of the trace as that
+card runs it (probe.worker; rows from before 2026-12-05 took a band around the traced peaks, which
+was not sound). This replays that trace with the card's own workspace and scratch, without a limit,
+and lists each pair whose recorded `room` has a low end under that replay's reserved peak (such a
+card fits only on the allocator's retry, or not at all), with the largest rise of reserved it saw.
+Prints; exits 1 where it lists any.
 """
 
 import sys
+from pathlib import Path
 
 import pandas as pd
 
 from harness.allocator.model import Device
 from harness.allocator.replay import replay_events
 from harness.allocator.settings import AllocSettings
-from harness.config import cards, cublas, nccl
+from harness.config import attention, cards, cublas, nccl
+from harness.config.attention import ATTENTION_CALLS
 from harness.plan import fit
+from harness.record import trace_store
 from harness.record.row import WORKSPACE, recorded_edge
 
 
@@ -29,11 +33,17 @@ def audit(rows: pd.DataFrame) -> tuple[int, int, int]:
             continue
         peaks: dict = {}
         for c in cards.cards():
-            key = (cublas.workspace_bytes(c.capability), fit._sizing(row, c))
-            if key == (int(row[WORKSPACE]), None):
+            # a card of other attention kernels: the trace the worker took or rewrote for it, if any
+            path = Path(row["trace_path"])
+            if not attention.takes_alike(c.capability, row.get(ATTENTION_CALLS)):
+                path = trace_store.apart_path(path, c.key)
+                if not path.is_file():
+                    continue  # none: the worker found it an OOM by the traced peaks
+            key = (str(path), cublas.workspace_bytes(c.capability), fit._sizing({**row, "trace_path": str(path)}, c))
+            if key == (row["trace_path"], int(row[WORKSPACE]), None):
                 continue  # the traced card's own rows: its replay decided it
             if key not in peaks:
-                trace = fit._trace_rows(str(row["trace_path"]), *key)
+                trace = fit._trace_rows(*key)
                 settings = AllocSettings.from_conf(row.get("allocator_conf") or "")
                 peaks[key] = replay_events(trace, settings, Device(), lean=True)[0].peak_reserved_bytes
             rise = max(rise, peaks[key] - int(row["peak_reserved_bytes"]))
