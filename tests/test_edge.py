@@ -413,3 +413,15 @@ def test_a_larger_workspace_that_costs_a_segment_is_no_fit_on_a_card_the_traced_
     assert verdict["verdict"] == "card problem"
     card = cards.by_key()[verdict["card_needed"]]
     assert verdict["card_headroom_bytes"] == card.room() - (mine.get(card.key) or big)
+    # scripts/edge_audit.py replays each recorded room as the card runs it: it finds none wrong
+    # here, and the H100's "room" a band around the traced peaks gave
+    import importlib.util
+
+    from tests.conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("edge_audit", REPO / "scripts" / "edge_audit.py")
+    audit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(audit)
+    assert audit.audit(pd.DataFrame([row]))[1] == 0
+    banded = {**row, "fits_cards": [*row["fits_cards"], "h100-80gb"]}
+    assert audit.audit(pd.DataFrame([banded]))[1:] == (1, second)
