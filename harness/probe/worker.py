@@ -293,9 +293,11 @@ def _reductions_more(r: kernels.Reduction | None, card: Card, than: Card) -> int
 
 
 def _swap_band(scratch: int, rec: dict, card: Card, n_workspaces: int) -> int:
-    """How far the traced peaks must lie from `card`'s room to decide it where it attends with
-    cuDNN and the trace with flash (or back): one call's `scratch`, two large segments (20 MiB
-    each) that other block sizes may place otherwise, and the cuBLAS workspaces' difference."""
+    """How far a run's peaks may move where `card` attends with cuDNN and the run with flash (or
+    back): one call's `scratch`, two large segments (20 MiB each) that other block sizes may place
+    otherwise, and the cuBLAS workspaces' difference. Sound for allocated bytes (what an OOM is
+    decided by, _swapped_and_oom); for reserved an estimate, which only a real row, having no trace
+    to replay, takes (measured_edges)."""
     workspaces = n_workspaces * abs(cublas.workspace_bytes(card.capability) - (rec.get(WORKSPACE) or 0))
     return scratch + 2 * K_LARGE_BUFFER + workspaces
 
