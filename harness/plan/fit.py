@@ -17,7 +17,6 @@ from harness.config.point import Card
 from harness.probe.sim import reserved
 from harness.record import trace_store
 from harness.record.row import WORKSPACE, cards_reserved, listed, recorded_edge
-from harness.record.row import reserved_on as row_reserved_on
 
 
 def _missing(v) -> bool:
@@ -62,10 +61,10 @@ def _fits_on(row: dict, c: Card) -> bool:
 
 
 def reserved_on(row: dict, card: Card) -> int | None:
-    """The run's reserved peak without a limit as `card` runs it (record.row.reserved_on; allocated
-    where reserved is unknown)."""
+    """The run's reserved peak without a limit as `card` runs it: its own where the row recorded one
+    (record.row.CARD_RESERVED), else the row's (allocated where reserved is unknown)."""
     peaks = _peaks(row)
-    return None if peaks is None else row_reserved_on(row, card.key) or peaks[0]
+    return None if peaks is None else cards_reserved(row).get(card.key, peaks[0])
 
 
 @functools.lru_cache(maxsize=256)

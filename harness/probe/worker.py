@@ -322,11 +322,19 @@ def _own_sized_edges(sized: Sized, settings: AllocSettings, point: Point, cards:
             edges = reserved.lean_edges(rows, settings, ranked, kept.checkpoints, peaks[0], allocated)
             out.update((k, (e, peaks[0])) for k, e in edges.items())
             continue
-        replays, unlimited = reserved.unlimited_replay(rows, settings, max(c.memory_bytes for c in group), ranked,
-                                                       allocated, lean=True)
-        out.update((k, (e, unlimited.peak_reserved_bytes))
-                   for k, e in reserved.edges_by_replays(replays, unlimited, ranked).items())
+        out.update(_by_own_replay(rows, settings, ranked, allocated)[0])
     return out
+
+
+def _by_own_replay(rows: list, settings: AllocSettings, cards: list, allocated: int, rooms: list | None = None,
+                   kept: Kept | None = None) -> tuple[dict[str, Judged], int]:
+    """`cards` (as the job's GPUs) judged by a lean replay of `rows` without a limit (`allocated`:
+    what it surely allocates) and lean replays on each card going on from its checkpoints, kept for
+    `rooms`' cards too (default: `cards`; into `kept`, where given); and that replay's reserved peak."""
+    replays, unlimited = reserved.unlimited_replay(rows, settings, max(c.memory_bytes for c in cards),
+                                                   rooms or cards, allocated, kept, lean=True)
+    peak = unlimited.peak_reserved_bytes
+    return {k: (e, peak) for k, e in reserved.edges_by_replays(replays, unlimited, cards).items()}, peak
 
 
 def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: list, rec: dict) -> dict[str, Judged]:
@@ -355,13 +363,11 @@ def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: 
         alike = [r for r, c in zip(ranked, group, strict=True) if c in first]
         kept = Kept(watch=sized.scratch_allocs(first[0]))
         allocated = rec["peak_allocated_bytes"] + less - sized.shift(first[0])[1]  # at least
-        replays, unlimited = reserved.unlimited_replay(  # (checkpoints for the rest's rooms too)
-            sized.rows(first[0], workspace), settings, max(c.memory_bytes for c in alike), ranked, allocated, kept,
-            lean=True)
-        out.update((k, (e, unlimited.peak_reserved_bytes))
-                   for k, e in reserved.edges_by_replays(replays, unlimited, alike).items())
-        out.update(_own_sized_edges(sized, settings, point, [c for c in group if c not in first],
-                                    (unlimited.peak_reserved_bytes, allocated), kept, first[0], workspace))
+        # (its checkpoints for the rest's rooms too)
+        judged, peak = _by_own_replay(sized.rows(first[0], workspace), settings, alike, allocated, ranked, kept)
+        out.update(judged)
+        out.update(_own_sized_edges(sized, settings, point, [c for c in group if c not in first], (peak, allocated),
+                                    kept, first[0], workspace))
     return out
 
 

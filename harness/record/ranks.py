@@ -73,4 +73,3 @@ def _worst_edges(rows: list[dict]) -> dict:
     peaks = {key: max(o.get(key, int(row["peak_reserved_bytes"])) for o, row in zip(own, rows, strict=True))
              for key in sorted(set().union(*own))}
     return {**edge_columns(edges), CARD_RESERVED: json.dumps(peaks) if peaks else None}
-

@@ -85,7 +85,7 @@ def storages_peak(df: pd.DataFrame) -> int:
 
 
 def _allocated(size: pd.Series) -> pd.Series:
-    # (0 B: a launch's placeholder, which the card traced makes none of: kernel_scratch)
+    # (probe.sim.tracker.counted, on the whole column: 0 B, a launch's placeholder, counts none)
     return ((size + (K_MIN_BLOCK - 1)) // K_MIN_BLOCK * K_MIN_BLOCK).clip(lower=K_MIN_BLOCK).where(size > 0, 0)
 
 

@@ -57,8 +57,7 @@ def _flash_forward(args, g) -> list[tuple[int, str]]:
     if len(args) > 3 and args[3] > 0:
         return []
     shape = _fused_shape(*args[:3])
-    sizes = kernels.flash_splitkv_bytes(shape, g)
-    return [(n if sizes[1] else 0, kernels.splitkv_code(shape, part)) for part, n in enumerate(sizes)]
+    return [(n, kernels.splitkv_code(shape, part)) for part, n in enumerate(kernels.flash_splitkv_bytes(shape, g))]
 
 
 def _efficient_backward(args, g) -> list[Scratch]:
@@ -225,8 +224,14 @@ def of(func, args, kwargs, g: Geometry) -> list[Scratch]:
     return []
 
 
+def recorded(nbytes: int, code: str) -> bool:
+    """Whether a trace holds a launch's scratch of `nbytes` on the traced card: where it makes some,
+    and as a 0-B placeholder where a catalog card's launch of `code` would (made_elsewhere)."""
+    return bool(nbytes) or bool(code) and made_elsewhere(code)
+
+
 @functools.cache
-def catalog_geometries() -> tuple[Geometry, ...]:
+def _catalog_geometries() -> tuple[Geometry, ...]:
     """Each distinct geometry of the catalog's cards (the cards a row judges)."""
     from harness.config import cards
 
@@ -235,9 +240,8 @@ def catalog_geometries() -> tuple[Geometry, ...]:
 
 @functools.lru_cache(maxsize=65536)
 def made_elsewhere(code: str) -> bool:
-    """Whether a catalog card's launch of `code` makes scratch (where the traced card's makes none,
-    the trace keeps a placeholder for it)."""
-    return any(kernels.scratch_bytes(code, g) for g in catalog_geometries())
+    """Whether a catalog card's launch of `code` makes scratch."""
+    return any(kernels.scratch_bytes(code, g) for g in _catalog_geometries())
 
 
 def freed_in_order(func) -> bool:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from harness.allocator.model import round_plain
-from harness.probe.sim.tracker import KINDS, TraceEvent
+from harness.probe.sim.tracker import KINDS, TraceEvent, counted
 
 
 @dataclass
@@ -33,7 +32,7 @@ def step_stats(journal: list[TraceEvent]) -> tuple[StepStats, list[StepStats]]:
             s = setup if step < 0 else steps.setdefault(step, StepStats(step=step))
             at = step
         if action == "alloc":
-            n = round_plain(size) if size else 0  # (a launch's placeholder: none on this card)
+            n = counted(size)
             live[key] = [size, n, kind]
             allocated += n
             requested += size

@@ -35,7 +35,7 @@ from harness.config.models import attention_shape, hf_config
 from harness.config.point import Leak, Point, Precision, WorkloadName
 from harness.probe.sim import ddp_setup, repeat, replicas
 from harness.probe.sim import steps as stepwise
-from harness.probe.sim.kernel_scratch import catalog_geometries
+from harness.probe.sim.kernel_scratch import recorded
 from harness.probe.sim.measure import measurements
 from harness.probe.sim.repeat import NotRepeating
 from harness.probe.sim.trace import collector, run_point
@@ -236,11 +236,10 @@ def decodes_beyond(point: Point) -> bool:
                           causal_nonsquare=False, grouped=h_k != h, enable_gqa=h_k != h)
     if attention.kernel(point.gpu.capability, call) != attention.FLASH:  # (flash takes 16-bit calls only)
         return True
-    cards, prompt = {kernels.geometry(point.gpu), *catalog_geometries()}, point.seq_len - w.new_tokens
-    splits = {any(kernels.flash_splitkv_bytes(FusedShape(point.batch_size, h // tp, h_k // tp, 1, s_k, d, d, 2), g)[1]
-                  for g in cards)
-              for s_k in range(prompt + 1, point.seq_len + 1)}
-    return len(splits) == 1
+    g, prompt = kernels.geometry(point.gpu), point.seq_len - w.new_tokens
+    shapes = (FusedShape(point.batch_size, h // tp, h_k // tp, 1, s_k, d, d, 2) for s_k in range(prompt + 1, point.seq_len + 1))
+    # each step's accumulators in the trace as the tracker records them (kernel_scratch.recorded)
+    return len({recorded(kernels.flash_splitkv_bytes(s, g)[1], kernels.splitkv_code(s, 1)) for s in shapes}) == 1
 
 
 def traced_steps(point: Point) -> int:

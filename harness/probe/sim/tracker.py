@@ -133,6 +133,12 @@ def _tensors(values) -> list[torch.Tensor]:
     return out
 
 
+def counted(nbytes: int) -> int:
+    """The bytes max_memory_allocated counts for a storage of `nbytes` (round_plain); none for a
+    launch's 0-B placeholder (kernel_scratch), which allocates nothing."""
+    return round_plain(nbytes) if nbytes else 0
+
+
 class TraceEvent(NamedTuple):
     """One storage's birth or death on the virtual GPU, in order (a row of trace.parquet); in the
     tracker's journal also a storage's change of kind (retag) and a step's end (end)."""
@@ -246,7 +252,7 @@ class StorageTracker(TorchDispatchMode):
 
     # ---- bookkeeping -----------------------------------------------------------------
     def _record_alloc(self, key: int, nbytes: int, kind: str, kernel: str = "") -> None:
-        alloc = round_plain(nbytes) if nbytes else 0  # (0 B: a launch's placeholder, kernel_scratch)
+        alloc = counted(nbytes)
         self._live[key] = [nbytes, alloc, kind, self.stream]
         self.allocated += alloc
         self.requested += nbytes
@@ -450,7 +456,7 @@ class StorageTracker(TorchDispatchMode):
         (Scratch.freed_after: those of one index last first); the keys of those left, in order."""
         keys: dict[int, int] = {}
         for i, s in enumerate(made):
-            if s.bytes or (s.code and kernel_scratch.made_elsewhere(s.code)):  # (0 B: a placeholder)
+            if kernel_scratch.recorded(s.bytes, s.code):  # (0 B: a placeholder)
                 keys[i] = self._synthetic_key()
                 self._record_alloc(keys[i], s.bytes, "temporary", s.code)
             for j in sorted((j for j in keys if made[j].freed_after == i), reverse=True):
