@@ -294,10 +294,11 @@ def test_the_memory_efficient_backward_allocates_what_demo_1bs_fp32_layers_did_o
 
 
 def test_the_memory_efficient_backwards_workspace_follows_the_kernel_the_card_launches():
-    """The fp32 kernel's rows of queries a block: 128 where a block may take A100-class shared memory
+    """The kernel's rows of queries a block: 128 where a block may take A100-class shared memory
     and the head dim is over 64, else 64 (Turing's kernels, sm86/89/12x's 99 KB, small head dims).
-    16-bit calls compute delta in the kernel; ROCm's AOTriton allocates delta alone, and only where
-    its fused backward does not run."""
+    16-bit calls compute delta in the kernel, and where their kernel cannot keep the key and value
+    gradients in registers accumulate them in the workspace per split of the keys; ROCm's AOTriton
+    allocates delta alone, and only where its fused backward does not run."""
     from harness.config import cards, kernels
     from harness.config.attention import FusedShape
 
@@ -311,7 +312,24 @@ def test_the_memory_efficient_backwards_workspace_follows_the_kernel_the_card_la
     assert parts("rtx4090", fp32)[3] == parts("t4", fp32)[3] == parts("rtx5090", fp32)[3] == 32 * per_head_64
     small = FusedShape(2, 16, 16, 1024, 1024, 64, 64, 4)
     assert parts("h200", small)[3] == parts("t4", small)[3] == 32 * 16 * (16 + 64 * 64 * 4)
-    assert parts("h200", fp32._replace(esize=2)) == (0, 0, 131072, 0)
+    # 16-bit: delta in the kernel. On an H200 the 128 x 128 kernel keeps dK and dV in registers: the
+    # query gradient's tiles alone, 8 blocks of rows x 1 of columns a head
+    half = fp32._replace(esize=2)
+    assert parts("h200", half) == (0, 0, 131072, 32 * 8 * (16 + 128 * 128 * 4))
+    # a T4's 64 x 64 kernel for head dim 128 keeps them in fp32 accumulators too, 64 keys x 128 each
+    # for each split of the keys: 16 blocks of keys, at most 200 // (B x H) = 6 splits
+    assert parts("t4", half)[3] == parts("l4", half)[3] == 32 * (per_head_64 + 6 * 64 * (128 + 128) * 4)
+    # B x H = 512 fill the card and the keys (128) are at most two blocks: one split
+    wide = half._replace(b=32, s_q=128, s_k=128)
+    assert parts("t4", wide)[3] == 512 * (2 * 2 * (16 + 64 * 64 * 4) + 64 * 256 * 4)
+    # head dim 80 in 16-bit: the 128 x 64 kernel only sm86 and sm89 dispatch (in registers, 2 columns
+    # of 64); the 128 x 128 one for head dims to 128 on an A100; a T4's 64 x 64 one, 2 columns and
+    # 128-wide accumulators (80 aligned to 64 rows)
+    d80 = half._replace(d=80, d_v=80)
+    assert parts("l4", d80)[3] == parts("a10g", d80)[3] == 32 * 8 * 2 * (16 + 128 * 64 * 4)
+    assert parts("a100-80gb", d80)[3] == 32 * 8 * (16 + 128 * 128 * 4)
+    assert parts("t4", d80)[3] == 32 * (16 * 2 * (16 + 64 * 64 * 4) + 6 * 64 * (128 + 128) * 4)
+    assert parts("mi300x", half) == (0, 0, 131072, 0)
     assert parts("mi300x", fp32) == (0, 0, 131072, 0) and parts("mi300x", small._replace(s_q=256, s_k=256)) == (0,) * 4
     code = kernels.efficient_code(fp32, 3)
     assert kernels.scratch_bytes(code, kernels.geometry(cards.by_key()["l4"])) == 32 * per_head_64

@@ -16,8 +16,10 @@ returns, yet counted by max_memory_allocated and placed by the allocator like an
 - The memory-efficient attention backward (attention_backward.cu, _efficient_attention_backward;
   kernel_backward.h) works out delta, the rowwise sum of the output's gradient times the output,
   with three tensors where its kernel does not (fp32), and gives the kernel a workspace that
-  accumulates the query's gradient over blocks of keys. The workspace's rows per block follow which
-  kernel launches, by the card's architecture and shared memory. Measured on an H200: demo-1b's
+  accumulates the query's gradient over blocks of keys (in 16-bit types, where the kernel cannot
+  keep them in registers, the key's and value's too, per split of the keys). The workspace's block
+  sizes follow which kernel launches, by the dtype, the head dims and the card's architecture and
+  shared memory (mem_eff_attention/kernels/generate_kernels.py). Measured on an H200: demo-1b's
   B2 x H16 x 1024 fp32 backward, 16,777,216 + 131,072 + 131,072 B, then 16,785,408 B.
 - FSDP2's copy-out of an all-gather (split_with_sizes_copy) and copy-in of a reduce-scatter
   (_chunk_cat) pack their launch tables into one int64 tensor on the card
@@ -233,35 +235,70 @@ def splitkv_code(shape: FusedShape, part: int) -> str:
 
 # ---- the memory-efficient attention's backward --------------------------------------------------
 
-def _efficient_f32_rows(head_dim: int, g: Geometry) -> int:
-    """kBlockSizeI of the fp32 backward kernel that launches (cutlassB.h, the first whose head
-    dims hold the call's and whose shared memory the card gives a block): 64 rows of queries on
-    Turing; on sm80 and newer 128 for head dims over 64 where a block may take A100-class shared
-    memory (163 KB or more: sm80, sm87, sm90, sm10x), else 64 (99 KB: sm86, sm89, sm12x). An
-    H200 ran the 128-row kernel for head dim 128 (its workspace)."""
+class _BackwardKernel(NamedTuple):
+    """The memory-efficient backward kernel that launches, as its workspace is sized by it."""
+    rows: int  # kBlockSizeI: queries a block
+    cols: int  # kBlockSizeJ: keys a block (and the query gradient's columns a tile)
+    in_registers: bool  # kOutputInRF: key and value gradients kept in registers, no accumulators
+
+
+def _efficient_backward_kernel(max_k: int, half: bool, g: Geometry) -> _BackwardKernel:
+    """The first kernel of cutlassB.h (generate_kernels.py's BwdKernel order: smallest kMaxK that
+    holds the call's head dims, then most rows) whose shared memory the card gives a block. Rows:
+    128 for head dims over 64 where a block may take A100-class shared memory (163 KB or more:
+    sm80, sm87, sm90, sm10x), else 64 (Turing's 64 KB and the 99 KB of sm86, sm89 and sm12x: the
+    generator's "fallback to 64 for GPUs with less shmem (Sm75, Sm86 ...)"), but for the 128 x 64
+    kernel of head dims to 96 in 16-bit types that only sm86 and sm89 dispatch. A 16-bit kernel keeps
+    the key and value gradients in registers where its kMaxK is at most its rows; it preloads on
+    sm80 and newer, with 128 keys a block for head dims over 64. An H200 ran fp32's 128-row kernel
+    for head dim 128 (its workspace); the 16-bit kernels and the smaller cards' are not measured."""
     cap = g.capability or attention.DEFAULT_CAPABILITY
-    small_shared = cap < (8, 0) or cap in ((8, 6), (8, 9)) or cap[0] == 12
-    return 64 if head_dim <= 64 or small_shared else 128
+    narrow = cap in ((8, 6), (8, 9))
+    if half and narrow and 64 < max_k <= 96:
+        return _BackwardKernel(128, 64, True)
+    k = next(m for m in (32, 64, 128, 2**16) if max_k <= m)
+    rows = 64 if k <= 64 or cap < (8, 0) or narrow or cap[0] == 12 else 128
+    in_registers = half and k <= rows
+    return _BackwardKernel(rows, 128 if in_registers and cap >= (8, 0) and k > 64 else 64, in_registers)
+
+
+def _key_splits(b: int, h: int, s_k: int, kernel: _BackwardKernel) -> int:
+    """num_splits_key (attention_backward.cu's heuristic): a split per block of keys, one where the
+    batch x heads already fill the card and the keys are few, and where the key and value gradients
+    need accumulators at most 200 over batch x heads (their size grows with the splits)."""
+    splits = -(-s_k // kernel.cols)
+    if b * h >= 256 and s_k <= 2 * kernel.cols:
+        splits = 1
+    if not kernel.in_registers:
+        splits = min(splits, 200 // (b * h))
+    return max(splits, 1)
 
 
 def efficient_backward_bytes(shape: FusedShape, g: Geometry) -> tuple[int, int, int, int]:
     """What the memory-efficient attention backward allocates after its gradients, in order (bytes;
     0: none there): the output's gradient times the output and its sum over the value dim (fp32,
     where the kernel does not compute delta itself: kKernelComputesDelta is for 16-bit types),
-    delta (B x H x S_q fp32), and the kernel's workspace: for fp32, the query gradient's
-    accumulators, a 16-byte lock and a rows x 64 fp32 tile for each block of rows and 64 columns of
-    the head dim (GradQTempStorage; workspace_size()). The 16-bit kernels' workspace (their own
-    kernel list, and key and value accumulators by split) is not modelled. On ROCm (AOTriton) delta
-    alone, where its fused backward (head dim <= 192, head dim x S_q < 32768) does not run."""
-    b, h, s_q, d = shape.b, shape.h, shape.s_q, shape.d
+    delta (B x H x S_q fp32), and the kernel's workspace (kernel_backward.h, workspace_size()), per
+    batch and head aligned to 4 floats: the query gradient's accumulators, a 16-byte lock and a
+    rows x cols fp32 tile for each block of rows and of head-dim columns (GradQTempStorage); and for
+    a 16-bit kernel that keeps them out of registers, key and value accumulators, keys a block x the
+    head dims aligned to rows, for each split of the keys. On ROCm (AOTriton) delta alone, where its
+    fused backward (head dim <= 192, head dim x S_q < 32768) does not run."""
+    b, h, s_q, d, d_v = shape.b, shape.h, shape.s_q, shape.d, shape.d_v
     delta = b * h * s_q * 4
     if g.rocm:
         return 0, 0, (0 if d <= 192 and d * s_q < 64 * 512 else delta), 0
-    if shape.esize != 4:
-        return 0, 0, delta, 0
-    rows = _efficient_f32_rows(max(d, shape.d_v), g)
-    per_head = -(-s_q // rows) * -(-d // 64) * (4 + rows * 64)  # floats
-    return b * s_q * h * shape.d_v * 4, b * s_q * h * 4, delta, b * h * (-(-per_head // 4) * 4) * 4
+    half = shape.esize != 4
+    kernel = _efficient_backward_kernel(max(d, d_v), half, g)
+    rows, cols = kernel.rows, kernel.cols
+    floats = -(-s_q // rows) * -(-d // cols) * (4 + rows * cols)
+    if half and not kernel.in_registers:
+        splits = _key_splits(b, h, shape.s_k, kernel)
+        floats += splits * cols * (-(-d // rows) * rows + -(-d_v // rows) * rows)
+    workspace = b * h * (-(-floats // 4) * 4) * 4
+    if half:
+        return 0, 0, delta, workspace
+    return b * s_q * h * d_v * 4, b * s_q * h * 4, delta, workspace
 
 
 EFFICIENT_PREFIX = "effbwd:"
