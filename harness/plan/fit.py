@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -15,6 +16,7 @@ from harness.config import cards as catalog
 from harness.config.attention import ATTENTION_CALLS
 from harness.config.point import Card
 from harness.probe.sim import reserved
+from harness.probe.sim.per_card import Sized
 from harness.record import trace_store
 from harness.record.row import WORKSPACE, cards_reserved, listed, recorded_edge
 
@@ -122,23 +124,35 @@ def edge(row: dict, card: Card, margin: float = 0.0) -> str | None:
 
 
 @functools.lru_cache(maxsize=4)
+def _sized(path: str) -> Sized:
+    """A run's trace, read once for all the cards a probe is checked against: its rows made once per
+    sizing of its kernels' scratch (a plan's table asks for each row's trace card after card)."""
+    return Sized(pd.read_parquet(path))
+
+
 def _trace_rows(path: str, workspace: int | None = None, sizing: tuple[int, str] | None = None) -> list[ReplayRow]:
     """A run's trace as replay rows (each cuBLAS workspace `workspace` bytes, and its kernels'
-    scratch sized for a card of `sizing`, where given), read once for all the cards a probe is
-    checked against."""
-    df = pd.read_parquet(path)
-    if sizing is not None:
-        df = trace_store.sized_for(df, Card(multiprocessors=sizing[0], compute_capability=sizing[1]))
-    rows = trace_store.replay_rows(df)
-    return rows if workspace is None else trace_store.with_workspaces(rows, workspace)
+    scratch sized for a card of `sizing`, where given)."""
+    card = None if sizing is None else Card(multiprocessors=sizing[0], compute_capability=sizing[1])
+    return _sized(path).rows(card, workspace)
 
 
 def _replay(row: dict, card: Card, workspace: int | None = None):
     """The run's replay on a card (Device.for_card: its room and size): a plan asks for it when it
     searches, when it finds the edge and when it counts cache flushes (~0.3 s each for a 7B
     trace), and a card of another room often replays alike (Replays)."""
-    return _replays(str(row["trace_path"]), row.get("allocator_conf") or "", workspace,
+    return _replays(_one_name(str(row["trace_path"])), row.get("allocator_conf") or "", workspace,
                     _sizing(row, card)).on(Device.for_card(card))
+
+
+_NAMES: dict[tuple[int, int, int], str] = {}
+
+
+def _one_name(path: str) -> str:
+    """One name for a trace file however many names link to it: the worker links one trace of
+    another card's attention kernels for each card of its group, whose replays are then shared."""
+    st = os.stat(path)
+    return _NAMES.setdefault((st.st_dev, st.st_ino, st.st_mtime_ns), path)
 
 
 @functools.lru_cache(maxsize=256)

@@ -167,6 +167,11 @@ def with_workspaces(rows: list[ReplayRow], nbytes: int) -> list[ReplayRow]:
     return [r._replace(size=nbytes) if _is_workspace(r) else r for r in rows]
 
 
+def workspace_rows(rows: list[ReplayRow]) -> list[int]:
+    """Where the trace's rows allocate a cuBLAS workspace (with_workspaces' rows)."""
+    return [i for i, r in enumerate(rows) if _is_workspace(r)]
+
+
 def cached(cache_dir: Path | None, tid: str) -> bool:
     """Whether the cache holds a trace under `tid` (load_cached still checks it is current)."""
     return cache_dir is not None and (Path(cache_dir) / tid / MEASUREMENTS_FILE).exists()

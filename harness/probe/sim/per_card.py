@@ -20,7 +20,8 @@ class Sized:
         self.df = df
         self.codes = trace_store.kernel_codes(df)  # code -> bytes on the card traced
         self._sizes: dict[tuple, tuple[int, ...]] = {}
-        self._rows: dict[tuple[int, ...], list[ReplayRow]] = {}
+        self._rows: dict[tuple, list[ReplayRow]] = {}  # (sizes, each workspace's bytes or None) -> rows
+        self._workspace_at: list[int] | None = None  # the frame's rows of cuBLAS workspaces
         self._framed: list[ReplayRow] | None = None  # the frame's rows, placeholders too
         self._marked: list[tuple[int, str]] | None = None  # (row of the frame's, its launch's code)
         self._scratch: dict | None = None  # each scratch key's launch code (trace_store.scratch_keys)
@@ -36,26 +37,35 @@ class Sized:
     def alike(self, a: Card, b: Card) -> bool:
         return self.sizes(a) == self.sizes(b)
 
-    def rows(self, card: Card, workspace: int | None = None) -> list[ReplayRow]:
-        """The trace's rows as `card` runs it (trace_store.sized_for's, made from the frame's rows: a
-        copy with the scratch rows resized and those of launches it makes none of dropped, not the
-        frame sized again); each cuBLAS workspace `workspace` bytes where given
-        (trace_store.with_workspaces, not kept)."""
-        rows = self._rows_sized(self.sizes(card))
-        return rows if workspace is None else trace_store.with_workspaces(rows, workspace)
+    def rows(self, card: Card | None, workspace: int | None = None) -> list[ReplayRow]:
+        """The trace's rows as `card` runs it (None: the card traced; trace_store.sized_for's, made
+        from the frame's rows: a copy with the scratch rows resized and those of launches it makes
+        none of dropped, not the frame sized again); each cuBLAS workspace `workspace` bytes where
+        given (trace_store.with_workspaces')."""
+        key = (tuple(self.codes.values()) if card is None else self.sizes(card), workspace)
+        if key not in self._rows:
+            self._rows[key] = self._resized(*key)
+        return self._rows[key]
 
-    def _resized(self, sizes: tuple[int, ...]) -> list[ReplayRow]:
-        base = self._framed_rows()
+    def _resized(self, sizes: tuple[int, ...], workspace: int | None) -> list[ReplayRow]:
         nbytes = dict(zip(self.codes, sizes, strict=True))
-        rows = list(base)
-        gone = set()
+        rows = list(self._framed_rows())
+        if workspace is not None:
+            for i in self._workspace_rows():
+                rows[i] = rows[i]._replace(size=workspace)
+        gone = []  # the rows of launches this card makes none of (a scratch key's alloc and free)
         for i, code in self._marks():
             n = nbytes[code]
-            if n == 0:  # this card's launch makes none
-                gone.add(rows[i].key)
+            if n == 0:
+                gone.append(i)
             elif n != rows[i].size:
                 rows[i] = rows[i]._replace(size=n)
-        return [r for r in rows if r.key not in gone] if gone else rows
+        if not gone:
+            return rows
+        kept: list[ReplayRow] = []  # the rows between, slice by slice (a few ms where a scan took 20)
+        for start, end in zip([0] + [i + 1 for i in gone], [*gone, len(rows)], strict=True):
+            kept += rows[start:end]
+        return kept
 
     def _framed_rows(self) -> list[ReplayRow]:
         """Every row of the frame, a launch's placeholders (0 B as traced: kernel_scratch) too."""
@@ -63,10 +73,11 @@ class Sized:
             self._framed = trace_store.replay_rows(self.df, placeholders=True)
         return self._framed
 
-    def _rows_sized(self, sizes: tuple[int, ...]) -> list[ReplayRow]:
-        if sizes not in self._rows:
-            self._rows[sizes] = self._resized(sizes)
-        return self._rows[sizes]
+    def _workspace_rows(self) -> list[int]:
+        """The frame's rows that allocate a cuBLAS workspace."""
+        if self._workspace_at is None:
+            self._workspace_at = trace_store.workspace_rows(self._framed_rows())
+        return self._workspace_at
 
     def _marks(self) -> list[tuple[int, str]]:
         """Every row of a scratch key (its alloc and its free) in the frame's rows, with its code."""
