@@ -215,7 +215,9 @@ def test_every_card_cites_its_capacity():
                                          "h20", "gh200", "h200", "b200", "mi300x"}
     for c in cards:  # every figure with its source and how far it is known
         assert c.memory_bytes > 4 * 1024**3 and c.source and c.non_pytorch_source, c.key
-        assert 0 < c.uncertainty_bytes < 0.03 * c.memory_bytes, c.key
+        # (the non-PyTorch memory's spread, 256 MiB where it is an estimate, is the most of it: 3.2% of an
+        # RTX 4060's 8 GB)
+        assert 0 < c.uncertainty_bytes < 0.05 * c.memory_bytes, c.key
         unverified = "estimate" in c.source
         assert unverified or "github.com" in c.source or "shared/data" in c.source or "issue 14" in c.source, c.key
     # SXM and PCIe parts are their own entries; the A100 40GB's spread covers the reports it cites
