@@ -158,6 +158,22 @@ def test_a_real_run_promises_no_card_the_room_its_larger_reduction_buffers_need(
     assert worker.measured_edges(point, fewer)["a100-40gb"] in ("room", "tight")
 
 
+def test_a_real_run_promises_no_card_the_room_its_larger_cublas_workspaces_need():
+    """A run measured on an A100 80GB (8,519,680 B a cuBLAS workspace) reserving 30 MiB under an
+    H20's room is not said to fit the H20 (sm90: 32 MiB a workspace, two of them in a training step,
+    and fewer SMs: no larger reductions); one reserving 200 MiB under it is."""
+    from harness.probe import worker
+    from harness.record.row import WORKSPACE
+
+    a100, h20 = cards.by_key()["a100-80gb"], cards.by_key()["h20"]
+    point = train_point(model="demo-1b", batch_size=8, seq_len=2048).replace(gpu=a100)
+    run = {"attention_calls": None, "peak_reserved_bytes": h20.room() - 30 * MiB,
+           "peak_allocated_bytes": h20.room() - 2 * GiB, WORKSPACE: 8519680, "device_multiprocessors": 108}
+    assert worker.measured_edges(point, run)["h20"] == "oom"
+    further = {**run, "peak_reserved_bytes": h20.room() - 200 * MiB}
+    assert worker.measured_edges(point, further)["h20"] != "oom"
+
+
 def test_edges_from_lean_replays_within_bounds_are_the_unlimited_replays_edges():
     """reserved.lean_edges (bounds on the peaks, lean replays from another replay's checkpoints where
     the bounds leave a card open) gives each card the edge catalog_edges does, for cards around a

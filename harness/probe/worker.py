@@ -292,6 +292,16 @@ def _reductions_more(r: kernels.Reduction | None, card: Card, than: Card) -> int
     return more + 2 * K_LARGE_BUFFER if more > 0 else 0
 
 
+def _workspaces_more(rec: dict, card: Card, n_workspaces: int = 2) -> int:
+    """How much more a run's cuBLAS workspaces take on `card` than they did in `rec` (two: a
+    training step's forward and backward handles), with two large segments where they do (0 where
+    not more, or where the run recorded none)."""
+    if rec.get(WORKSPACE) is None:
+        return 0
+    more = n_workspaces * (cublas.workspace_bytes(card.capability) - rec[WORKSPACE])
+    return more + 2 * K_LARGE_BUFFER if more > 0 else 0
+
+
 def _swap_band(scratch: int, rec: dict, card: Card, n_workspaces: int) -> int:
     """How far a run's peaks may move where `card` attends with cuDNN and the run with flash (or
     back): one call's `scratch`, two large segments (20 MiB each) that other block sizes may place
@@ -394,14 +404,17 @@ def measured_edges(point: Point, rec: dict) -> dict[str, str]:
     has no trace: counted as not fitting. The card it ran on held it, flushing its cache where it
     retried. A card of other attention kernels holds what the run does not tell, but for cuDNN in
     flash's place or back: its peaks a `_swap_band` (two workspaces: training's) higher must fit; a
-    card of more SMs than the device, its larger reduction buffers more (`_reductions_more`)."""
+    card of larger cuBLAS workspaces, their difference more (`_workspaces_more`); a card of more SMs
+    than the device, its larger reduction buffers more (`_reductions_more`)."""
     calls, scratch, summed = rec.get(ATTENTION_CALLS), _attention_scratch(point), _weight_gradient_sum(point)
     # the device's launches: its own SMs, whatever card it stood for
     ran_on = dataclasses.replace(point.gpu, multiprocessors=rec.get("device_multiprocessors") or point.gpu.multiprocessors)
 
     def fits_on(c):  # as one of the job's GPUs (NCCL's memory: in the measured figure on its own card)
         band: int | None = _reductions_more(summed, c, ran_on)
-        if not attention.takes_alike(c.capability, calls):
+        if attention.takes_alike(c.capability, calls):
+            band = band + _workspaces_more(rec, c)
+        else:
             swaps = scratch is not None and attention.swaps_fused_on(c.capability, calls)
             band = band + _swap_band(scratch, rec, c, 2) if swaps else None
         return band is not None and bool(reserved.fits_by_numbers(
