@@ -174,6 +174,31 @@ def test_a_real_run_promises_no_card_the_room_its_larger_cublas_workspaces_need(
     assert worker.measured_edges(point, further)["h20"] != "oom"
 
 
+def test_under_expandable_segments_a_cards_reserved_peak_is_its_own_whichever_card_traced_the_point(tmp_path):
+    """An address range is the card's memory: tiny b128 s512 with expandable segments reserves
+    950,009,856 B on a 512 MiB card, whose ranges it overflows, and 929,038,336 B on an A100 80GB.
+    Traced on the small card, the row still gives the A100 the A100's own peak and edge (before,
+    the small card's), and a plan's margin reads that peak."""
+    from harness.plan import fit
+    from harness.probe import worker
+    from harness.record.row import recorded_edge, reserved_on
+
+    base = train_point(batch_size=128, seq_len=512)
+    base = base.replace(allocator=dataclasses.replace(base.allocator, conf="expandable_segments:True"))
+    small = base.replace(gpu=dataclasses.replace(base.gpu, memory_bytes=512 * 2**20, name="small", key="",
+                                                 device_name="small"))
+    (tmp_path / "small").mkdir()
+    (tmp_path / "a100").mkdir()
+    on_small = worker.run_sim(small, tmp_path / "small")
+    on_a100 = worker.run_sim(base, tmp_path / "a100")
+    assert on_small["peak_reserved_bytes"] > on_a100["peak_reserved_bytes"] > small.gpu.memory_bytes
+    for key in ("a100-80gb", "h100-80gb", "l4", "t4"):
+        assert reserved_on(on_small, key) == reserved_on(on_a100, key), key
+        assert recorded_edge(on_small, key) == recorded_edge(on_a100, key), key
+    a100 = cards.by_key()["a100-80gb"]
+    assert fit.reserved_on(on_small, a100) == on_a100["peak_reserved_bytes"]
+
+
 def test_edges_from_lean_replays_within_bounds_are_the_unlimited_replays_edges():
     """reserved.lean_edges (bounds on the peaks, lean replays from another replay's checkpoints where
     the bounds leave a card open) gives each card the edge catalog_edges does, for cards around a

@@ -54,7 +54,9 @@ def _fits_on(row: dict, c: Card) -> bool:
         if mine is not None and mine <= c.room():
             return True
         return not _missing(row.get("trace_path")) and _fits_by_trace(row, c, own)
-    known = reserved.fits_by_numbers(c, res, alloc)
+    # (a card that took a replay of its own has its own peak: under expandable segments one of more
+    # memory than the traced card's, whose replay its address ranges overflowed)
+    known = reserved.fits_by_numbers(c, res if mine is None else mine, alloc)
     if known is not None:
         return known
     if _missing(row.get("trace_path")):

@@ -139,18 +139,23 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
         return [c for c in here if not sized.alike(c, point.gpu)
                 and not _surely_oom(point, allocated_bytes - sized.shift(c, point.gpu)[1], c)]
 
+    def overflowed(reserved_bytes: int) -> list:  # (expandable segments) replayed apart: _edges_by_sizes
+        return [c for c in here if not _shares_ranges(settings, reserved_bytes, point.gpu.memory_bytes, c)]
+
     # Each card as one of the job's GPUs sees it: NCCL's memory beside the CUDA context's; those
     # judged by the trace with their own scratch sizes are left to _own_sized_edges
     kept = Kept(watch=sized.scratch_allocs(point.gpu))
     rec.update(reserved.analyse(
         rows, settings, nccl.on_rank(point.gpu, point.parallel), [nccl.on_rank(c, point.parallel) for c in here],
         torch.__version__, snapshot, rec["peak_tensor_bytes"], kept,
-        elsewhere=lambda _res, alloc: {c.key for c in own_sized(alloc)}), catalog_sha=catalog.digest())
+        elsewhere=lambda res, alloc: {c.key for c in own_sized(alloc) + overflowed(res)}), catalog_sha=catalog.digest())
+    spilled = overflowed(rec["peak_reserved_bytes"])
+    here = [c for c in here if c not in spilled]
     own = own_sized(rec["peak_allocated_bytes"])
     if len(here) < len(cards) or own:
         judged: dict[str, Judged] = {c.key: (recorded_edge(rec, c.key), None) for c in here}
         judged.update(_own_sized_edges(sized, settings, point, own, (rec["peak_reserved_bytes"],
-                                       rec["peak_allocated_bytes"]), kept, point.gpu))
+                                       rec["peak_allocated_bytes"]), kept, point.gpu, point.gpu.memory_bytes))
         # cards that only swap flash for cuDNN (or back), their room under what the traced run surely allocates
         ooms = _swapped_and_oom(point, rec, apart, n_workspaces, sized)
         judged.update(ooms)
@@ -312,14 +317,23 @@ def _swap_band(scratch: int, rec: dict, card: Card, n_workspaces: int) -> int:
     return scratch + 2 * K_LARGE_BUFFER + workspaces
 
 
+def _shares_ranges(settings: AllocSettings, reserved_bytes: int, total: int, card: Card) -> bool:
+    """Whether a replay on a device of `total` bytes that reserved `reserved_bytes` makes `card`'s
+    decisions: always, but under expandable segments, where a stream's pool maps its pages into an
+    address range of the device's memory, only while neither range could overflow (a T4's replay of
+    a run that a 24 GB card holds in one range took more and reserved 2 GB more)."""
+    return (not settings.expandable_segments or card.memory_bytes == total
+            or reserved_bytes <= min(total, card.memory_bytes))
+
+
 def _own_sized_edges(sized: Sized, settings: AllocSettings, point: Point, cards: list, peaks: tuple[int, int],
-                     kept: Kept, ref: Card, workspace: int | None = None) -> dict[str, Judged]:
+                     kept: Kept, ref: Card, total: int, workspace: int | None = None) -> dict[str, Judged]:
     """Each of `cards` (of `ref`'s workspaces, its kernels' scratch sized otherwise) judged by the
     trace as it runs it (each cuBLAS workspace `workspace` bytes, where given). Where a replay of
-    its rows makes every decision `ref`'s replay without a limit made (Sized.alike_until; `peaks`:
-    that replay's reserved peak and what it surely allocated; `kept`: what it kept), its reserved
-    peak is that replay's and lean replays go on from its checkpoints; else a lean replay of its
-    own without a limit decides."""
+    its rows makes every decision `ref`'s replay without a limit (on a device of `total` bytes)
+    made (Sized.alike_until, _shares_ranges; `peaks`: that replay's reserved peak and what it surely
+    allocated; `kept`: what it kept), its reserved peak is that replay's and lean replays go on from
+    its checkpoints; else a lean replay of its own without a limit decides."""
     groups: dict[tuple, list] = {}
     for c in cards:
         groups.setdefault(sized.sizes(c), []).append(c)
@@ -329,22 +343,31 @@ def _own_sized_edges(sized: Sized, settings: AllocSettings, point: Point, cards:
         # allocated at least `ref`'s peak less the scratch smaller here
         allocated = peaks[1] - sized.shift(group[0], ref)[1]
         if len(rows) == len(sized.rows(ref)) == sized.alike_until(group[0], ref, settings, kept.cached):
-            edges = reserved.lean_edges(rows, settings, ranked, kept.checkpoints, peaks[0], allocated)
+            shared = [c for c in ranked if _shares_ranges(settings, peaks[0], total, c)]
+            edges = reserved.lean_edges(rows, settings, shared, kept.checkpoints, peaks[0], allocated)
             out.update((k, (e, peaks[0])) for k, e in edges.items())
-            continue
-        out.update(_by_own_replay(rows, settings, ranked, allocated)[0])
+            ranked = [c for c in ranked if c not in shared]
+        if ranked:
+            out.update(_by_own_replay(rows, settings, ranked, allocated)[0])
     return out
 
 
 def _by_own_replay(rows: list, settings: AllocSettings, cards: list, allocated: int, rooms: list | None = None,
-                   kept: Kept | None = None) -> tuple[dict[str, Judged], int]:
-    """`cards` (as the job's GPUs) judged by a lean replay of `rows` without a limit (`allocated`:
-    what it surely allocates) and lean replays on each card going on from its checkpoints, kept for
-    `rooms`' cards too (default: `cards`; into `kept`, where given); and that replay's reserved peak."""
-    replays, unlimited = reserved.unlimited_replay(rows, settings, max(c.memory_bytes for c in cards),
-                                                   rooms or cards, allocated, kept, lean=True)
+                   kept: Kept | None = None) -> tuple[dict[str, Judged], int, int]:
+    """`cards` (as the job's GPUs) judged by a lean replay of `rows` without a limit on a device of
+    the most memory among them (`allocated`: what it surely allocates) and lean replays on each card
+    going on from its checkpoints, kept for `rooms`' cards too (default: `cards`; into `kept`, where
+    given); and that replay's reserved peak and device's bytes. Cards whose address ranges it may
+    have overflowed (_shares_ranges) take one of their own."""
+    total = max(c.memory_bytes for c in cards)
+    replays, unlimited = reserved.unlimited_replay(rows, settings, total, rooms or cards, allocated, kept, lean=True)
     peak = unlimited.peak_reserved_bytes
-    return {k: (e, peak) for k, e in reserved.edges_by_replays(replays, unlimited, cards).items()}, peak
+    shared = [c for c in cards if _shares_ranges(settings, peak, total, c)]
+    out = {k: (e, peak) for k, e in reserved.edges_by_replays(replays, unlimited, shared).items()}
+    rest = [c for c in cards if c not in shared]  # (of less memory: the largest card shares)
+    if rest:
+        out.update(_by_own_replay(rows, settings, rest, allocated)[0])
+    return out, peak, total
 
 
 def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: list, rec: dict) -> dict[str, Judged]:
@@ -374,10 +397,11 @@ def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: 
         kept = Kept(watch=sized.scratch_allocs(first[0]))
         allocated = rec["peak_allocated_bytes"] + less - sized.shift(first[0])[1]  # at least
         # (its checkpoints for the rest's rooms too)
-        judged, peak = _by_own_replay(sized.rows(first[0], workspace), settings, alike, allocated, ranked, kept)
+        judged, peak, total = _by_own_replay(sized.rows(first[0], workspace), settings, alike, allocated, ranked,
+                                             kept)
         out.update(judged)
         out.update(_own_sized_edges(sized, settings, point, [c for c in group if c not in first], (peak, allocated),
-                                    kept, first[0], workspace))
+                                    kept, first[0], total, workspace))
     return out
 
 
