@@ -42,10 +42,13 @@ def audit(rows: pd.DataFrame) -> tuple[int, int, int]:
             key = (str(path), cublas.workspace_bytes(c.capability), fit._sizing({**row, "trace_path": str(path)}, c))
             if key == (row["trace_path"], int(row[WORKSPACE]), None):
                 continue  # the traced card's own rows: its replay decided it
-            if key not in peaks:
+            settings = AllocSettings.from_conf(row.get("allocator_conf") or "")
+            # (expandable segments: address ranges of the card's memory)
+            replayed = (*key, c.memory_bytes if settings.expandable_segments else None)
+            if replayed not in peaks:
                 trace = fit._trace_rows(*key)
-                settings = AllocSettings.from_conf(row.get("allocator_conf") or "")
-                peaks[key] = replay_events(trace, settings, Device(), lean=True)[0].peak_reserved_bytes
+                peaks[replayed] = replay_events(trace, settings, Device(total=replayed[3]), lean=True)[0].peak_reserved_bytes
+            key = replayed
             rise = max(rise, peaks[key] - int(row["peak_reserved_bytes"]))
             checked += 1
             low_end = nccl.on_rows_rank(c, row).at_worst().room()
