@@ -159,7 +159,7 @@ def _one_name(path: str) -> str:
 
 @functools.lru_cache(maxsize=256)
 def _replays(path: str, conf: str, workspace: int | None = None, sizing: tuple[int, str] | None = None) -> Replays:
-    # its results kept for every run a plan probes; the rows read again (_trace_rows keeps four)
+    # its results kept for every run a plan probes; the rows made again where _sized let the trace go
     return Replays(lambda: _trace_rows(path, workspace, sizing), AllocSettings.from_conf(conf))
 
 

@@ -41,7 +41,7 @@ class Sized:
         """The trace's rows as `card` runs it (None: the card traced; trace_store.sized_for's, made
         from the frame's rows: a copy with the scratch rows resized and those of launches it makes
         none of dropped, not the frame sized again); each cuBLAS workspace `workspace` bytes where
-        given (trace_store.with_workspaces')."""
+        given (as trace_store.with_workspaces sets them). Kept for the next card of that sizing."""
         key = (tuple(self.codes.values()) if card is None else self.sizes(card), workspace)
         if key not in self._rows:
             self._rows[key] = self._resized(*key)
