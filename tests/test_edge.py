@@ -199,6 +199,33 @@ def test_under_expandable_segments_a_cards_reserved_peak_is_its_own_whichever_ca
     assert fit.reserved_on(on_small, a100) == on_a100["peak_reserved_bytes"]
 
 
+@pytest.mark.parametrize("precision,conf,checkpointing", [
+    ("bf16", "", False), ("fp16", "expandable_segments:True", False), ("fp32", "roundup_power2_divisions:4", True)])
+def test_every_cards_edge_and_reserved_peak_are_the_same_whichever_card_traced_the_point(tmp_path, precision, conf,
+                                                                                          checkpointing):
+    """tiny at 512 x 1024 tokens traced on a T4 (math or memory-efficient attention, 40 SMs), an A100
+    80GB (flash, 108 SMs) and an H100 (cuDNN, 32 MiB workspaces, 132 SMs): 7-45 GB, around the small
+    cards' rooms. Each trace judges the others' cards by a replay of their own run (their kernels'
+    scratch, workspaces, attention kernels, address ranges), so every card gets one verdict and one
+    reserved peak, whichever card traced it."""
+    from harness.probe import worker
+    from harness.record.row import recorded_edge, reserved_on
+
+    rows = {}
+    for key in ("t4", "a100-80gb", "h100-80gb"):
+        point = train_point(precision=precision, batch_size=512, seq_len=1024, checkpointing=checkpointing)
+        point = point.replace(allocator=dataclasses.replace(point.allocator, conf=conf), gpu=cards.by_key()[key])
+        (tmp_path / key).mkdir()
+        rows[key] = worker.run_sim(point, tmp_path / key)
+    base = rows["a100-80gb"]
+    assert 0 < len(base["fits_cards"]) < len(cards.cards())
+    for key, row in rows.items():
+        for c in cards.cards():
+            assert recorded_edge(row, c.key) == recorded_edge(base, c.key), (key, c.key)
+            if recorded_edge(base, c.key) != "oom":
+                assert reserved_on(row, c.key) == reserved_on(base, c.key), (key, c.key)
+
+
 def test_edges_from_lean_replays_within_bounds_are_the_unlimited_replays_edges():
     """reserved.lean_edges (bounds on the peaks, lean replays from another replay's checkpoints where
     the bounds leave a card open) gives each card the edge catalog_edges does, for cards around a
