@@ -142,5 +142,6 @@ def hf_model(class_name: str, dtype: torch.dtype = torch.float32, **config) -> t
 
     cls = getattr(transformers, class_name)
     cfg = cls.config_class(**config)
-    cfg._attn_implementation = "sdpa"
+    # (as transformers takes it unasked: SDPA where the class supports it, else eager)
+    cfg._attn_implementation = "sdpa" if getattr(cls, "_supports_sdpa", True) else "eager"
     return cls(cfg).to(dtype)

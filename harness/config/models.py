@@ -60,8 +60,19 @@ def hf_config(model_cfg):
         config = AutoConfig.for_model(model_type, **data)
     except ValueError as e:
         raise ConfigError("model", f"transformers cannot build model_type '{model_type}': {e}")
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = default_attention(config)
     return config
+
+
+def default_attention(config) -> str:
+    """The attention transformers takes when none is asked for (get_correct_attn_implementation):
+    SDPA where the model's class supports it, else its eager attention (Gemma 2's soft-capped
+    scores), which materializes the B x H x S x S scores on every card."""
+    from transformers import AutoModelForCausalLM
+
+    mapping = AutoModelForCausalLM._model_mapping
+    cls = mapping[type(config)] if type(config) in mapping else None
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
 
 
 def attention_shape(config) -> tuple[int, int, int]:
