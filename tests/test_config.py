@@ -127,6 +127,16 @@ def test_hf_config_json_points_at_a_local_architecture(tmp_path):
         validate(cfg)
 
 
+def test_a_model_type_without_a_causal_lm_is_refused_naming_the_file(tmp_path):
+    """An encoder-decoder's config.json (T5: no AutoModelForCausalLM class) is refused before any
+    work, naming model.config_json, rather than failing in the point as an error row."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 64, "num_layers": 1,
+                                                      "num_heads": 4, "vocab_size": 100}))
+    with pytest.raises(ConfigError) as e:
+        validate(compose(["model=hf", f"model.config_json={tmp_path}"]))
+    assert e.value.key == "model.config_json" and "t5" in str(e.value) and "workload=custom" in str(e.value)
+
+
 @pytest.mark.parametrize("override,key", [
     ("model=nope", "model"),
     ("batch_size=0", "batch_size"),

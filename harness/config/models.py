@@ -64,14 +64,23 @@ def hf_config(model_cfg):
     return config
 
 
+def _causal_lm_class(config):
+    """transformers' causal language model class for `config` (AutoModelForCausalLM's), or None."""
+    from transformers import AutoModelForCausalLM
+
+    mapping = AutoModelForCausalLM._model_mapping
+    return mapping[type(config)] if type(config) in mapping else None
+
+
+def has_causal_lm(config) -> bool:
+    return _causal_lm_class(config) is not None
+
+
 def default_attention(config) -> str:
     """The attention transformers takes when none is asked for (get_correct_attn_implementation):
     SDPA where the model's class supports it, else its eager attention (Gemma 2's soft-capped
     scores), which materializes the B x H x S x S scores on every card."""
-    from transformers import AutoModelForCausalLM
-
-    mapping = AutoModelForCausalLM._model_mapping
-    cls = mapping[type(config)] if type(config) in mapping else None
+    cls = _causal_lm_class(config)
     return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
 
 

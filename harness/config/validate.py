@@ -4,7 +4,7 @@ and those that need the model's or the user's code. Each failure names its dotte
 from __future__ import annotations
 
 from harness.config import cards as catalog
-from harness.config.models import hf_config, max_positions
+from harness.config.models import has_causal_lm, hf_config, max_positions
 from harness.config.point import Point, WorkloadName
 from harness.config.target import load_target
 from harness.errors import ConfigError
@@ -46,11 +46,16 @@ def _check_plan_cards(point: Point) -> None:
 
 def _check_model(point: Point) -> None:
     model = point.model
+    config = hf_config(model)
+    if not has_causal_lm(config):  # (an encoder-decoder's, a classifier's: no AutoModelForCausalLM class)
+        raise ConfigError("model.config_json" if model.config_json else "model.arch",
+                          f"transformers has no causal language model for model_type '{config.model_type}' "
+                          "(AutoModelForCausalLM): the presets train and serve causal LMs; run another model as a "
+                          "job of your own (workload=custom)")
     _check_tensor_parallel(point)
     limit = model.hf.get("max_position_embeddings") if not model.config_json else None
     if limit is None:
-
-        limit = max_positions(hf_config(model))
+        limit = max_positions(config)
     if limit is not None and point.seq_len > limit:
         raise ConfigError("seq_len", f"{point.seq_len} exceeds model {model.name}'s "
                           f"max_position_embeddings ({limit})")
