@@ -405,3 +405,59 @@ def test_loss_parallel_keeps_each_ranks_slice_of_the_logits_and_their_gradient()
     with pytest.raises(ConfigError) as e:
         custom.replace(parallel=Parallel(tp=2, loss_parallel=True))  # a job of your own: its own plan
     assert e.value.key == "parallel.loss_parallel"
+
+
+def _hf_point(tmp_path, config: dict, **parallel):
+    """A job of an architecture of the user's own (model=hf, a config.json), spread by `parallel`."""
+    import dataclasses
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    point = train_point(batch_size=2, seq_len=32, precision="bf16").replace(parallel=Parallel(**parallel))
+    model = dataclasses.replace(point.model, name="hf", arch="auto", config_json=str(tmp_path), hf={})
+    return point.replace(model=model)
+
+
+_GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 512, "n_positions": 64}
+# DeepSeek-V3 keeps its routers' weights in fp32 (_keep_in_fp32_modules) beside bf16 layers
+_DEEPSEEK = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 512, "max_position_embeddings": 64,
+             "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "kv_lora_rank": 16,
+             "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+             "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}
+# Gemma builds its embedding scale with torch.tensor: on the meta device, a plain tensor
+_GEMMA2 = {"model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512,
+           "sliding_window": 32, "query_pre_attn_scalar": 16}
+
+
+@pytest.mark.parametrize("config", [_GPT2, _DEEPSEEK, _GEMMA2], ids=["gpt2", "deepseek_v3", "gemma2"])
+def test_fsdp2_shards_any_causal_lms_layers_and_a_router_kept_in_fp32_apart(tmp_path, config):
+    """FSDP2 over 2 shards each block transformers names unsplittable (`_no_split_modules`:
+    GPT2Block, not only model.layers), a module whose parameters are of another dtype than the
+    rest of its layer (a router in fp32) as a group of its own, and builds a model that makes
+    constants on the meta device: each rank holds half of the parameters (within padding)."""
+    one, _ = run_point(_hf_point(tmp_path, config))
+    two, _ = run_point(_hf_point(tmp_path, config, dp_shard=2))
+    assert two["params_bytes"] == pytest.approx(one["params_bytes"] / 2, rel=0.05)
+    assert two["all_gather_bytes_per_step"] > 0 and two["reduce_scatter_bytes_per_step"] > 0
+
+
+@pytest.mark.parametrize("config,why", [
+    (_GPT2, "no tensor-parallel plan"),
+    ({**_DEEPSEEK}, "mla_kv_a_proj"),
+    ({"model_type": "qwen2_moe", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "num_experts": 4,
+      "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64},
+     "mixture-of-experts"),
+], ids=["no-plan", "unknown-style", "experts"])
+def test_tensor_parallel_a_model_it_cannot_spread_is_refused_before_any_work(tmp_path, config, why):
+    import json
+
+    from harness.config.compose import compose
+    from harness.config.validate import validate
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as e:
+        validate(compose(["model=hf", f"model.config_json={tmp_path}", "seq_len=32", "parallel.tp=2"]))
+    assert e.value.key == "parallel.tp" and why in str(e.value)

@@ -76,6 +76,29 @@ def has_causal_lm(config) -> bool:
     return _causal_lm_class(config) is not None
 
 
+# transformers' tensor-parallel plan words the harness applies (probe.parallelize); a module whose
+# style replicates it is left to the harness's replication of every module the plan does not split
+TP_STYLES = ("colwise", "rowwise", "embedding_rowwise", "colwise_rep", "colwise_gather_output",
+             "replicated_with_grad_allreduce")
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def tensor_parallel_refusal(config) -> str | None:
+    """Why the harness cannot spread `config`'s model over tensor parallel (None: it can): no plan
+    in transformers (its config's base_model_tp_plan and its class's _tp_plan), a plan word it does
+    not apply, or mixture-of-experts layers (their routing mixes DTensors and plain tensors)."""
+    cls = _causal_lm_class(config)
+    plan = {**(getattr(config, "base_model_tp_plan", None) or {}), **(getattr(cls, "_tp_plan", None) or {})}
+    if not plan:
+        return f"transformers has no tensor-parallel plan for model_type '{config.model_type}'"
+    unknown = sorted(set(plan.values()) - set(TP_STYLES))
+    if unknown:
+        return f"its tensor-parallel plan uses {', '.join(unknown)}, which the harness does not apply"
+    if any(getattr(config, a, None) for a in _EXPERTS):
+        return "its mixture-of-experts layers are not spread by the harness's tensor parallel"
+    return None
+
+
 def default_attention(config) -> str:
     """The attention transformers takes when none is asked for (get_correct_attn_implementation):
     SDPA where the model's class supports it, else its eager attention (Gemma 2's soft-capped

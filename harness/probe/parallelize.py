@@ -67,9 +67,34 @@ def shard(model: torch.nn.Module, mesh, reshard_after_forward: bool, param_dtype
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     policy = MixedPrecisionPolicy(param_dtype=dtypes[param_dtype], reduce_dtype=torch.float32) if param_dtype \
         else MixedPrecisionPolicy()
-    for layer in decoder_layers(model):
+    for layer in [*decoder_layers(model), model]:
+        # FSDP2 flattens a group's parameters into one dtype: those a model keeps in another (a
+        # router's in fp32: _keep_in_fp32_modules) are their own group, inside the layer's
+        for module in _other_dtype(layer):
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+
+
+def _other_dtype(group: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules inside `group` (not yet sharded) whose own parameters are of a dtype other than
+    most of the group's parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def free(module: torch.nn.Module):  # the modules whose parameters fall to `group` (not already sharded)
+        for child in module.children():
+            if not isinstance(child, FSDPModule):
+                yield child
+                yield from free(child)
+
+    owned = [m for m in [group, *free(group)]]
+    counts: dict[torch.dtype, int] = {}
+    for m in owned:
+        for p in m.parameters(recurse=False):
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    if len(counts) < 2:
+        return []
+    most = max(counts, key=lambda d: counts[d])
+    return [m for m in owned[1:] if any(p.dtype != most for p in m.parameters(recurse=False))]
 
 
 def tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
@@ -85,7 +110,9 @@ def tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool = Fals
     plan = getattr(model, "_tp_plan", None)
     if not plan:
         raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (transformers' _tp_plan)")
-    styles = {name: _style(style, name, sequence_parallel, loss_parallel) for name, style in plan.items()}
+    # (a replicated module, Gemma 3's query and key norms, is left to the replication below)
+    styles = {name: _style(style, name, sequence_parallel, loss_parallel) for name, style in plan.items()
+              if style != "replicated_with_grad_allreduce"}
     if sequence_parallel:
         styles.update(sequence_parallel_plan(model))
     parallelize_module(model, mesh, styles)
@@ -158,16 +185,30 @@ def _style(name: str, module: str, sequence_parallel: bool = False, loss_paralle
         "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
         "colwise_rep": lambda: ColwiseParallel(input_layouts=head_in, **head_out),
         "colwise_gather_output": lambda: ColwiseParallel(input_layouts=head_in, **head_out)}
-    if name not in styles:
+    if name not in styles:  # (config.models.tensor_parallel_refusal refuses such a model before any work)
         raise ValueError(f"tensor-parallel style '{name}' ({module}) is not one the harness applies "
                          f"({', '.join(styles)})")
     return styles[name]()
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """A transformers causal LM's decoder layers (model.model.layers)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
+    """A transformers causal LM's decoder layers: the outermost modules of the classes it names
+    unsplittable (`_no_split_modules`, what accelerate's FSDP wraps: LlamaDecoderLayer, GPT2Block,
+    ...), else model.model.layers."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found: list[torch.nn.Module] = []
+
+    def outermost(module: torch.nn.Module) -> None:
+        for child in module.children():
+            if type(child).__name__ in names:
+                found.append(child)
+            else:
+                outermost(child)
+
+    outermost(model)
+    if found:
+        return found
+    layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no model.layers to shard")
+        raise ValueError(f"{type(model).__name__} has no decoder layers to shard (_no_split_modules, model.layers)")
     return list(layers)

@@ -85,6 +85,23 @@ def module_conversion_on_fake_tensors():
 
 
 @contextlib.contextmanager
+def plain_constants_taken(mode):
+    """While a job builds, let FakeTensorMode `mode` take a plain tensor an op meets as a fake one.
+    A model built on the meta device (over several GPUs, each rank makes only its shards) may make
+    a constant in its __init__ that the meta device makes plain (Gemma's embedding scale:
+    torch.tensor(x) then nn.Buffer, whose detach the fake mode otherwise refuses)."""
+    if mode is None:
+        yield
+        return
+    before = mode.allow_non_fake_inputs
+    mode.allow_non_fake_inputs = True
+    try:
+        yield
+    finally:
+        mode.allow_non_fake_inputs = before
+
+
+@contextlib.contextmanager
 def shape_only_init():
     """Initialisers that read values, replaced by ones that don't: an initial value never changes
     memory. torch's trunc_normal_ resamples until `mask.any()` is false (a value read: it raises

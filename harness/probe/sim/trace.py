@@ -42,6 +42,7 @@ from harness.probe.sim.fake_code import (
     OptimizerScalarReads,
     explain,
     module_conversion_on_fake_tensors,
+    plain_constants_taken,
     shape_only_init,
 )
 from harness.probe.sim.measure import find_holders, measurements, optimizer_state_bytes, watch_training
@@ -83,7 +84,8 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh,
     # unpacked_sequences: transformers models read position_ids values (see cuda_emulation);
     # cuda_script_on_cpu: a script's "cuda" devices and autocast on the trace's CPU; virtual_cuda:
     # torch.cuda's readings (memory_allocated, snapshots, ...) are the virtual card's.
-    with FakeTensorMode() if fake else contextlib.nullcontext(), cu.unpacked_sequences(), \
+    fake_mode = FakeTensorMode() if fake else None
+    with fake_mode or contextlib.nullcontext(), cu.unpacked_sequences(), \
             cu.cuda_kernels(point.gpu.capability, tracker.attention_calls) if emulate_cuda else contextlib.nullcontext(), \
             cuda_script_on_cpu(tracker, cpu_is_card=mesh is not None), \
             cu.checkpoint_keeps_autocast(), OptimizerScalarReads() as scalar_reads, tracker, watching(tracker), \
@@ -91,7 +93,8 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh,
             sharded.collectives_own_buffers(tracker) if mesh is not None else contextlib.nullcontext():
         tracker.set_phase("setup")
         try:
-            with module_conversion_on_fake_tensors() if fake else contextlib.nullcontext(), shape_only_init():
+            with module_conversion_on_fake_tensors() if fake else contextlib.nullcontext(), shape_only_init(), \
+                    plain_constants_taken(fake_mode if mesh is not None else None):
                 job = build(k)
         except VALUE_READS as e:
             raise explain(e, "while building the job") from e
