@@ -461,3 +461,21 @@ def test_tensor_parallel_a_model_it_cannot_spread_is_refused_before_any_work(tmp
     with pytest.raises(ConfigError) as e:
         validate(compose(["model=hf", f"model.config_json={tmp_path}", "seq_len=32", "parallel.tp=2"]))
     assert e.value.key == "parallel.tp" and why in str(e.value)
+
+
+def test_sequence_parallel_on_layers_unlike_llamas_is_refused_naming_the_knob(tmp_path):
+    """Sequence parallel follows torchtitan's Llama plan: Phi's layers (attention and MLP side by
+    side, one norm) are refused before any work, naming parallel.sequence_parallel."""
+    import json
+
+    from harness.config.compose import compose
+    from harness.config.validate import validate
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "phi", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "vocab_size": 512, "max_position_embeddings": 64}))
+    base = ["model=hf", f"model.config_json={tmp_path}", "seq_len=32", "parallel.tp=2"]
+    validate(compose(base))  # its tensor-parallel plan is one the harness applies
+    with pytest.raises(ConfigError) as e:
+        validate(compose([*base, "parallel.sequence_parallel=true"]))
+    assert e.value.key == "parallel.sequence_parallel" and "phi" in str(e.value)

@@ -83,6 +83,17 @@ TP_STYLES = ("colwise", "rowwise", "embedding_rowwise", "colwise_rep", "colwise_
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
+def sequence_parallel_refusal(config) -> str | None:
+    """Why the harness cannot split `config`'s model's residual stream over the sequence (None: it
+    can). Its plan is torchtitan's for Llama (probe.parallelize.sequence_parallel_plan): layers of
+    two norms around attention and the MLP, as the presets' architectures have them; others
+    (Phi's parallel attention and MLP, Gemma's norms after each) differ."""
+    if config.model_type in _ARCH_TO_MODEL_TYPE.values():
+        return None
+    return (f"sequence parallel follows torchtitan's Llama plan ({', '.join(_ARCH_TO_MODEL_TYPE.values())} "
+            f"layers), and model_type '{config.model_type}' lays its layers out otherwise")
+
+
 def tensor_parallel_refusal(config) -> str | None:
     """Why the harness cannot spread `config`'s model over tensor parallel (None: it can): no plan
     in transformers (its config's base_model_tp_plan and its class's _tp_plan), a plan word it does

@@ -4,7 +4,13 @@ and those that need the model's or the user's code. Each failure names its dotte
 from __future__ import annotations
 
 from harness.config import cards as catalog
-from harness.config.models import has_causal_lm, hf_config, max_positions, tensor_parallel_refusal
+from harness.config.models import (
+    has_causal_lm,
+    hf_config,
+    max_positions,
+    sequence_parallel_refusal,
+    tensor_parallel_refusal,
+)
 from harness.config.point import Point, WorkloadName
 from harness.config.target import load_target
 from harness.errors import ConfigError
@@ -71,6 +77,9 @@ def _check_tensor_parallel(point: Point) -> None:
     refusal = tensor_parallel_refusal(config)
     if refusal is not None:
         raise ConfigError("parallel.tp", f"model {point.model.name}: {refusal} (shard it with parallel.dp_shard)")
+    refusal = sequence_parallel_refusal(config) if point.parallel.sequence_parallel else None
+    if refusal is not None:
+        raise ConfigError("parallel.sequence_parallel", f"model {point.model.name}: {refusal}")
     for key in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, key, None)
         if heads is not None and heads % tp:
