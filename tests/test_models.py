@@ -61,3 +61,39 @@ def test_a_model_without_sdpa_attends_as_transformers_would_unasked_eagerly(tmp_
     assert fake["step_peak_bytes"] == real["step_peak_bytes"]
     on_card, _ = run_point(point)
     assert not json.loads(on_card.get("attention_calls") or "[]")  # no SDPA call: every card alike
+
+
+def test_a_mixture_of_experts_in_fp32_takes_cudas_grouped_mm_fallback(tmp_path):
+    """CUDA's torch._grouped_mm loops mm_out over the groups where its operands are not both bf16
+    (an MoE's experts in fp32, or under autocast, which has no rule for it); torch's meta function
+    refuses them. The virtual GPU allocates what the fallback does, the output, shaped as the bf16
+    kernel's for every layout, and an fp32 Qwen2-MoE point traces."""
+    import json
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from harness.config import cards
+    from harness.config.point import Point
+    from harness.probe.sim.cuda_emulation import grouped_mm_fallback
+    from harness.probe.sim.trace import run_point
+
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    layouts = [((8, 16), (2, 16, 24), offs), ((2, 8, 16), (2, 16, 24), None), ((16, 8), (8, 24), offs),
+               ((2, 8, 16), (16, 24), offs)]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for a, b, o in layouts:
+            ref = torch._grouped_mm(torch.empty(a, dtype=torch.bfloat16), torch.empty(b, dtype=torch.bfloat16), o)
+            out = grouped_mm_fallback(torch.empty(a), torch.empty(b), o)
+            assert out.shape == ref.shape and out.dtype == torch.float32, (a, b)
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen2_moe", "hidden_size": 64, "intermediate_size": 128,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "vocab_size": 512, "num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64}))
+    point = Point.from_dict(dict(model={"name": "hf", "arch": "auto", "config_json": str(path), "hf": {}},
+                                 precision="fp32", batch_size=2, seq_len=64,
+                                 workload=dict(name="train", steps=2), optimizer=dict(name="adamw", lr=1e-4),
+                                 gpu=cards.by_key()["a100-80gb"]))
+    m, _ = run_point(point)
+    assert m["peak_allocated_bytes"] > m["params_bytes"] > 0

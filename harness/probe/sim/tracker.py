@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 from harness.allocator.model import round_plain
 from harness.config import attention, cublas, kernels
 from harness.probe.sim import kernel_scratch
+from harness.probe.sim.cuda_emulation import grouped_mm_fallback
 
 # cuBLAS workspace PyTorch allocates through its own allocator on a thread's first GEMM
 # (at::cuda::getNewWorkspace): 8,519,680 B per handle in real traces (fidelity.md, C.5).
@@ -85,6 +86,7 @@ _SOLE_STORAGE_USES = 2
 _CUDNN_FORWARD = _aten._scaled_dot_product_cudnn_attention.default
 _FLASH_FORWARD = _aten._scaled_dot_product_flash_attention.default
 _EFFICIENT_FORWARD = _aten._scaled_dot_product_efficient_attention.default
+_GROUPED_MM = _aten._grouped_mm.default
 # The fused forwards' outputs their rows name (config.attention.fused_code), by position: cuDNN's in
 # the order it makes them, flash's in its outputs' order (its others are empty: none tracked)
 _CUDNN_OUTPUTS = ((6, "seed"), (7, "offset"), (0, "out"), (1, "lse"))
@@ -412,7 +414,11 @@ class StorageTracker(TorchDispatchMode):
             return in_place(*args, **(kwargs or {}))
         if func is _ADD and _accumulates_in_place(args, kwargs) and _in_autograd_formula():
             return _ADD_IN_PLACE(*args)
-        out = func(*args, **(kwargs or {}))
+        if func is _GROUPED_MM and isinstance(args[0], FakeTensor) \
+                and not args[0].dtype == args[1].dtype == torch.bfloat16:
+            out = grouped_mm_fallback(*args, **(kwargs or {}))  # (CUDA's loop; fake's meta refuses it)
+        else:
+            out = func(*args, **(kwargs or {}))
         if func in _ZEROS_OPS and _in_autograd_formula():
             self._fresh_zeros = out.untyped_storage()._cdata
         host = self._outputs_on_host(args, kwargs)
