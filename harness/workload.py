@@ -140,8 +140,9 @@ def hf_model(class_name: str, dtype: torch.dtype = torch.float32, **config) -> t
     hf_model("LlamaForCausalLM", hidden_size=512, num_hidden_layers=4, ...)."""
     import transformers
 
+    from harness.config.models import attention_of
+
     cls = getattr(transformers, class_name)
     cfg = cls.config_class(**config)
-    # (as transformers takes it unasked: SDPA where the class supports it, else eager)
-    cfg._attn_implementation = "sdpa" if getattr(cls, "_supports_sdpa", True) else "eager"
+    cfg._attn_implementation = attention_of(cls)
     return cls(cfg).to(dtype)

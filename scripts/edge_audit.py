@@ -11,17 +11,14 @@ Prints; exits 1 where it lists any.
 """
 
 import sys
-from pathlib import Path
 
 import pandas as pd
 
 from harness.allocator.model import Device
 from harness.allocator.replay import replay_events
 from harness.allocator.settings import AllocSettings
-from harness.config import attention, cards, cublas, nccl
-from harness.config.attention import ATTENTION_CALLS
+from harness.config import cards, cublas, nccl
 from harness.plan import fit
-from harness.record import trace_store
 from harness.record.row import WORKSPACE, recorded_edge
 
 
@@ -32,23 +29,19 @@ def audit(rows: pd.DataFrame) -> tuple[int, int, int]:
         if pd.isna(row.get("trace_path")) or pd.isna(row.get(WORKSPACE)):
             continue
         peaks: dict = {}
+        settings = AllocSettings.from_conf(row.get("allocator_conf") or "")
         for c in cards.cards():
-            # a card of other attention kernels: the trace the worker took or rewrote for it, if any
-            path = Path(row["trace_path"])
-            if not attention.takes_alike(c.capability, row.get(ATTENTION_CALLS)):
-                path = trace_store.apart_path(path, c.key)
-                if not path.is_file():
-                    continue  # none: the worker found it an OOM by the traced peaks
-            key = (str(path), cublas.workspace_bytes(c.capability), fit._sizing({**row, "trace_path": str(path)}, c))
-            if key == (row["trace_path"], int(row[WORKSPACE]), None):
+            path = fit.card_trace(row, c)  # (a card of other attention kernels: the trace taken or rewritten for it)
+            if path is None:
+                continue  # none: the worker found it an OOM by the traced peaks
+            rows_of = (path, cublas.workspace_bytes(c.capability), fit._sizing({**row, "trace_path": path}, c))
+            if rows_of == (row["trace_path"], int(row[WORKSPACE]), None):
                 continue  # the traced card's own rows: its replay decided it
-            settings = AllocSettings.from_conf(row.get("allocator_conf") or "")
             # (expandable segments: address ranges of the card's memory)
-            replayed = (*key, c.memory_bytes if settings.expandable_segments else None)
-            if replayed not in peaks:
-                trace = fit._trace_rows(*key)
-                peaks[replayed] = replay_events(trace, settings, Device(total=replayed[3]), lean=True)[0].peak_reserved_bytes
-            key = replayed
+            key = (*rows_of, c.memory_bytes if settings.expandable_segments else None)
+            if key not in peaks:
+                device = Device(total=key[3])
+                peaks[key] = replay_events(fit._trace_rows(*rows_of), settings, device, lean=True)[0].peak_reserved_bytes
             rise = max(rise, peaks[key] - int(row["peak_reserved_bytes"]))
             checked += 1
             low_end = nccl.on_rows_rank(c, row).at_worst().room()

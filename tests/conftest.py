@@ -43,6 +43,17 @@ def train_point(model="tiny", precision="bf16", batch_size=2, seq_len=64, checkp
                                 optimizer=dict(name=optimizer, impl=impl, lr=1e-4), gpu=cards.by_key()["a100-80gb"]))
 
 
+def hf_point(tmp_path, config: dict, **point) -> Point:
+    """A training point of an architecture of the user's own (model=hf, its config.json written to
+    `tmp_path`); `point`: train_point's knobs."""
+    import dataclasses
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    p = train_point(**point)
+    return p.replace(model=dataclasses.replace(p.model, name="hf", arch="auto", config_json=str(tmp_path), hf={}))
+
+
 def run_cli(*args, cwd=None, timeout=600):
     """`python -m harness ...` as a user runs it."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}

@@ -5,7 +5,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.config.models import hf_config
-from tests.conftest import model_cfg
+from tests.conftest import hf_point, model_cfg
 
 
 def _n_params(name):
@@ -39,22 +39,15 @@ def test_a_model_without_sdpa_attends_as_transformers_would_unasked_eagerly(tmp_
     error row). The eager scores are plain ops: the fake trace equals the steps on real CPU tensors."""
     import json
 
-    from harness.config import cards
     from harness.config.models import default_attention
-    from harness.config.point import Point
     from harness.probe.sim.trace import run_point
 
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128,
+    point = hf_point(tmp_path, {"model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128,
                                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                                 "head_dim": 16, "vocab_size": 512, "sliding_window": 32,
-                                "query_pre_attn_scalar": 16}))
-    model = {"name": "hf", "arch": "auto", "config_json": str(path), "hf": {}}
-    assert hf_config(model)._attn_implementation == "eager"
+                                "query_pre_attn_scalar": 16}, precision="bf16", batch_size=2, seq_len=64, steps=2)
+    assert hf_config(point.model)._attn_implementation == "eager"
     assert default_attention(hf_config(model_cfg("tiny"))) == "sdpa"
-    point = Point.from_dict(dict(model=model, precision="bf16", batch_size=2, seq_len=64,
-                                 workload=dict(name="train", steps=2), optimizer=dict(name="adamw", lr=1e-4),
-                                 gpu=cards.by_key()["a100-80gb"]))
     fake, _ = run_point(point, emulate_cuda=False, fake=True)
     real, _ = run_point(point, emulate_cuda=False, fake=False)
     assert fake["peak_allocated_bytes"] == real["peak_allocated_bytes"] > 0
@@ -68,12 +61,9 @@ def test_a_mixture_of_experts_in_fp32_takes_cudas_grouped_mm_fallback(tmp_path):
     (an MoE's experts in fp32, or under autocast, which has no rule for it); torch's meta function
     refuses them. The virtual GPU allocates what the fallback does, the output, shaped as the bf16
     kernel's for every layout, and an fp32 Qwen2-MoE point traces."""
-    import json
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from harness.config import cards
-    from harness.config.point import Point
     from harness.probe.sim.cuda_emulation import grouped_mm_fallback
     from harness.probe.sim.trace import run_point
 
@@ -86,14 +76,10 @@ def test_a_mixture_of_experts_in_fp32_takes_cudas_grouped_mm_fallback(tmp_path):
             out = grouped_mm_fallback(torch.empty(a), torch.empty(b), o)
             assert out.shape == ref.shape and out.dtype == torch.float32, (a, b)
 
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "qwen2_moe", "hidden_size": 64, "intermediate_size": 128,
+    point = hf_point(tmp_path, {"model_type": "qwen2_moe", "hidden_size": 64, "intermediate_size": 128,
                                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                                 "vocab_size": 512, "num_experts": 4, "num_experts_per_tok": 2,
-                                "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64}))
-    point = Point.from_dict(dict(model={"name": "hf", "arch": "auto", "config_json": str(path), "hf": {}},
-                                 precision="fp32", batch_size=2, seq_len=64,
-                                 workload=dict(name="train", steps=2), optimizer=dict(name="adamw", lr=1e-4),
-                                 gpu=cards.by_key()["a100-80gb"]))
+                                "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64},
+                     precision="fp32", batch_size=2, seq_len=64, steps=2)
     m, _ = run_point(point)
     assert m["peak_allocated_bytes"] > m["params_bytes"] > 0

@@ -15,7 +15,7 @@ from harness.config import nccl
 from harness.config.point import Parallel, Workload
 from harness.errors import ConfigError
 from harness.probe.sim.trace import run_point
-from tests.conftest import run_cli, train_point
+from tests.conftest import hf_point, run_cli, train_point
 from tests.test_sharded import _lives, _real_ranks
 
 
@@ -409,13 +409,8 @@ def test_loss_parallel_keeps_each_ranks_slice_of_the_logits_and_their_gradient()
 
 def _hf_point(tmp_path, config: dict, **parallel):
     """A job of an architecture of the user's own (model=hf, a config.json), spread by `parallel`."""
-    import dataclasses
-    import json
-
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    point = train_point(batch_size=2, seq_len=32, precision="bf16").replace(parallel=Parallel(**parallel))
-    model = dataclasses.replace(point.model, name="hf", arch="auto", config_json=str(tmp_path), hf={})
-    return point.replace(model=model)
+    return hf_point(tmp_path, config, batch_size=2, seq_len=32, precision="bf16").replace(
+        parallel=Parallel(**parallel))
 
 
 _GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 512, "n_positions": 64}
@@ -479,3 +474,16 @@ def test_sequence_parallel_on_layers_unlike_llamas_is_refused_naming_the_knob(tm
     with pytest.raises(ConfigError) as e:
         validate(compose([*base, "parallel.sequence_parallel=true"]))
     assert e.value.key == "parallel.sequence_parallel" and "phi" in str(e.value)
+
+
+def test_the_plan_words_validation_admits_are_the_ones_tensor_parallel_applies():
+    """config.models.TP_STYLES (what validation lets through) and probe.parallelize._style (what
+    the trace applies) name the same words; the replicated one is left to the replication."""
+    from harness.config.models import TP_REPLICATED, TP_STYLES
+    from harness.probe.parallelize import _style
+
+    for word in TP_STYLES:
+        if word != TP_REPLICATED:
+            assert _style(word, "model.layers.0.mlp.up_proj") is not None
+    with pytest.raises(ValueError):
+        _style("rowwise_split_input", "model.layers.0.self_attn.o_proj")

@@ -440,6 +440,15 @@ class Replays:
         return self.add(device, result)
 
 
+def ranges_alike(settings: AllocSettings, reserved_bytes: int, total: int, other: int) -> bool:
+    """Whether a replay on a device of `total` bytes that reserved `reserved_bytes` makes the
+    decisions a replay on one of `other` bytes makes: always, but under expandable segments, where
+    a stream's pool maps its pages into an address range of the device's memory, only while neither
+    range could overflow (a T4's replay of a run that a 24 GB card holds in one range took a second
+    range and reserved 2 GB more)."""
+    return not settings.expandable_segments or total == other or reserved_bytes <= min(total, other)
+
+
 def _alike(r: ReplayResult, capacity: int | None) -> bool:
     if capacity is None:
         return r.alike_below_bytes is None

@@ -76,10 +76,10 @@ def has_causal_lm(config) -> bool:
     return _causal_lm_class(config) is not None
 
 
-# transformers' tensor-parallel plan words the harness applies (probe.parallelize); a module whose
-# style replicates it is left to the harness's replication of every module the plan does not split
-TP_STYLES = ("colwise", "rowwise", "embedding_rowwise", "colwise_rep", "colwise_gather_output",
-             "replicated_with_grad_allreduce")
+# transformers' tensor-parallel plan words the harness applies (probe.parallelize._style); a module
+# of TP_REPLICATED is left to the harness's replication of every module the plan does not split
+TP_REPLICATED = "replicated_with_grad_allreduce"
+TP_STYLES = ("colwise", "rowwise", "embedding_rowwise", "colwise_rep", "colwise_gather_output", TP_REPLICATED)
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
@@ -111,11 +111,16 @@ def tensor_parallel_refusal(config) -> str | None:
 
 
 def default_attention(config) -> str:
-    """The attention transformers takes when none is asked for (get_correct_attn_implementation):
-    SDPA where the model's class supports it, else its eager attention (Gemma 2's soft-capped
-    scores), which materializes the B x H x S x S scores on every card."""
-    cls = _causal_lm_class(config)
-    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
+    """The attention transformers takes for `config`'s causal LM when none is asked for."""
+    return attention_of(_causal_lm_class(config))
+
+
+def attention_of(model_class) -> str:
+    """The attention transformers takes for `model_class` when none is asked for
+    (get_correct_attn_implementation): SDPA where the class supports it (or is unknown), else its
+    eager attention (Gemma 2's soft-capped scores), which materializes the B x H x S x S scores on
+    every card."""
+    return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", True) else "eager"
 
 
 def attention_shape(config) -> tuple[int, int, int]:

@@ -58,7 +58,7 @@ def _check_model(point: Point) -> None:
                           f"transformers has no causal language model for model_type '{config.model_type}' "
                           "(AutoModelForCausalLM): the presets train and serve causal LMs; run another model as a "
                           "job of your own (workload=custom)")
-    _check_tensor_parallel(point)
+    _check_tensor_parallel(point, config)
     limit = model.hf.get("max_position_embeddings") if not model.config_json else None
     if limit is None:
         limit = max_positions(config)
@@ -67,13 +67,13 @@ def _check_model(point: Point) -> None:
                           f"max_position_embeddings ({limit})")
 
 
-def _check_tensor_parallel(point: Point) -> None:
-    """Tensor parallel splits each attention layer's heads among its ranks: they must divide (the
-    query heads and the key/value heads alike), as transformers' own tensor parallelism requires."""
+def _check_tensor_parallel(point: Point, config) -> None:
+    """Tensor parallel needs a plan the harness applies (config.models.tensor_parallel_refusal; with
+    sequence parallel, Llama's layers) and splits each attention layer's heads among its ranks: they
+    must divide (the query heads and the key/value heads alike), as transformers' own requires."""
     tp = point.parallel.tp
     if tp == 1:
         return
-    config = hf_config(point.model)
     refusal = tensor_parallel_refusal(config)
     if refusal is not None:
         raise ConfigError("parallel.tp", f"model {point.model.name}: {refusal} (shard it with parallel.dp_shard)")

@@ -42,12 +42,11 @@ def _fits_on(row: dict, c: Card) -> bool:
     res, alloc = _peaks(row)
     mine = cards_reserved(row).get(c.key)  # its reserved peak, where its run differs and a replay found it
     if not attention.takes_alike(c.capability, row.get(ATTENTION_CALLS)):
-        # a card of other attention kernels: its own trace (probe.worker), where one was taken; where
-        # none was, the worker found it an OOM by the traced peaks
-        apart = None if _missing(row.get("trace_path")) else trace_store.apart_path(Path(row["trace_path"]), c.key)
-        if apart is None or not apart.is_file():
+        # a card of other attention kernels: its own trace, where one was taken (none: an OOM)
+        apart = card_trace(row, c)
+        if apart is None:
             return False
-        return (mine is not None and mine <= c.room()) or _fits_by_trace({**row, "trace_path": str(apart)}, c, own)
+        return (mine is not None and mine <= c.room()) or _fits_by_trace({**row, "trace_path": apart}, c, own)
     if (own is not None and own != int(row[WORKSPACE])) or _sizing(row, c) is not None:
         # another workspace or kernels' scratch of other sizes: the trace replayed with theirs, unless
         # its own reserved peak fits (a bound on that peak from the traced one is not sound)
@@ -62,6 +61,18 @@ def _fits_on(row: dict, c: Card) -> bool:
     if _missing(row.get("trace_path")):
         return False  # the peaks say it does not fit without a cache flush; no trace to check that
     return _fits_by_trace(row, c)
+
+
+def card_trace(row: dict, card: Card) -> str | None:
+    """The trace of the row's run as `card` runs it: the row's own, or for a card of other
+    attention kernels the one the worker took or rewrote for it (probe.worker); None where there is
+    none (the worker found that card an OOM by the traced peaks) or the row has no trace."""
+    if _missing(row.get("trace_path")):
+        return None
+    if attention.takes_alike(card.capability, row.get(ATTENTION_CALLS)):
+        return str(row["trace_path"])
+    apart = trace_store.apart_path(Path(row["trace_path"]), card.key)
+    return str(apart) if apart.is_file() else None
 
 
 def reserved_on(row: dict, card: Card) -> int | None:

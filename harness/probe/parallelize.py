@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from harness.config.models import TP_REPLICATED
 from harness.config.point import Parallel
 
 
@@ -86,7 +87,7 @@ def _other_dtype(group: torch.nn.Module) -> list[torch.nn.Module]:
                 yield child
                 yield from free(child)
 
-    owned = [m for m in [group, *free(group)]]
+    owned = [group, *free(group)]
     counts: dict[torch.dtype, int] = {}
     for m in owned:
         for p in m.parameters(recurse=False):
@@ -112,7 +113,7 @@ def tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool = Fals
         raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (transformers' _tp_plan)")
     # (a replicated module, Gemma 3's query and key norms, is left to the replication below)
     styles = {name: _style(style, name, sequence_parallel, loss_parallel) for name, style in plan.items()
-              if style != "replicated_with_grad_allreduce"}
+              if style != TP_REPLICATED}
     if sequence_parallel:
         styles.update(sequence_parallel_plan(model))
     parallelize_module(model, mesh, styles)

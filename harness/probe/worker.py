@@ -14,7 +14,7 @@ import time
 import traceback
 from pathlib import Path
 
-from harness.allocator.replay import Kept
+from harness.allocator.replay import Kept, ranges_alike
 from harness.allocator.settings import K_LARGE_BUFFER, AllocSettings
 from harness.config import attention, cublas, kernels, nccl
 from harness.config import cards as catalog
@@ -140,7 +140,7 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
                 and not _surely_oom(point, allocated_bytes - sized.shift(c, point.gpu)[1], c)]
 
     def overflowed(reserved_bytes: int) -> list:  # (expandable segments) replayed apart: _edges_by_sizes
-        return [c for c in here if not _shares_ranges(settings, reserved_bytes, point.gpu.memory_bytes, c)]
+        return [c for c in here if not ranges_alike(settings, reserved_bytes, point.gpu.memory_bytes, c.memory_bytes)]
 
     # Each card as one of the job's GPUs sees it: NCCL's memory beside the CUDA context's; those
     # judged by the trace with their own scratch sizes are left to _own_sized_edges
@@ -317,21 +317,12 @@ def _swap_band(scratch: int, rec: dict, card: Card, n_workspaces: int) -> int:
     return scratch + 2 * K_LARGE_BUFFER + workspaces
 
 
-def _shares_ranges(settings: AllocSettings, reserved_bytes: int, total: int, card: Card) -> bool:
-    """Whether a replay on a device of `total` bytes that reserved `reserved_bytes` makes `card`'s
-    decisions: always, but under expandable segments, where a stream's pool maps its pages into an
-    address range of the device's memory, only while neither range could overflow (a T4's replay of
-    a run that a 24 GB card holds in one range took more and reserved 2 GB more)."""
-    return (not settings.expandable_segments or card.memory_bytes == total
-            or reserved_bytes <= min(total, card.memory_bytes))
-
-
 def _own_sized_edges(sized: Sized, settings: AllocSettings, point: Point, cards: list, peaks: tuple[int, int],
                      kept: Kept, ref: Card, total: int, workspace: int | None = None) -> dict[str, Judged]:
     """Each of `cards` (of `ref`'s workspaces, its kernels' scratch sized otherwise) judged by the
     trace as it runs it (each cuBLAS workspace `workspace` bytes, where given). Where a replay of
     its rows makes every decision `ref`'s replay without a limit (on a device of `total` bytes)
-    made (Sized.alike_until, _shares_ranges; `peaks`: that replay's reserved peak and what it surely
+    made (Sized.alike_until, ranges_alike; `peaks`: that replay's reserved peak and what it surely
     allocated; `kept`: what it kept), its reserved peak is that replay's and lean replays go on from
     its checkpoints; else a lean replay of its own without a limit decides."""
     groups: dict[tuple, list] = {}
@@ -343,7 +334,7 @@ def _own_sized_edges(sized: Sized, settings: AllocSettings, point: Point, cards:
         # allocated at least `ref`'s peak less the scratch smaller here
         allocated = peaks[1] - sized.shift(group[0], ref)[1]
         if len(rows) == len(sized.rows(ref)) == sized.alike_until(group[0], ref, settings, kept.cached):
-            shared = [c for c in ranked if _shares_ranges(settings, peaks[0], total, c)]
+            shared = [c for c in ranked if ranges_alike(settings, peaks[0], total, c.memory_bytes)]
             edges = reserved.lean_edges(rows, settings, shared, kept.checkpoints, peaks[0], allocated)
             out.update((k, (e, peaks[0])) for k, e in edges.items())
             ranked = [c for c in ranked if c not in shared]
@@ -358,11 +349,11 @@ def _by_own_replay(rows: list, settings: AllocSettings, cards: list, allocated: 
     the most memory among them (`allocated`: what it surely allocates) and lean replays on each card
     going on from its checkpoints, kept for `rooms`' cards too (default: `cards`; into `kept`, where
     given); and that replay's reserved peak and device's bytes. Cards whose address ranges it may
-    have overflowed (_shares_ranges) take one of their own."""
+    have overflowed (ranges_alike) take one of their own."""
     total = max(c.memory_bytes for c in cards)
     replays, unlimited = reserved.unlimited_replay(rows, settings, total, rooms or cards, allocated, kept, lean=True)
     peak = unlimited.peak_reserved_bytes
-    shared = [c for c in cards if _shares_ranges(settings, peak, total, c)]
+    shared = [c for c in cards if ranges_alike(settings, peak, total, c.memory_bytes)]
     out = {k: (e, peak) for k, e in reserved.edges_by_replays(replays, unlimited, shared).items()}
     rest = [c for c in cards if c not in shared]  # (of less memory: the largest card shares)
     if rest:
