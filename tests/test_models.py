@@ -83,3 +83,6 @@ def test_a_mixture_of_experts_in_fp32_takes_cudas_grouped_mm_fallback(tmp_path):
                      precision="fp32", batch_size=2, seq_len=64, steps=2)
     m, _ = run_point(point)
     assert m["peak_allocated_bytes"] > m["params_bytes"] > 0
+    # checkpointed, its routing runs again in backward (on the card, as in the forward)
+    ckpt, _ = run_point(point.replace(checkpointing=True))
+    assert ckpt["params_bytes"] == m["params_bytes"] and ckpt["activations_bytes"] < m["activations_bytes"]

@@ -148,6 +148,16 @@ def test_a_script_written_for_a_gpu_runs_as_it_is_on_the_virtual_gpu():
     assert fake["step_peak_bytes"] == ref["step_peak_bytes"]
 
 
+def test_a_checkpointed_blocks_recompute_makes_its_tensors_on_the_card_as_its_forward_did():
+    """Backward runs the block's Python again (transformers' MoE routing: an index built on
+    `x.device`, the card); it sees the card as the forward did and traces as real tensors run."""
+    point = custom_point("tests.jobs.routed_tokens:build", batch_size=2, seq_len=32, precision="fp32")
+    fake, _ = run_point(point, emulate_cuda=False, fake=True)
+    real, _ = run_point(point, emulate_cuda=False, fake=False)
+    assert fake["peak_allocated_bytes"] == real["peak_allocated_bytes"]
+    assert fake["step_peak_bytes"] == real["step_peak_bytes"]
+
+
 def test_a_scripts_autocast_regions_nest_as_on_cuda():
     from harness.probe.sim.cuda_script import script_autocast
 

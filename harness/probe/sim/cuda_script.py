@@ -237,6 +237,33 @@ def card_devices(tracker):
 
 
 @contextlib.contextmanager
+def backward_inside(mode: TorchFunctionMode):
+    """The autograd engine runs inside `mode`: Python of the model's own runs in backward (a
+    checkpointed layer's recompute, FSDP2's hooks) but a mode is popped while its handler runs, and
+    `Tensor.backward` reaches the engine through it, so that code saw CUDA devices as they are
+    (transformers' MoE recompute: `torch.arange(n, device=x.device)` on the card, its operand on
+    the host). PyTorch patches the same entry for make_fx (torch.compiler._patch_engine_backward)."""
+    import torch.autograd.graph
+    from torch.overrides import _get_current_function_mode_stack
+
+    original = torch.autograd.graph._engine_run_backward
+
+    def run_backward(*args, **kwargs):
+        if mode in _get_current_function_mode_stack():
+            return original(*args, **kwargs)
+        with mode:
+            return original(*args, **kwargs)
+
+    torch.autograd.graph._engine_run_backward = run_backward
+    torch.autograd._engine_run_backward = run_backward  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        torch.autograd.graph._engine_run_backward = original
+        torch.autograd._engine_run_backward = original  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
 def cuda_script_on_cpu(tracker, default_host: bool = False, cpu_is_card: bool = False):
     """`default_host`: a plain script's defaults - a factory call without a device makes a host
     tensor, and small host tensors are real (see CudaDevicesOnCpu._on_the_host); inside a Job the
@@ -245,6 +272,6 @@ def cuda_script_on_cpu(tracker, default_host: bool = False, cpu_is_card: bool = 
     # With the CPU the card, a card tensor reports the CPU as it is (FSDP2 checks its parameters
     # are on its mesh's device)
     reporting = contextlib.nullcontext() if cpu_is_card else card_devices(tracker)
-    with script_autocast(), reporting, \
-            CudaDevicesOnCpu(tracker, default_host, real_host=default_host, cpu_is_card=cpu_is_card):
+    mode = CudaDevicesOnCpu(tracker, default_host, real_host=default_host, cpu_is_card=cpu_is_card)
+    with script_autocast(), reporting, backward_inside(mode), mode:
         yield
