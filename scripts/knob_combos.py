@@ -1,10 +1,12 @@
 """Random combinations of the documented knobs, each run as a user runs it:
-`python scripts/knob_combos.py [N] [SEED] [--presets | --custom] [backend=cpu ...]`.
+`python scripts/knob_combos.py [N] [SEED] [--presets | --custom | --architectures] [backend=cpu ...]`.
 
 Each combination is one `python -m harness run model=tiny ...` (two at a time); with `--presets`,
 on the 7B-70B presets instead (deeper than tiny's two layers: their traces are synthesized from a
 few, and DDP's shallow journals are shared between counts), with up to 64 GPUs; with `--custom`,
-the examples as jobs of the user's own (workload=custom), the GPT over several GPUs. A run must end in a
+the examples as jobs of the user's own (workload=custom), the GPT over several GPUs; with
+`--architectures`, `model=hf` on the small configs of tests/data/architectures/ (GPT-2, Falcon,
+Gemma 2, Mixtral, DeepSeek-V3, Mamba, T5, ...: what transformers builds beyond Llama). A run must end in a
 row (exit 0: ok or OOM) or be refused before anything runs (exit 2, one line naming the key); an
 error row (exit 1) or any other exit is a bug, and the script exits 1 after listing them. Prints
 each run's exit code and overrides, then the refusals by message.
@@ -23,16 +25,21 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 PRESETS = ["7b", "13b", "70b", "llama3-8b", "qwen2.5-7b", "mistral-7b", "demo-1b"]
+ARCHITECTURES = sorted((REPO / "tests" / "data" / "architectures").glob("*.json"))
 
 
-def combination(rng: random.Random, presets: bool = False) -> list[str]:
+def combination(rng: random.Random, presets: bool = False, architectures: bool = False) -> list[str]:
     """One point's overrides, drawn from README's table of knobs (tiny: 4 heads, 2 key/value heads;
-    a preset where `presets`, with more GPUs)."""
+    a preset where `presets`, with more GPUs; a small architecture of transformers' where
+    `architectures`, 4 heads as tiny's)."""
     model, lengths = (rng.choice(PRESETS), [128, 512, 1024]) if presets else ("tiny", [64, 96, 128])
-    o = [f"model={model}", f"seq_len={rng.choice(lengths)}", f"batch_size={rng.choice([1, 2, 4])}",
-         f"precision={rng.choice(['fp32', 'bf16', 'fp16', 'amp_bf16', 'amp_fp16'])}",
-         f"allocator={rng.choice(['default', 'expandable', 'max_split_512', 'roundup4', 'gc80'])}",
-         f"gpu={rng.choice(['a100-80gb', 't4', 'h100-80gb', 'rtx4060', 'mi300x', 'l4'])}"]
+    o = [f"model={model}"]
+    if architectures:
+        o = ["model=hf", f"model.config_json={rng.choice(ARCHITECTURES).relative_to(REPO)}"]
+    o += [f"seq_len={rng.choice(lengths)}", f"batch_size={rng.choice([1, 2, 4])}",
+          f"precision={rng.choice(['fp32', 'bf16', 'fp16', 'amp_bf16', 'amp_fp16'])}",
+          f"allocator={rng.choice(['default', 'expandable', 'max_split_512', 'roundup4', 'gc80'])}",
+          f"gpu={rng.choice(['a100-80gb', 't4', 'h100-80gb', 'rtx4060', 'mi300x', 'l4'])}"]
     if rng.random() < 0.25:
         o.append("workload=infer")
         if rng.random() < 0.5:
@@ -99,12 +106,13 @@ def run(overrides: list[str], results: Path) -> tuple[int, str, str | None]:
 
 
 def main(args: list[str]) -> int:
-    presets, custom = "--presets" in args, "--custom" in args
-    args = [a for a in args if a not in ("--presets", "--custom")]
+    presets, custom, architectures = "--presets" in args, "--custom" in args, "--architectures" in args
+    args = [a for a in args if a not in ("--presets", "--custom", "--architectures")]
     n = int(args[0]) if args else 40
     rng = random.Random(int(args[1]) if len(args) > 1 else 0)
     extra = args[2:]
-    combos = [(custom_combination(rng) if custom else combination(rng, presets)) + extra for _ in range(n)]
+    combos = [(custom_combination(rng) if custom else combination(rng, presets, architectures)) + extra
+              for _ in range(n)]
     refused: collections.Counter = collections.Counter()
     bad = []
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(2) as pool:
