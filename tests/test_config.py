@@ -80,6 +80,19 @@ def test_every_model_preset_composes_and_validates(preset):
     validate(compose([f"model={preset}", "seq_len=128"]))
 
 
+def test_validating_a_preset_point_leaves_transformers_unimported():
+    """A preset's own keys answer what validation asks of a model (its architecture a causal LM,
+    its positions given, no heads to split): importing transformers' config classes costs 3 s, most
+    of a re-run that reuses every row (benchmarks/sweep_7b.py)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from harness.config.compose import compose; from harness.config.validate import validate; "
+            "validate(compose(['model=7b', 'seq_len=4096'])); print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False"]
+
+
 @pytest.mark.parametrize("conf,expected", [
     ("", {}),
     ("expandable_segments:True", {"expandable_segments": True}),

@@ -9,6 +9,7 @@ from pathlib import Path
 from harness.errors import ConfigError
 
 _ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+PRESET_ARCHS = frozenset(_ARCH_TO_MODEL_TYPE)  # model.arch's choices: causal LMs all
 
 
 def _config_file(path: str) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from harness.config import cards as catalog
 from harness.config.models import (
+    PRESET_ARCHS,
     has_causal_lm,
     hf_config,
     max_positions,
@@ -52,16 +53,18 @@ def _check_plan_cards(point: Point) -> None:
 
 def _check_model(point: Point) -> None:
     model = point.model
-    config = hf_config(model)
-    if not has_causal_lm(config):  # (an encoder-decoder's, a classifier's: no AutoModelForCausalLM class)
-        raise ConfigError("model.config_json" if model.config_json else "model.arch",
-                          f"transformers has no causal language model for model_type '{config.model_type}' "
-                          "(AutoModelForCausalLM): the presets train and serve causal LMs; run another model as a "
-                          "job of your own (workload=custom)")
-    _check_tensor_parallel(point, config)
     limit = model.hf.get("max_position_embeddings") if not model.config_json else None
-    if limit is None:
-        limit = max_positions(config)
+    if model.config_json or limit is None or point.parallel.tp > 1 or model.arch not in PRESET_ARCHS:
+        # transformers' config (importing it: 3 s, most of a re-run's time, where the preset's own
+        # keys answer: its architecture a causal LM, its positions given, no heads to split)
+        config = hf_config(model)
+        if not has_causal_lm(config):  # (an encoder-decoder's, a classifier's: no AutoModelForCausalLM class)
+            raise ConfigError("model.config_json" if model.config_json else "model.arch",
+                              f"transformers has no causal language model for model_type '{config.model_type}' "
+                              "(AutoModelForCausalLM): the presets train and serve causal LMs; run another model "
+                              "as a job of your own (workload=custom)")
+        _check_tensor_parallel(point, config)
+        limit = max_positions(config) if limit is None else limit
     if limit is not None and point.seq_len > limit:
         raise ConfigError("seq_len", f"{point.seq_len} exceeds model {model.name}'s "
                           f"max_position_embeddings ({limit})")
