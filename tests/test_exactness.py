@@ -72,11 +72,13 @@ class _OutOfPlaceByHand(torch.autograd.Function):
     (lambda x, i: x.topk(3, 1)[0], 2),
     (lambda x, i: _OutOfPlaceByHand.apply(x, i), 3),
 ], ids=["gather", "index", "index_select", "take", "max", "topk", "custom_function"])
-def test_backward_formulas_fill_their_zeros_in_place_as_eager_cuda_does(op, copies):
+@pytest.mark.parametrize("script", [False, True], ids=["bare", "device_mode"])
+def test_backward_formulas_fill_their_zeros_in_place_as_eager_cuda_does(op, copies, script):
     """Under any dispatch mode autograd's formulas take their out-of-place branch (one more
-    input-sized tensor); eager CUDA takes the in-place one. At most x and its gradient are alive."""
+    input-sized tensor); eager CUDA takes the in-place one. At most x and its gradient are alive,
+    the engine run inside a job's device mode too (cuda_script.backward_inside)."""
     tr = StorageTracker(emulate_cublas_workspace=False)
-    with FakeTensorMode(), tr:
+    with FakeTensorMode(), cuda_script_on_cpu(tr) if script else contextlib.nullcontext(), tr:
         x = torch.randn(64, 1000, requires_grad=True)
         idx = torch.randint(0, 1000, (64, 10))
         op(x, idx).sum().backward()

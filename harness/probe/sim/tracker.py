@@ -87,6 +87,8 @@ _CUDNN_FORWARD = _aten._scaled_dot_product_cudnn_attention.default
 _FLASH_FORWARD = _aten._scaled_dot_product_flash_attention.default
 _EFFICIENT_FORWARD = _aten._scaled_dot_product_efficient_attention.default
 _GROUPED_MM = _aten._grouped_mm.default
+_function_modes = torch._C._len_torch_function_stack
+_pop_function_mode, _push_function_mode = torch._C._pop_torch_function_stack, torch._C._push_on_torch_function_stack
 # The fused forwards' outputs their rows name (config.attention.fused_code), by position: cuDNN's in
 # the order it makes them, flash's in its outputs' order (its others are empty: none tracked)
 _CUDNN_OUTPUTS = ((6, "seed"), (7, "offset"), (0, "out"), (1, "lse"))
@@ -101,7 +103,7 @@ def _in_autograd_formula() -> bool:
     backward or a checkpoint's recompute."""
     if torch._C._current_graph_task_id() == -1:
         return False
-    caller = sys._getframe(2)  # __torch_dispatch__ <- its caller
+    caller = sys._getframe(3)  # _dispatch <- __torch_dispatch__ <- its caller
     while caller is not None and caller.f_code.co_filename.endswith(_WRAPPER_FILES):
         caller = caller.f_back
     return caller is not None and caller.f_code.co_filename.endswith(_ENGINE_FILE)
@@ -394,6 +396,21 @@ class StorageTracker(TorchDispatchMode):
 
     # ---- dispatch --------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not _function_modes():
+            return self._dispatch(func, types, args, kwargs)
+        # an op the autograd engine runs inside a torch-function mode (cuda_script.backward_inside):
+        # dispatched without it, as a forward op is (each mode popped while its handler runs), else
+        # every call of this code and fake's (untyped_storage, device) passes through it: +6% a point
+        modes = []
+        while _function_modes():
+            modes.append(_pop_function_mode())
+        try:
+            return self._dispatch(func, types, args, kwargs)
+        finally:
+            for m in reversed(modes):
+                _push_function_mode(m)
+
+    def _dispatch(self, func, types, args=(), kwargs=None):
         if func is _DEVICE_QUERY:
             return func(*args, **(kwargs or {}))
         if (func is _WAIT or func is self._wrap) and isinstance(args[0], FakeTensor):
