@@ -108,6 +108,9 @@ class CudaDevicesOnCpu(TorchFunctionMode):
         if func is torch.Tensor.pin_memory:
             return args[0]  # page-locked host memory is host memory; the trace has none to lock
         target = self._target(func, args, kwargs)
+        if target is None and not self.real_host and func not in _MOVES and kwargs.get("device") is None \
+                and func not in self.constructors:
+            return func(*args, **kwargs)  # most calls: nothing to move or place (placed(None) keeps it)
         if kwargs.get("pin_memory"):
             kwargs = {**kwargs, "pin_memory": False}
         if func in _MOVES:
