@@ -86,3 +86,31 @@ def test_a_non_monotone_card_is_flagged_not_hidden():
 
     f = _frontier(s, [1, 2, 3, 4, 5], "c")
     assert f.largest == 2 and f.first_oom == 3 and not f.monotone
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_a_count_search_settles_the_cards_that_hold_the_job_at_the_top_with_two_probes(width):
+    """A count search (places from the most GPUs to one) probes both ends first: a job whose bytes
+    barely move with the count and that one GPU of every card holds costs two probes, not one per
+    count; cards that need more GPUs still find theirs, checked at the place above."""
+    counts = [64, 32, 16, 8, 4, 2, 1]
+    places = list(range(len(counts)))
+
+    def job(rooms, per_gpu):
+        calls = []
+
+        def probe(x):
+            calls.append(x)
+            b = per_gpu(counts[x])
+            return Probe(x, b, {k: b <= r for k, r in rooms.items()})
+        return probe, calls
+
+    flat, calls = job({"a": 10 * 2**30, "b": 80 * 2**30}, lambda n: 2**30 + 2**20 // n)
+    s = search(flat, {"a": 10 * 2**30, "b": 80 * 2**30}, places, width, lambda xs: [flat(x) for x in xs], ends=True)
+    assert sorted(calls) == [0, 6] and {f.largest for f in s.frontiers.values()} == {6}
+    rooms = {"small": 12 * 2**30, "mid": 40 * 2**30, "big": 200 * 2**30}
+    sharded, calls = job(rooms, lambda n: 2**30 + 100 * 2**30 // n)
+    s = search(sharded, rooms, places, width, lambda xs: [sharded(x) for x in xs], ends=True)
+    fewest = {k: counts[f.largest] for k, f in s.frontiers.items()}
+    assert fewest == {"small": 16, "mid": 4, "big": 1}  # 1 + 100/n GiB per GPU
+    assert all(f.first_oom == f.largest + 1 for k, f in s.frontiers.items() if k != "big")

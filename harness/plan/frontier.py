@@ -177,7 +177,7 @@ class Planner:
         ident = _group_columns(cfg, g.point, axis)
         try:
             s = search.search(probe, {k: c.room(plan.margin) for k, c in by_key.items()}, searched, self.width,
-                              lambda vs: _together(probe, vs))
+                              lambda vs: _together(probe, vs), ends=fewer)
             # (beside vLLM's arithmetic for a batch or length; a count's search spreads the job otherwise at each)
             serve = self._serving(g) if cfg.workload.name == "infer" and not fewer else None
         except ProbeFailed as e:

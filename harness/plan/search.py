@@ -39,15 +39,22 @@ def grid(lo: int, hi: int, step: int) -> list[int]:
 
 
 def search(probe: Callable[[int], Probe], rooms: dict[str, int], values: list[int],
-           width: int = 1, probe_many: Callable[[list[int]], list[Probe]] | None = None) -> Search:
+           width: int = 1, probe_many: Callable[[list[int]], list[Probe]] | None = None,
+           ends: bool = False) -> Search:
     """Frontier per card. `rooms`: card key -> the bytes the run may use on it (the interpolation
     target); `probe(v)` runs value v. Probes are shared across cards, largest room first.
 
     With `width` > 1, each round guesses for up to `width` cards whose brackets are still open
-    and runs those probes together (`probe_many`): fewer rounds, sometimes a probe more."""
+    and runs those probes together (`probe_many`): fewer rounds, sometimes a probe more. `ends`:
+    the top of the range is probed with the bottom (a count search's fewest GPUs: each card that
+    holds the job there is settled by it, where interpolating on bytes that barely move with the
+    count walked every count down to it)."""
     s = Search(values)
     probe_many = probe_many or (lambda vs: [probe(v) for v in vs])
-    s.probes[values[0]] = probe(values[0])
+    first = [values[0], values[-1]] if ends and len(values) > 1 else [values[0]]
+    for v, p in zip(first, probe_many(first) if len(first) > 1 and width > 1 else [probe(v) for v in first],
+                    strict=True):
+        s.probes[v] = p
     cards = sorted(rooms, key=rooms.get, reverse=True)
     bisect_next = dict.fromkeys(cards, False)
     while True:
