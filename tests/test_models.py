@@ -56,6 +56,24 @@ def test_a_model_without_sdpa_attends_as_transformers_would_unasked_eagerly(tmp_
     assert not json.loads(on_card.get("attention_calls") or "[]")  # no SDPA call: every card alike
 
 
+def test_a_bf16_grouped_mm_output_is_padded_as_on_cuda_whatever_torch_build_traces_it():
+    """CUDA pads each row of torch._grouped_mm's output to 16 B; torch's meta function does so only
+    on a CUDA build of torch, and the virtual GPU runs on either (this one: +cpu)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from harness.probe.sim.tracker import StorageTracker
+
+    tr = StorageTracker(emulate_cublas_workspace=False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        # experts' weights stored (E, N, K) and passed transposed, as transformers' MoE does: K aligned
+        a, b = torch.empty(64, 16, dtype=torch.bfloat16), torch.empty(2, 20, 16, dtype=torch.bfloat16).mT
+        offs = torch.tensor([24, 64], dtype=torch.int32)
+        with tr:
+            out = torch._grouped_mm(a, b, offs)
+    assert out.shape == (64, 20) and out.stride() == (24, 1)  # 20 bf16 columns padded to 24 (48 B)
+    assert [e.size for e in tr.events if e.action == "alloc"] == [(63 * 24 + 20) * 2]
+
+
 def test_a_mixture_of_experts_in_fp32_takes_cudas_grouped_mm_fallback(tmp_path):
     """CUDA's torch._grouped_mm loops mm_out over the groups where its operands are not both bf16
     (an MoE's experts in fp32, or under autocast, which has no rule for it); torch's meta function

@@ -121,11 +121,11 @@ _LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def grouped_mm_fallback(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
-    """What CUDA's torch._grouped_mm allocates for operands that are not both bf16, where its fast
-    kernel does not run and _grouped_mm_fallback loops mm_out over the groups (GroupedBlas.cpp):
-    the output alone, its rows padded to 16 bytes as create_grouped_gemm_output_tensor makes it.
-    torch's meta function refuses such operands outright (an MoE's experts in fp32, under autocast
-    too: torch has no autocast rule for _grouped_mm)."""
+    """What CUDA's torch._grouped_mm allocates: its output, its rows padded to 16 bytes as
+    create_grouped_gemm_output_tensor makes it (GroupedBlas.cpp), for bf16 operands (the fast
+    kernel; torch's meta function pads only on a CUDA build) and for others, where
+    _grouped_mm_fallback loops mm_out over the groups and the meta function refuses them outright
+    (an MoE's experts in fp32, under autocast too: torch has no autocast rule for _grouped_mm)."""
     a_2d, b_2d = mat_a.dim() == 2, mat_b.dim() == 2
     if a_2d:
         size = [offs.size(0), mat_a.size(0), mat_b.size(1)] if b_2d else [mat_a.size(0), mat_b.size(-1)]

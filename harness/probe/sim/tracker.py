@@ -431,9 +431,10 @@ class StorageTracker(TorchDispatchMode):
             return in_place(*args, **(kwargs or {}))
         if func is _ADD and _accumulates_in_place(args, kwargs) and _in_autograd_formula():
             return _ADD_IN_PLACE(*args)
-        if func is _GROUPED_MM and isinstance(args[0], FakeTensor) \
-                and not args[0].dtype == args[1].dtype == torch.bfloat16:
-            out = grouped_mm_fallback(*args, **(kwargs or {}))  # (CUDA's loop; fake's meta refuses it)
+        if func is _GROUPED_MM and isinstance(args[0], FakeTensor):
+            # CUDA's output, its rows padded to 16 B, for bf16 too (the meta function pads only on a
+            # CUDA build of torch); operands not both bf16 take CUDA's loop, which fake's meta refuses
+            out = grouped_mm_fallback(*args, **(kwargs or {}))
         else:
             out = func(*args, **(kwargs or {}))
         if func in _ZEROS_OPS and _in_autograd_formula():
