@@ -264,6 +264,28 @@ def test_a_zygotes_points_name_the_code_it_loaded_though_its_files_change_after(
     assert row["status"] == "ok" and row["run_id"] == run_id(point)
 
 
+def test_a_zygote_whose_code_is_not_the_code_its_socket_names_serves_nothing(tmp_path):
+    """A client names the socket by the code it reads; a zygote that loaded other code (an edit
+    while it imported) would give that client's points rows under other run_ids: it exits instead,
+    its pid file gone, and the client starts another or runs without one."""
+    import subprocess as sp
+
+    from harness.launch import zygote
+
+    sock = tmp_path / "harness-zygote-0-000000000000.sock"
+    assert zygote.socket_path().name != sock.name
+    proc = sp.Popen([sys.executable, "-m", "harness.launch.zygote", str(sock)], cwd=REPO)
+    zygote._pid_file(sock).write_text(str(proc.pid))  # as _spawn writes it
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        served = sock.exists()
+    finally:
+        proc.kill()
+    assert not served and proc.wait() == 0 and not zygote._pid_file(sock).exists()
+
+
 def test_the_zygote_warms_up_on_the_model_asked_for_else_tiny_and_leaves_its_points_nothing_to_import(tmp_path):
     """The zygote's warm-up traces a layer of the preset asked for, else the tiny point; and what
     a point needs is imported (and warmed up) once there, not in each point it forks: pandas and

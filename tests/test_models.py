@@ -82,7 +82,7 @@ def test_a_mixture_of_experts_in_fp32_takes_cudas_grouped_mm_fallback(tmp_path):
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from harness.probe.sim.cuda_emulation import grouped_mm_fallback
+    from harness.probe.sim.cuda_emulation import grouped_mm_output
     from harness.probe.sim.trace import run_point
 
     offs = torch.tensor([3, 8], dtype=torch.int32)
@@ -91,7 +91,7 @@ def test_a_mixture_of_experts_in_fp32_takes_cudas_grouped_mm_fallback(tmp_path):
     with FakeTensorMode(allow_non_fake_inputs=True):
         for a, b, o in layouts:
             ref = torch._grouped_mm(torch.empty(a, dtype=torch.bfloat16), torch.empty(b, dtype=torch.bfloat16), o)
-            out = grouped_mm_fallback(torch.empty(a), torch.empty(b), o)
+            out = grouped_mm_output(torch.empty(a), torch.empty(b), o)
             assert out.shape == ref.shape and out.dtype == torch.float32, (a, b)
 
     point = hf_point(tmp_path, {"model_type": "qwen2_moe", "hidden_size": 64, "intermediate_size": 128,

@@ -127,12 +127,18 @@ class _Server(socketserver.ForkingMixIn, socketserver.UnixStreamServer):
     slots_dir: Path  # the flock'd files behind them
 
 
-def serve(path: Path, model: str | None = None) -> None:
+def serve(path: Path, model: str | None = None, named_by_code: bool = False) -> None:
     """Import what a point needs (and warm up on `model`, a preset), then fork per request until
-    idle."""
+    idle. `named_by_code`: `path` is socket_path() as the client that started it read the code;
+    where the code this process loaded hashes otherwise (an edit while it loaded), it serves
+    nothing, else its rows would carry run_ids that client's points do not (their rows "missing")."""
     from harness.config.compose import parallelism
 
     ready_to_fork(model)
+    if named_by_code and socket_path() != path:
+        if _pid_file(path).read_text().strip() == str(os.getpid()):
+            _pid_file(path).unlink()  # (the client starts another, or runs its points without one)
+        return
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     server = _Server(str(tmp), _Handler)
     server.slots = parallelism()
@@ -372,4 +378,4 @@ def _alive(path: Path) -> bool:
 
 
 if __name__ == "__main__":
-    serve(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None)
+    serve(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None, named_by_code=True)

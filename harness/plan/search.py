@@ -52,9 +52,7 @@ def search(probe: Callable[[int], Probe], rooms: dict[str, int], values: list[in
     s = Search(values)
     probe_many = probe_many or (lambda vs: [probe(v) for v in vs])
     first = [values[0], values[-1]] if ends and len(values) > 1 else [values[0]]
-    for v, p in zip(first, probe_many(first) if len(first) > 1 and width > 1 else [probe(v) for v in first],
-                    strict=True):
-        s.probes[v] = p
+    s.probes.update(zip(first, probe_many(first) if width > 1 else map(probe, first), strict=True))
     cards = sorted(rooms, key=rooms.get, reverse=True)
     bisect_next = dict.fromkeys(cards, False)
     while True:

@@ -120,7 +120,7 @@ _FP32_OUT = {  # run with dtype=float32 when the input is lower precision
 _LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def grouped_mm_fallback(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+def grouped_mm_output(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     """What CUDA's torch._grouped_mm allocates: its output, its rows padded to 16 bytes as
     create_grouped_gemm_output_tensor makes it (GroupedBlas.cpp), for bf16 operands (the fast
     kernel; torch's meta function pads only on a CUDA build) and for others, where

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves
 from harness.allocator.model import round_plain
 from harness.config import attention, cublas, kernels
 from harness.probe.sim import kernel_scratch
-from harness.probe.sim.cuda_emulation import grouped_mm_fallback
+from harness.probe.sim.cuda_emulation import grouped_mm_output
 
 # cuBLAS workspace PyTorch allocates through its own allocator on a thread's first GEMM
 # (at::cuda::getNewWorkspace): 8,519,680 B per handle in real traces (fidelity.md, C.5).
@@ -400,7 +400,7 @@ class StorageTracker(TorchDispatchMode):
             return self._dispatch(func, types, args, kwargs)
         # an op the autograd engine runs inside a torch-function mode (cuda_script.backward_inside):
         # dispatched without it, as a forward op is (each mode popped while its handler runs), else
-        # every call of this code and fake's (untyped_storage, device) passes through it: +6% a point
+        # every call of this code and fake's (untyped_storage, device) passes through it: 4-6% more calls
         modes = []
         while _function_modes():
             modes.append(_pop_function_mode())
@@ -434,7 +434,7 @@ class StorageTracker(TorchDispatchMode):
         if func is _GROUPED_MM and isinstance(args[0], FakeTensor):
             # CUDA's output, its rows padded to 16 B, for bf16 too (the meta function pads only on a
             # CUDA build of torch); operands not both bf16 take CUDA's loop, which fake's meta refuses
-            out = grouped_mm_fallback(*args, **(kwargs or {}))
+            out = grouped_mm_output(*args, **(kwargs or {}))
         else:
             out = func(*args, **(kwargs or {}))
         if func in _ZEROS_OPS and _in_autograd_formula():
