@@ -114,3 +114,22 @@ def test_a_count_search_settles_the_cards_that_hold_the_job_at_the_top_with_two_
     fewest = {k: counts[f.largest] for k, f in s.frontiers.items()}
     assert fewest == {"small": 16, "mid": 4, "big": 1}  # 1 + 100/n GiB per GPU
     assert all(f.first_oom == f.largest + 1 for k, f in s.frontiers.items() if k != "big")
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_counts_searched_by_their_share_of_the_most_gpus_interpolate_on_a_grid_of_powers_of_two(width):
+    """A count plan searches the share of the most GPUs each count holds (1, 2, ..., 64), in which
+    per-GPU sharded state grows linearly: the grid is not evenly stepped, and each card's fewest
+    GPUs is found, checked at the share above, with fewer probes than there are counts."""
+    shares = [1, 2, 4, 8, 16, 32, 64]
+    rooms = {"small": 12 * 2**30, "mid": 40 * 2**30, "big": 200 * 2**30}
+    probe, calls = linear_job(2**30, 100 * 2**30 // 64, rooms)  # 1 + 100/n GiB on n = 64/share GPUs
+    s = search(probe, rooms, shares, width, lambda vs: [probe(v) for v in vs], ends=True)
+    assert {k: 64 // f.largest for k, f in s.frontiers.items()} == {"small": 16, "mid": 4, "big": 1}
+    assert s.frontiers["small"].first_oom == 8 and s.frontiers["mid"].first_oom == 32
+    assert len(calls) < len(shares)
+    # one card of 30 GiB: both ends, then the share the bytes reach its room at (18.6: 16) and the one
+    # above; a grid read as evenly stepped guessed 64's index and bisected its way down (6 probes)
+    probe, calls = linear_job(2**30, 100 * 2**30 // 64, {"a": 30 * 2**30})
+    s = search(probe, {"a": 30 * 2**30}, shares, width, lambda vs: [probe(v) for v in vs], ends=True)
+    assert s.frontiers["a"].largest == 16 and sorted(calls) == [1, 16, 32, 64]

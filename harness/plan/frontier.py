@@ -153,16 +153,17 @@ class Planner:
         by_key = {c.key: c for c in self.cards(g)}
         rows_by_value: dict[int, dict] = {}
         # The search finds the largest value that fits, memory growing with it; per GPU it shrinks
-        # with the count, so counts are searched by their place from the most down: the largest
-        # place that fits is the fewest GPUs.
+        # with the count, so counts are searched by the share of the most GPUs each one holds
+        # (most // count: 1, 2, ..., 64): the largest share that fits is the fewest GPUs, and
+        # sharded state, ~1/count per GPU, grows linearly in it as the interpolation assumes.
         fewer = axis == "world_size"
-        value_at = sorted(g.values, reverse=True) if fewer else g.values
-        searched = list(range(len(value_at))) if fewer else g.values
+        most = max(g.values)
+        searched = sorted(most // c for c in g.values) if fewer else g.values
         override = searched_key(cfg)
         others = _kept_gpus(g.point) if fewer else 1
 
         def value(x: int | None) -> int | None:  # the axis's value at what the search holds
-            return value_at[x] if fewer and x is not None else x
+            return most // x if fewer and x is not None else x
 
         def probe(x: int) -> search.Probe:
             v = value(x)

@@ -8,6 +8,7 @@ does not fit, have both been probed: every frontier is checked at its boundary.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -109,10 +110,8 @@ def _interpolate(s: Search, values: list[int], card: str, room: int, lo: int, hi
 
 
 def _index_at_or_below(values: list[int], v: int) -> int:
-    if v < values[0]:
-        return 0
-    step = values[1] - values[0] if len(values) > 1 else 1
-    return min((v - values[0]) // step, len(values) - 1)
+    """The index of the largest of the (increasing) `values` at or below `v`; 0 below them all."""
+    return max(0, bisect_right(values, v) - 1)
 
 
 def _frontier(s: Search, values: list[int], card: str) -> Frontier:
