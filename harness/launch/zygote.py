@@ -136,8 +136,7 @@ def serve(path: Path, model: str | None = None, named_by_code: bool = False) -> 
 
     ready_to_fork(model)
     if named_by_code and socket_path() != path:
-        if _pid_file(path).read_text().strip() == str(os.getpid()):
-            _pid_file(path).unlink()  # (the client starts another, or runs its points without one)
+        _drop_pid_file(path)  # (the client starts another, or runs its points without one)
         return
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     server = _Server(str(tmp), _Handler)
@@ -164,10 +163,9 @@ def serve(path: Path, model: str | None = None, named_by_code: bool = False) -> 
         try:
             if os.path.exists(path) and os.stat(path).st_ino == mine:  # not a later zygote's
                 os.unlink(path)
-            if _pid_file(path).read_text().strip() == str(os.getpid()):
-                _pid_file(path).unlink()
-        except (OSError, ValueError):
+        except OSError:
             pass
+        _drop_pid_file(path)
         server.server_close()
         import shutil
 
@@ -362,6 +360,15 @@ def _spawn(path: Path, model: str | None = None) -> None:
 
 def _pid_file(path: Path) -> Path:
     return Path(str(path) + ".pid")
+
+
+def _drop_pid_file(path: Path) -> None:
+    """This process's pid file for `path` removed (not a later zygote's; none: nothing to do)."""
+    try:
+        if _pid_file(path).read_text().strip() == str(os.getpid()):
+            _pid_file(path).unlink()
+    except OSError:
+        pass
 
 
 def _alive(path: Path) -> bool:
