@@ -80,6 +80,24 @@ def test_report_aggregates_a_partial_sweep(smoke_sweep, tmp_path):
     assert f"batch_size={gone['batch_size']}" in named and f"seq_len={gone['seq_len']}" in named
 
 
+def test_a_report_whose_reader_went_away_writes_every_file_and_ends_with_sigpipes_code(smoke_sweep, tmp_path):
+    """`harness report <dir> | head -1` (as `sweep ... | head`): the terminal's reader gone loses no
+    file; exit 141 as README documents (rich's own exit would be 1, a failed row's), no traceback."""
+    _, results = smoke_sweep
+    done = tmp_path / "done"
+    shutil.copytree(_sweep_dirs(results)[0], done)
+    for name in ("report.md", "report.html", "fit.csv", "results.parquet"):
+        (done / name).unlink()
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "report", str(done)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=REPO)
+    proc.stdout.close()  # before it writes: its first table meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141 and "Traceback" not in err, err
+    for name in ("report.md", "report.html", "fit.csv", "results.parquet"):
+        assert (done / name).exists(), name
+    assert str(done / "report.html") in err
+
+
 def test_run_records_every_column(tmp_path):
     r = run_cli("run", "model=tiny", "batch_size=2", "seq_len=32", f"results_dir={tmp_path}")
     assert r.returncode == 0, r.stderr

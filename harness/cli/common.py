@@ -173,10 +173,15 @@ def aggregate(path: Path, expected: int | None = None) -> int:
     out = results.write(df, target)
     frontier = results.load_frontier(target)
     fit_long = fit.fit_table(df)
-    console.render(df, fit_long, title=f"{out}")
-    console.render_verdicts(judged)
-    console.render_frontier(frontier)
+    # every file before the terminal's tables: a reader that goes away (`| head`) loses none of them
     html = document.write(target, df, fit_long, judged, frontier, title=f"Memory report: {target.name}")
+    try:
+        console.render(df, fit_long, title=f"{out}")
+        console.render_verdicts(judged)
+        console.render_frontier(frontier)
+        gone = None
+    except BrokenPipeError as e:  # raised again once stderr has said where everything went
+        gone = e
     print(f"harness: report: {html} (and report.md, results.parquet, results.csv, fit.csv)", file=sys.stderr)
     bad = int(df["status"].isin(["error", "timeout"]).sum())
     if frontier is not None and not frontier.empty:
@@ -188,4 +193,6 @@ def aggregate(path: Path, expected: int | None = None) -> int:
     unnamed = (expected - len(df)) if expected is not None and missing is None else 0
     if unnamed > 0:
         print(f"harness: {unnamed} point(s) left no row", file=sys.stderr)
+    if gone is not None:
+        raise gone
     return EXIT_ROW_ERROR if bad or missing or unnamed > 0 else EXIT_OK

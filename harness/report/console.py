@@ -13,7 +13,12 @@ from harness.report import tables
 def _console():
     from rich.console import Console
 
-    return Console(width=max(200, Console().width))  # 10 cards: keep every column whole
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich's own exits 1, as a failed row would; the CLI's edge ends with SIGPIPE's 141
+            raise BrokenPipeError
+
+    return _Console(width=max(200, Console().width))  # 10 cards: keep every column whole
 
 
 def _print(table: tables.Table, title: str, caption: str | None = None, right_from: int = 99,
