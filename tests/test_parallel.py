@@ -2,6 +2,7 @@
 traced in a fake process group, checked against the same job on real CPU tensors in gloo
 processes, one per rank (FSDP2 alone: tests/test_sharded.py)."""
 
+import dataclasses
 import re
 import shutil
 
@@ -12,20 +13,26 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.allocator.model import round_plain
 from harness.config import nccl
+from harness.config.models import hf_config
 from harness.config.point import Parallel, Workload
 from harness.errors import ConfigError
 from harness.probe.sim.trace import run_point
-from tests.conftest import hf_point, run_cli, train_point
+from tests.conftest import REPO, hf_point, run_cli, train_point
 from tests.test_sharded import _lives, _real_ranks
 
 
-def _over(precision="fp32", checkpointing=False, **parallel):
-    """The tiny job spread by `parallel`; checkpointing "op": with checkpointing_policy=op; "infer":
-    serving (prefill and 4 tokens decoded), not training."""
+def _over(precision="fp32", checkpointing=False, arch=None, **parallel):
+    """The tiny job spread by `parallel` (`arch`: tests/data/architectures/<arch>.json's model
+    instead); checkpointing "op": with checkpointing_policy=op; "infer": serving (prefill and 4
+    tokens decoded), not training."""
     if checkpointing == "infer":
-        return _over(precision, **parallel).replace(workload=Workload(name="infer", new_tokens=4))
-    return train_point(batch_size=2, seq_len=32, precision=precision, checkpointing=bool(checkpointing)).replace(
+        return _over(precision, arch=arch, **parallel).replace(workload=Workload(name="infer", new_tokens=4))
+    point = train_point(batch_size=2, seq_len=32, precision=precision, checkpointing=bool(checkpointing)).replace(
         parallel=Parallel(**parallel), checkpointing_policy="op" if checkpointing == "op" else "full")
+    if arch is None:
+        return point
+    config = REPO / "tests" / "data" / "architectures" / f"{arch}.json"
+    return point.replace(model=dataclasses.replace(point.model, name="hf", arch="auto", config_json=str(config), hf={}))
 
 
 _ORACLE = [
@@ -39,9 +46,13 @@ _ORACLE = [
     # policy (which keeps sequence parallel's reduce-scatters)
     (dict(tp=2, sequence_parallel=True, loss_parallel=True), "bf16", "op"),
     (dict(tp=2), "bf16", "infer"),  # serving: prefill into a KV cache of the rank's heads, then decode
+    # plans that gather a layer's projection whole and split it again at the next (colwise_gather_output,
+    # rowwise_split_input): OLMo 2's q/k/v (normed over every head), Phi-3's fused qkv and gate-up
+    (dict(tp=2, arch="olmo2"), "bf16", True),
+    (dict(tp=2, arch="phi3", loss_parallel=True), "fp32", False),
 ]
 _ORACLE_IDS = ["ddp-fp32", "ddp-bf16-ckpt", "tp-fp32", "tp-bf16-ckpt", "hsdp-bf16", "fsdp-tp-bf16-ckpt", "sp-lp-bf16-op",
-               "tp-bf16-infer"]
+               "tp-bf16-infer", "olmo2-tp-bf16-ckpt", "phi3-tp-lp-fp32"]
 
 
 @pytest.mark.slow
@@ -106,6 +117,32 @@ def test_a_tensor_parallel_rank_holds_its_slices_and_whole_norms():
     assert m["optimizer_bytes"] == 2 * m["params_bytes"]
     vocab, batch, seq = 512, 2, 32
     assert m["all_reduce_bytes_per_step"] > 0 and m["all_gather_bytes_per_step"] == batch * seq * vocab * 4
+
+
+@pytest.mark.parametrize("arch,gathered,split", [("olmo2", ("q_proj", "k_proj", "v_proj"), ("o_proj",)),
+                                                 ("phi3", ("qkv_proj", "gate_up_proj"), ("o_proj", "down_proj"))])
+def test_a_plan_that_gathers_a_projection_whole_splits_its_weights_and_gathers_its_output(arch, gathered, split):
+    """OLMo 2 and Phi-3 (transformers' plans: colwise_gather_output into rowwise_split_input): each
+    rank holds half of every projection (the dims divide) and the norms whole. Each step gathers, in
+    every layer, those projections' outputs whole (forward) and the gradient of each whole input
+    the next projection split (backward: Replicate -> Shard's is a gather), and the head's logits."""
+    one, _ = run_point(_over(arch=arch))
+    m, _ = run_point(_over(arch=arch, tp=2))
+    config = hf_config(_over(arch=arch).model)
+    hidden, layers, vocab, tokens = config.hidden_size, config.num_hidden_layers, config.vocab_size, 2 * 32
+    norms = sum(p.numel() for n, p in _meta_model(arch).named_parameters() if "norm" in n) * 4  # fp32
+    assert m["params_bytes"] == pytest.approx((one["params_bytes"] - norms) / 2 + norms, rel=0.01)
+    widths = {"q_proj": hidden, "k_proj": hidden, "v_proj": hidden, "qkv_proj": 3 * hidden, "o_proj": hidden,
+              "gate_up_proj": 2 * config.intermediate_size, "down_proj": config.intermediate_size}
+    per_layer = sum(widths[g] for g in (*gathered, *split))
+    assert m["all_gather_bytes_per_step"] == tokens * 4 * (layers * per_layer + vocab)
+
+
+def _meta_model(arch: str):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config(_over(arch=arch).model))
 
 
 def test_tensor_parallel_that_does_not_divide_the_heads_is_refused_by_name(tmp_path):
@@ -486,4 +523,4 @@ def test_the_plan_words_validation_admits_are_the_ones_tensor_parallel_applies()
         if word != TP_REPLICATED:
             assert _style(word, "model.layers.0.mlp.up_proj") is not None
     with pytest.raises(ValueError):
-        _style("rowwise_split_input", "model.layers.0.self_attn.o_proj")
+        _style("mla_kv_a_proj", "model.layers.0.self_attn.kv_a_proj_with_mqa")

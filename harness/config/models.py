@@ -80,7 +80,8 @@ def has_causal_lm(config) -> bool:
 # transformers' tensor-parallel plan words the harness applies (probe.parallelize._style); a module
 # of TP_REPLICATED is left to the harness's replication of every module the plan does not split
 TP_REPLICATED = "replicated_with_grad_allreduce"
-TP_STYLES = ("colwise", "rowwise", "embedding_rowwise", "colwise_rep", "colwise_gather_output", TP_REPLICATED)
+TP_STYLES = ("colwise", "rowwise", "rowwise_split_input", "embedding_rowwise", "colwise_rep", "colwise_gather_output",
+             TP_REPLICATED)
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 

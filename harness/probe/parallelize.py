@@ -12,6 +12,7 @@ the largest where a dimension does not divide).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -169,20 +170,25 @@ def replicate(module: torch.nn.Module, mesh) -> None:
 
 
 def _style(name: str, module: str, sequence_parallel: bool = False, loss_parallel: bool = False):
-    """torch's parallel style for one of transformers' plan words; with sequence parallel, a layer's
-    row-split output is reduce-scattered to sequence slices and the head takes slices in; with loss
-    parallel, the head's output stays split over the vocabulary (Shard(-1), as torchtitan's plan)."""
+    """torch's parallel style for one of transformers' plan words (as transformers registers them:
+    distributed/tensor_parallel.py); with sequence parallel, a layer's row-split output is
+    reduce-scattered to sequence slices and the head takes slices in; with loss parallel, the head's
+    output stays split over the vocabulary (Shard(-1), as torchtitan's plan). Inside a layer a
+    gathered output is whole (OLMo 2's q/k/v for its norms over all heads, Phi-3's fused qkv), and
+    the row split that takes it (rowwise_split_input) slices it locally."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    into_layers = sequence_parallel and ".layers." in f".{module}"
-    head_in = Shard(1) if sequence_parallel else Replicate()
-    head_out = {"output_layouts": Shard(-1), "use_local_output": False} if loss_parallel \
-        else {"output_layouts": Replicate()}
+    in_layers = ".layers." in f".{module}"
+    into_layers = sequence_parallel and in_layers
+    head_in = Shard(1) if sequence_parallel and not in_layers else Replicate()
+    head_out: dict[str, Any] = {"output_layouts": Shard(-1), "use_local_output": False} \
+        if loss_parallel and not in_layers else {"output_layouts": Replicate()}
+    row_out: dict[str, Any] = {"output_layouts": Shard(1), "use_local_output": False} if into_layers else {}
     styles: dict[str, Callable[[], object]] = {
         "colwise": ColwiseParallel,
-        "rowwise": (lambda: RowwiseParallel(output_layouts=Shard(1), use_local_output=False)) if into_layers
-        else RowwiseParallel,
+        "rowwise": lambda: RowwiseParallel(**row_out),
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate(), **row_out),
         "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
         "colwise_rep": lambda: ColwiseParallel(input_layouts=head_in, **head_out),
         "colwise_gather_output": lambda: ColwiseParallel(input_layouts=head_in, **head_out)}

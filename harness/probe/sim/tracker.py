@@ -174,10 +174,11 @@ def _collective_wrapper() -> type[Any]:
 def _own(t: torch.Tensor) -> torch.Tensor:
     """The tensor holding `t`'s storage: a DTensor's local shard (a sharded job's parameters,
     gradients and optimizer state), a functional collective's result behind the wrapper that waits
-    for it (AsyncCollectiveTensor, on real ranks), else `t`."""
+    for it (AsyncCollectiveTensor, on real ranks; a DTensor's local shard may be one: a layer's
+    input all-reduced by the embedding before it, made a DTensor unwaited), else `t`."""
     local = getattr(t, "_local_tensor", None)
     if isinstance(local, torch.Tensor):
-        return local
+        return _own(local)
     return _own(t.elem) if isinstance(t, _collective_wrapper()) else t
 
 
