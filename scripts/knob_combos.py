@@ -6,7 +6,7 @@ on the 7B-70B presets instead (deeper than tiny's two layers: their traces are s
 few, and DDP's shallow journals are shared between counts), with up to 64 GPUs; with `--custom`,
 the examples as jobs of the user's own (workload=custom), the GPT over several GPUs; with
 `--architectures`, `model=hf` on the small configs of tests/data/architectures/ (GPT-2, Falcon,
-Gemma 2, Mixtral, DeepSeek-V3, Mamba, T5, ...: what transformers builds beyond Llama). A run must end in a
+Gemma 2, GLM-4, Mixtral, DeepSeek-V3, Mamba, T5, ...: what transformers builds beyond Llama). A run must end in a
 row (exit 0: ok or OOM) or be refused before anything runs (exit 2, one line naming the key); an
 error row (exit 1) or any other exit is a bug, and the script exits 1 after listing them. Prints
 each run's exit code and overrides, then the refusals by message.
