@@ -80,6 +80,22 @@ def test_report_aggregates_a_partial_sweep(smoke_sweep, tmp_path):
     assert f"batch_size={gone['batch_size']}" in named and f"seq_len={gone['seq_len']}" in named
 
 
+def test_a_point_whose_row_names_code_edited_after_the_sweep_began_has_its_row(smoke_sweep, tmp_path):
+    """harness edited while a sweep runs: a point run after the edit names the code that made it,
+    another run_id than the one the manifest wrote at the start; its row in its run dir is still its
+    row (the sweep finished: exit 0, nothing said missing)."""
+    _, results = smoke_sweep
+    done = tmp_path / "done"
+    shutil.copytree(_sweep_dirs(results)[0], done)
+    row_file = done / "runs" / "1" / "result.json"
+    row = json.loads(row_file.read_text())
+    row_file.write_text(json.dumps({**row, "run_id": "0123456789ab"}))  # as the edited code names it
+    r = run_cli("report", str(done))
+    assert r.returncode == 0, r.stderr
+    assert "have no row" not in r.stderr
+    assert "0123456789ab" in set(pd.read_parquet(done / "results.parquet")["run_id"])
+
+
 def test_a_report_whose_reader_went_away_writes_every_file_and_ends_with_sigpipes_code(smoke_sweep, tmp_path):
     """`harness report <dir> | head -1` (as `sweep ... | head`): the terminal's reader gone loses no
     file; exit 141 as README documents (rich's own exit would be 1, a failed row's), no traceback."""

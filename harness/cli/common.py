@@ -38,9 +38,11 @@ class Prepared:
         return [to_point(self.configs[tuple(p)], [*p, *extra], cwd, cluster=cluster, results_dir=results_dir,
                          built=self.built[tuple(p)]) for p in self.points]
 
-    def manifest(self, resolved: list) -> list[dict]:
-        """The sweep's manifest from its resolved points."""
-        return [results.manifest_entry(point, p) for point, p in zip(resolved, self.points)]
+    def manifest(self, resolved: list, verb: str) -> list[dict]:
+        """The sweep's manifest from its resolved points (each in Hydra's run dir for the verb:
+        conf/config.yaml's hydra.sweep.subdir for a sweep's, the command's own for a run)."""
+        return [results.manifest_entry(point, p, f"runs/{i}" if verb == "sweep" else ".")
+                for i, (point, p) in enumerate(zip(resolved, self.points))]
 
 
 def make_out_dir(out: Path, key: str = "results_dir") -> None:

@@ -133,7 +133,7 @@ def _launch(verb: str, flags: list[str], overrides: list[str], asked: list[str] 
         return _fail(str(e))
     # Every point asked for, before any runs: `report` names those an interrupted sweep never ran.
     resolved = prepared.resolved(os.getcwd(), cluster, extra, results_dir)
-    results.write_manifest(out, prepared.manifest(resolved))
+    results.write_manifest(out, prepared.manifest(resolved, verb))
     print(f"harness: {verb}: {len(points)} point(s) on backend={backend} -> {out}", file=sys.stderr)
     if verb == "sweep" and not flags and local.chosen(base):
         return _sweep_here(resolved, base, out, results_dir, asked or overrides)

@@ -45,14 +45,16 @@ def load_rows(path: Path) -> list[dict]:
 MANIFEST_FILE = "points.json"  # every point a sweep was asked for, written before any runs
 
 
-def manifest_entry(point, overrides: list[str]) -> dict:
-    """What a sweep's manifest keeps of a point: its run_id, the overrides that name it, and the
-    fields a verdict compares (analysis.verdict) for a point that may never get a row."""
+def manifest_entry(point, overrides: list[str], run_dir: str) -> dict:
+    """What a sweep's manifest keeps of a point: its run_id, the overrides that name it, its run
+    dir (relative to the sweep's), and the fields a verdict compares (analysis.verdict) for a point
+    that may never get a row."""
     rec = base_record(point)
     fields = {k: rec[k] for k in ("model", "workload", "seq_len", "batch_size", "precision", "checkpointing",
                                   "checkpointing_policy", "optimizer", "optimizer_impl", "allocator_conf", "leak", "gpu",
                                   "workload_target", "workload_args")}
-    return {"run_id": run_id(point), "overrides": [o for o in overrides if not o.startswith("hydra")], **fields}
+    return {"run_id": run_id(point), "overrides": [o for o in overrides if not o.startswith("hydra")],
+            "dir": run_dir, **fields}
 
 
 def write_manifest(sweep_dir: Path, entries: list[dict]) -> None:
@@ -61,14 +63,17 @@ def write_manifest(sweep_dir: Path, entries: list[dict]) -> None:
 
 
 def missing_points(path: Path, rows: list[dict]) -> list[dict] | None:
-    """The manifest's points that have no row under `path` (None: no manifest, e.g. a plan)."""
+    """The manifest's points that have no row under `path` (None: no manifest, e.g. a plan): none
+    of its run_id, nor one in its run dir (a row names the code that made it: harness edited while
+    the sweep ran gives the point's row another run_id than the manifest's)."""
     manifest = Path(path) / MANIFEST_FILE
     try:
         entries = json.loads(manifest.read_text())
     except (OSError, ValueError):
         return None
     have = {r.get("run_id") for r in rows}
-    return [e for e in entries if e["run_id"] not in have]
+    return [e for e in entries if e["run_id"] not in have
+            and not ("dir" in e and (Path(path) / e["dir"] / RESULT_FILE).is_file())]
 
 
 def to_frame(rows: list[dict]) -> pd.DataFrame:
