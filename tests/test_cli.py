@@ -114,6 +114,24 @@ def test_a_report_whose_reader_went_away_writes_every_file_and_ends_with_sigpipe
     assert str(done / "report.html") in err
 
 
+@pytest.mark.parametrize("args", [["model=tiny", "--cfg", "job", "seq_len=32"], ["--cfg", "job", "model=tiny", "seq_len=32"],
+                                  ["model=tiny", "--info"]])
+def test_hydras_own_flags_take_their_values_wherever_they_stand_and_run_nothing(args, tmp_path):
+    """`run model=tiny --cfg job seq_len=32` prints the job's config as Hydra does, the overrides
+    applied (the flag's value is its own, not an override); `--info` after an override takes none
+    for its value. Nothing runs."""
+    import yaml
+
+    r = run_cli("run", *args, f"results_dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    if "--cfg" in args:
+        cfg = yaml.safe_load(r.stdout)
+        assert (cfg["model"]["name"], cfg["seq_len"]) == ("tiny", 32)
+    else:
+        assert r.stdout.startswith("Hydra ")  # its info, not a usage error
+    assert not list(tmp_path.rglob("result.json"))
+
+
 def test_run_records_every_column(tmp_path):
     r = run_cli("run", "model=tiny", "batch_size=2", "seq_len=32", f"results_dir={tmp_path}")
     assert r.returncode == 0, r.stderr

@@ -201,6 +201,23 @@ def _searching(verb: str, rest: list[str], asked: list[str]) -> int:
         os._exit(e.exit_code)
 
 
+def _flags_apart(args: list[str]) -> tuple[list[str], list[str]]:
+    """Hydra's flags, each with its value (`--cfg job`, `--info defaults`, `-cn name`: the word
+    right after a flag, unless it is an override: those have an `=` or start with `~`), and the
+    overrides."""
+    flags: list[str] = []
+    overrides: list[str] = []
+    after_flag = False
+    for a in args:
+        if a.startswith("-"):
+            flags.append(a)
+            after_flag = True
+            continue
+        (flags if after_flag and "=" not in a and not a.startswith("~") else overrides).append(a)
+        after_flag = False
+    return flags, overrides
+
+
 def entry(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
@@ -237,10 +254,9 @@ def entry(argv: list[str]) -> int:
         return aggregate(path)
     if verb not in ("run", "sweep"):
         return _fail(f"unknown verb '{verb}' (run, sweep, plan, calibrate, report, replay, diagnose, script)")
-    flags = [a for a in rest if a.startswith("-")]
-    overrides = [a for a in rest if not a.startswith("-")]
+    flags, overrides = _flags_apart(rest)
     if flags:  # --cfg, --info, --help: Hydra's own, nothing runs
-        sys.argv = [sys.argv[0], *flags, *overrides]
+        sys.argv = [sys.argv[0], *overrides, *flags]  # (argparse takes the overrides in one run, first)
         main()
         return EXIT_OK
     return _launch(verb, flags, overrides, asked=argv[1:])
