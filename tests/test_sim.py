@@ -213,6 +213,23 @@ def test_breakdown_at_the_peak_adds_up():
     assert m["params_bytes"] > 0 and m["optimizer_bytes"] == 2 * m["params_bytes"]
 
 
+def test_a_peak_inside_the_first_optimizer_step_counts_the_new_state_once_as_optimizer_state():
+    """A job whose gradients and AdamW's state outweigh its activations peaks in its first step's
+    optimizer step, as AdamW makes its state: that state counts as optimizer state (it was counted
+    as temporaries, beside the row's optimizer_bytes: the report's breakdown stacked it twice), and
+    the row's parts add up to its peak (with the batch, and the buffers the model holds beside its
+    parameters)."""
+    m, _ = run_point(train_point(batch_size=1, seq_len=8))
+    assert (m["peak_step"], m["peak_phase"]) == (0, "optimizer")
+    bd = m["peak_breakdown"]
+    assert bd["optimizer_state"] == m["optimizer_bytes"]
+    parts = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes",
+             "workspace_bytes")
+    buffers = bd["parameter"] - m["params_bytes"]  # (the rotary embedding's inverse frequencies)
+    assert 0 <= buffers <= 1024
+    assert sum(m[k] for k in parts) + bd.get("input", 0) + buffers == m["peak_allocated_bytes"]
+
+
 def test_allocated_after_each_step_is_kept_for_leak_detection():
     m, _ = run_point(train_point(steps=4))
     assert len(m["step_allocated_bytes"]) == 4

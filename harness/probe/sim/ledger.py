@@ -20,18 +20,23 @@ class StepStats:
 
 
 def step_stats(journal: list[TraceEvent]) -> tuple[StepStats, list[StepStats]]:
-    """(setup, one per step): peaks with what they held and where, allocated at each step's end."""
+    """(setup, one per step): peaks with what they held and where, allocated at each step's end.
+    A storage counts as the kind it was last retagged to from its birth on (optimizer state made
+    inside the first step, a gradient autograd made, the batch): what it was all along (a first
+    step's peak held AdamW's new state as temporaries, and the record's optimizer_bytes with them)."""
+    final = _final_kinds(journal)
     live: dict[int, list] = {}  # key -> [requested, allocated, kind]
     kind_bytes = dict.fromkeys(KINDS, 0)
     allocated = requested = 0
     setup = s = StepStats(step=-1)
     steps: dict[int, StepStats] = {}
     at = -1  # the step `s` is (a journal's entries come a step at a time: looked up where it changes)
-    for _seq, action, key, size, kind, phase, step, module, _stream, _kernel in journal:
+    for i, (_seq, action, key, size, kind, phase, step, module, _stream, _kernel) in enumerate(journal):
         if step != at:
             s = setup if step < 0 else steps.setdefault(step, StepStats(step=step))
             at = step
         if action == "alloc":
+            kind = final.get(i, kind)
             n = counted(size)
             live[key] = [size, n, kind]
             allocated += n
@@ -49,12 +54,21 @@ def step_stats(journal: list[TraceEvent]) -> tuple[StepStats, list[StepStats]]:
                 allocated -= entry[1]
                 requested -= entry[0]
                 kind_bytes[entry[2]] -= entry[1]
-        elif action == "retag":
-            entry = live.get(key)
-            if entry is not None:
-                kind_bytes[entry[2]] -= entry[1]
-                kind_bytes[kind] += entry[1]
-                entry[2] = kind
         elif action == "end":
             s.allocated_after_bytes = allocated
     return setup, [steps[k] for k in sorted(steps)]
+
+
+def _final_kinds(journal: list[TraceEvent]) -> dict[int, str]:
+    """The kind each retagged storage was last retagged to, by its alloc's place in the journal (a
+    key names a storage only while it lives)."""
+    born: dict[int, int] = {}  # live key -> its alloc's place
+    out: dict[int, str] = {}
+    for i, (_seq, action, key, _size, kind, *_rest) in enumerate(journal):
+        if action == "alloc":
+            born[key] = i
+        elif action == "free":
+            born.pop(key, None)
+        elif action == "retag" and key in born:
+            out[born[key]] = kind
+    return out
