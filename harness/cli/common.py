@@ -155,7 +155,7 @@ def aggregate(path: Path, expected: int | None = None) -> int:
     # pandas, matplotlib and the analysis: a second of imports that a command refused as bad input
     # (checked before any of this) does not wait for
     from harness.analysis.kinds import with_kinds
-    from harness.analysis.verdict import verdicts
+    from harness.analysis.verdict import unspread_static, verdicts
     from harness.plan import fit
     from harness.report import console, document, words
 
@@ -175,11 +175,14 @@ def aggregate(path: Path, expected: int | None = None) -> int:
     out = results.write(df, target)
     frontier = results.load_frontier(target)
     fit_long = fit.fit_table(df)
+    hint = unspread_static(judged, df)
+    more_gpus = words.more_gpus(hint) if hint else None
     # every file before the terminal's tables: a reader that goes away (`| head`) loses none of them
-    html = document.write(target, df, fit_long, judged, frontier, title=f"Memory report: {target.name}")
+    html = document.write(target, df, fit_long, judged, frontier, title=f"Memory report: {target.name}",
+                          more_gpus=more_gpus)
     try:
         console.render(df, fit_long, title=f"{out}")
-        console.render_verdicts(judged)
+        console.render_verdicts(judged, more_gpus)
         console.render_frontier(frontier)
         gone = None
     except BrokenPipeError as e:  # raised again once stderr has said where everything went

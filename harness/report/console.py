@@ -79,11 +79,16 @@ def render(df: pd.DataFrame, fit_long: pd.DataFrame, title: str) -> None:
         console.print(f"[yellow]{n} run(s):[/] {escape(str(sentence))}")
 
 
-def render_verdicts(judged: pd.DataFrame) -> None:
-    """Code problem or card problem, for each point that does not fit its card."""
+def render_verdicts(judged: pd.DataFrame, more_gpus: str | None = None) -> None:
+    """Code problem or card problem, for each point that does not fit its card; `more_gpus`: where
+    the sweep cannot say how many GPUs (words.more_gpus)."""
     if not judged.empty:
         _print(tables.verdict_table(judged), "Code problem or card problem? (each point that OOMs on its card)",
                wrap=("job", "what fits"))
+    if more_gpus:
+        from rich.markup import escape
+
+        _console().print(f"[yellow]{escape(more_gpus)}[/]")
 
 
 def render_frontier(fr: pd.DataFrame) -> None:

@@ -67,9 +67,11 @@ Lend = Callable[[str, str], "bytes | None"]  # (figure name, key) -> a PNG drawn
 
 
 def build(df: pd.DataFrame, fit_long: pd.DataFrame, judged: pd.DataFrame, fr: pd.DataFrame | None,
-          title: str, lend: Lend | None = None) -> tuple[list[Section], dict[str, bytes], dict[str, str]]:
+          title: str, lend: Lend | None = None,
+          more_gpus: str | None = None) -> tuple[list[Section], dict[str, bytes], dict[str, str]]:
     """The report's sections, its pictures (name -> PNG bytes) and their keys; a picture `lend`
-    has for its key is not drawn again (drawing is most of a report's time: ~0.5 s each)."""
+    has for its key is not drawn again (drawing is most of a report's time: ~0.5 s each).
+    `more_gpus`: the verdicts' note where the sweep cannot say how many GPUs (words.more_gpus)."""
     pngs: dict[str, bytes] = {}
     keys: dict[str, str] = {}
     to_draw: dict[str, tuple] = {}
@@ -115,8 +117,8 @@ def build(df: pd.DataFrame, fit_long: pd.DataFrame, judged: pd.DataFrame, fr: pd
                             figure=figure("breakdown.png", figures.breakdown, df)))
     if not judged.empty:
         sections.append(Section("Code problem or card problem?", "Each point that does not fit its card: "
-                                "a code problem when a remedy in the sweep fits it, a card problem when none does.",
-                                tables.verdict_table(judged)))
+                                "a code problem when a remedy in the sweep fits it, a card problem when none does."
+                                + (f" {more_gpus}." if more_gpus else ""), tables.verdict_table(judged)))
     header, rows = tables.math_path_table(df)
     if rows:
         sections.append(Section("Attention on the math path", "Runs whose attention takes PyTorch's math path on "
@@ -218,9 +220,9 @@ def to_html(sections: list[Section], pngs: dict[str, bytes]) -> str:
 
 
 def write(target: Path, df: pd.DataFrame, fit_long: pd.DataFrame, judged: pd.DataFrame,
-          fr: pd.DataFrame | None, title: str) -> Path:
+          fr: pd.DataFrame | None, title: str, more_gpus: str | None = None) -> Path:
     """report.md, report_files/*.png, report.html and fit.{csv,parquet} in `target`; returns the HTML."""
-    sections, pngs, keys = build(df, fit_long, judged, fr, title, _drawn_beside(target))
+    sections, pngs, keys = build(df, fit_long, judged, fr, title, _drawn_beside(target), more_gpus)
     figs = target / FIG_DIR
     figs.mkdir(exist_ok=True)
     for name, data in pngs.items():
