@@ -206,7 +206,7 @@ def worded_verdicts(judged: pd.DataFrame, rows: pd.DataFrame) -> pd.DataFrame:
 def more_gpus(hint: dict) -> str:
     """analysis.verdict.unspread_static in words: the command that answers "how many GPUs"."""
     return (f"{hint['points']} point(s) OOM with their weights, gradients and optimizer state alone (kind static), "
-            "and this sweep spreads none over more GPUs: `python -m harness plan "
+            "and none of these points is spread over more GPUs: `python -m harness plan "
             f"{' '.join([*hint['overrides'], 'plan.axis=world_size'])}` finds the fewest GPUs each card needs "
             "(FSDP2; plan.over=tp or dp_replicate for the others)")
 
