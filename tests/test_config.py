@@ -150,6 +150,20 @@ def test_a_model_type_without_a_causal_lm_is_refused_naming_the_file(tmp_path):
     assert e.value.key == "model.config_json" and "t5" in str(e.value) and "workload=custom" in str(e.value)
 
 
+@pytest.mark.parametrize("model_type", ["gemma3", "llama4", "mllama"])
+def test_a_multimodal_models_config_is_refused_naming_the_file_and_its_language_model(tmp_path, model_type):
+    """A vision-language model's config.json (Gemma 3 4B+, Llama 4, Mllama: the language model in
+    text_config) is refused before any work, naming model.config_json and text_config's model_type:
+    it was an error row (no num_hidden_layers), and the presets would feed it tokens alone."""
+    from transformers import AutoConfig
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    text = AutoConfig.for_model(model_type).get_text_config().model_type
+    with pytest.raises(ConfigError) as e:
+        validate(compose(["model=hf", f"model.config_json={tmp_path}", "seq_len=32"]))
+    assert e.value.key == "model.config_json" and f"'{text}'" in str(e.value) and "text_config" in str(e.value)
+
+
 @pytest.mark.parametrize("override,key", [
     ("model=nope", "model"),
     ("batch_size=0", "batch_size"),

@@ -63,6 +63,12 @@ def _check_model(point: Point) -> None:
                               f"transformers has no causal language model for model_type '{config.model_type}' "
                               "(AutoModelForCausalLM): the presets train and serve causal LMs; run another model "
                               "as a job of your own (workload=custom)")
+        text = config.get_text_config()
+        if text is not config:  # (a vision-language model's: Gemma 3 4B+, Llama 4, Mllama)
+            raise ConfigError("model.config_json", f"model_type '{config.model_type}' is a multimodal model, its "
+                              f"language model in text_config (model_type '{text.model_type}'): the presets feed it "
+                              "tokens alone, never its other inputs; save text_config as a config.json of its own "
+                              "for the language model, or run the whole model as a job of your own (workload=custom)")
         _check_tensor_parallel(point, config)
         limit = max_positions(config) if limit is None else limit
     if limit is not None and point.seq_len > limit:
