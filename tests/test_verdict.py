@@ -223,19 +223,20 @@ def test_every_key_that_varies_is_in_the_label_and_a_column():
 
 def test_static_ooms_of_a_sweep_spread_over_no_more_gpus_name_the_plan_that_counts_them():
     """Points that OOM with their weights, gradients and optimizer state alone, in a sweep of one GPU
-    a point: how many, and the first one's overrides (less where its rows go and how it runs) for
-    `plan plan.axis=world_size`; nothing where the sweep spreads a point over more GPUs, or where
-    no point is static."""
+    a point, are counted, and the words give the command's own overrides to `plan
+    plan.axis=world_size` (less those a plan refuses or runs otherwise: backend, the launcher);
+    nothing where the sweep spreads a point over more GPUs, or where no point is static."""
     from harness.analysis.verdict import unspread_static
 
-    placing = "results_dir=/r backend=sim hydra.launcher.workers=2"
-    df = pd.DataFrame([_row(run_id="a", kind="static", overrides=f"model=7b precision=amp_bf16 {placing}"),
-                       _row(run_id="b", kind="static", batch_size=4, overrides="model=7b batch_size=4"),
-                       _row(run_id="c", kind="activations", overrides="model=7b seq_len=4096")])
-    hint = unspread_static(verdicts(df), df)
-    assert hint == {"points": 2, "overrides": ["model=7b", "precision=amp_bf16"]}
+    df = pd.DataFrame([_row(run_id="a", kind="static"), _row(run_id="b", kind="static", batch_size=4),
+                       _row(run_id="c", kind="activations", seq_len=4096)])
+    assert unspread_static(verdicts(df), df) == 2
     spread = pd.concat([df.assign(world_size=1), pd.DataFrame([_row(run_id="d", world_size=8, dp_shard=8, status="ok")])])
-    assert unspread_static(verdicts(spread), spread) is None
-    assert unspread_static(verdicts(df.iloc[2:]), df.iloc[2:]) is None
-    assert words.more_gpus(hint).endswith("(FSDP2; plan.over=tp or dp_replicate for the others)")
-    assert "`python -m harness plan model=7b precision=amp_bf16 plan.axis=world_size`" in words.more_gpus(hint)
+    assert unspread_static(verdicts(spread), spread) == 0
+    assert unspread_static(verdicts(df.iloc[2:]), df.iloc[2:]) == 0
+    asked = ["sweeps=./my-grid.yaml", "precision=bf16", "backend=cuda", "hydra/launcher=harness_slurm",
+             "hydra.launcher.partition=gpu", "hydra.searchpath=[file:///cards]"]
+    said = words.more_gpus(2, asked)
+    assert "`python -m harness plan sweeps=./my-grid.yaml precision=bf16 hydra.searchpath=[file:///cards] " \
+           "plan.axis=world_size`" in said
+    assert said.startswith("2 point(s) OOM") and "<the same overrides>" in words.more_gpus(2)

@@ -231,19 +231,10 @@ def _card_needed(runs: list[dict], cards: dict[str, Card]) -> dict:
             "card_headroom_pct": 100 * headroom / smallest.memory_bytes, "card_edge": _edge(run, smallest.key)}
 
 
-# a row's overrides that place it (where its rows go, how it runs), not what it is
-_PLACING = ("results_dir", "backend", "sweeps", "hydra")
-
-
-def unspread_static(judged: pd.DataFrame, rows: pd.DataFrame) -> dict | None:
-    """Where points OOM on their card with their weights, gradients and optimizer state alone
-    (kind static) and the sweep spreads none of its points over more GPUs (the answer it cannot
-    give: how many GPUs each card needs): how many, and the overrides of the first, for
-    `python -m harness plan ... plan.axis=world_size`. None otherwise."""
-    static = judged[judged["kind"] == "static"] if not judged.empty else judged
-    if static.empty or ("world_size" in rows and (rows["world_size"].fillna(1) > 1).any()):
-        return None
-    first = rows.set_index("run_id").loc[static["run_id"].iloc[0]]
-    said = str(first.get("overrides") or "").split()
-    return {"points": len(static),
-            "overrides": [o for o in said if o.split("=", 1)[0].lstrip("+~").split(".", 1)[0] not in _PLACING]}
+def unspread_static(judged: pd.DataFrame, rows: pd.DataFrame) -> int:
+    """How many points OOM on their card with their weights, gradients and optimizer state alone
+    (kind static) where none of the rows is spread over more GPUs: the answer the rows cannot give
+    is how many GPUs each card needs (`plan plan.axis=world_size` gives it). 0 otherwise."""
+    if judged.empty or ("world_size" in rows and (rows["world_size"].fillna(1) > 1).any()):
+        return 0
+    return int((judged["kind"] == "static").sum())

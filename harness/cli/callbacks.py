@@ -19,6 +19,7 @@ from hydra.experimental.callback import Callback
 class _Sweep:
     out: Path
     expected: int
+    asked: list[str] | None = None  # the command's overrides, as typed (the report's plan hint)
     progress: Any = None  # a running SweepProgress
     code: int | None = None  # the aggregation's exit code, once done
 
@@ -26,9 +27,9 @@ class _Sweep:
 _armed: _Sweep | None = None
 
 
-def arm(out: Path, expected: int) -> None:
+def arm(out: Path, expected: int, asked: list[str] | None = None) -> None:
     global _armed
-    _armed = _Sweep(out, expected)
+    _armed = _Sweep(out, expected, asked)
 
 
 def finish() -> int:
@@ -54,7 +55,7 @@ def abandon() -> None:
 def _aggregate(sweep: _Sweep) -> int:
     from harness.cli.common import aggregate  # the report's libraries: not for every Hydra job process
 
-    return aggregate(sweep.out, expected=sweep.expected)
+    return aggregate(sweep.out, expected=sweep.expected, asked=sweep.asked)
 
 
 def _stop_progress(sweep: _Sweep) -> None:

@@ -150,8 +150,9 @@ def import_report_meanwhile() -> threading.Thread:
     return thread
 
 
-def aggregate(path: Path, expected: int | None = None) -> int:
-    """Rows -> results.parquet/csv, the verdicts, the tables on the terminal, report.md/.html."""
+def aggregate(path: Path, expected: int | None = None, asked: list[str] | None = None) -> int:
+    """Rows -> results.parquet/csv, the verdicts, the tables on the terminal, report.md/.html
+    (`asked`: the overrides of the command that made them, as typed, for what to run next)."""
     # pandas, matplotlib and the analysis: a second of imports that a command refused as bad input
     # (checked before any of this) does not wait for
     from harness.analysis.kinds import with_kinds
@@ -176,7 +177,7 @@ def aggregate(path: Path, expected: int | None = None) -> int:
     frontier = results.load_frontier(target)
     fit_long = fit.fit_table(df)
     hint = unspread_static(judged, df)
-    more_gpus = words.more_gpus(hint) if hint else None
+    more_gpus = words.more_gpus(hint, asked) if hint else None
     # every file before the terminal's tables: a reader that goes away (`| head`) loses none of them
     html = document.write(target, df, fit_long, judged, frontier, title=f"Memory report: {target.name}",
                           more_gpus=more_gpus)

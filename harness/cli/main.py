@@ -138,7 +138,7 @@ def _launch(verb: str, flags: list[str], overrides: list[str], asked: list[str] 
     if verb == "sweep" and not flags and local.chosen(base):
         return _sweep_here(resolved, base, out, results_dir, asked or overrides)
     sys.argv = [sys.argv[0], *flags, *hydra_args]  # hydra.main reads its overrides from argv
-    callbacks.arm(out, len(points))  # Hydra's callback shows progress and writes the report
+    callbacks.arm(out, len(points), asked or overrides)  # Hydra's callback shows progress and writes the report
     try:
         with interrupt.stoppable():
             try:
@@ -163,7 +163,7 @@ def _sweep_here(points: list, base, out: Path, results_dir: Path, asked: list[st
             report_imported.join()
     except interrupt.Interrupted as e:
         return _interrupted("sweep", asked, out, expected, e)
-    return aggregate(out, expected=expected)
+    return aggregate(out, expected=expected, asked=asked)
 
 
 def _interrupted(verb: str, asked: list[str], out: Path, expected: int, e) -> int:

@@ -203,11 +203,18 @@ def worded_verdicts(judged: pd.DataFrame, rows: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def more_gpus(hint: dict) -> str:
-    """analysis.verdict.unspread_static in words: the command that answers "how many GPUs"."""
-    return (f"{hint['points']} point(s) OOM with their weights, gradients and optimizer state alone (kind static), "
-            "and none of these points is spread over more GPUs: `python -m harness plan "
-            f"{' '.join([*hint['overrides'], 'plan.axis=world_size'])}` finds the fewest GPUs each card needs "
+# a command's overrides that `plan` refuses or runs otherwise (it runs here, on the virtual GPU)
+_NOT_PLANS = ("backend", "hydra/launcher", "hydra.launcher")
+
+
+def more_gpus(points: int, asked: list[str] | None = None) -> str:
+    """analysis.verdict.unspread_static in words: the command that answers "how many GPUs" (the
+    overrides `asked` of the command that made the rows, where known)."""
+    kept = [o for o in asked or [] if not o.lstrip("+~").startswith(_NOT_PLANS)]
+    command = f"python -m harness plan {' '.join([*kept, 'plan.axis=world_size'])}" if asked is not None \
+        else "python -m harness plan <the same overrides> plan.axis=world_size"
+    return (f"{points} point(s) OOM with their weights, gradients and optimizer state alone (kind static), and none "
+            f"of these points is spread over more GPUs: `{command}` finds the fewest GPUs each card needs "
             "(FSDP2; plan.over=tp or dp_replicate for the others)")
 
 
