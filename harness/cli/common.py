@@ -176,8 +176,8 @@ def aggregate(path: Path, expected: int | None = None, asked: list[str] | None =
     out = results.write(df, target)
     frontier = results.load_frontier(target)
     fit_long = fit.fit_table(df)
-    hint = unspread_static(judged, df)
-    more_gpus = words.more_gpus(hint, asked) if hint else None
+    static = unspread_static(judged, df)
+    more_gpus = words.more_gpus(static, asked) if static else None
     # every file before the terminal's tables: a reader that goes away (`| head`) loses none of them
     html = document.write(target, df, fit_long, judged, frontier, title=f"Memory report: {target.name}",
                           more_gpus=more_gpus)
