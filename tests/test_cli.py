@@ -132,6 +132,17 @@ def test_hydras_own_flags_take_their_values_wherever_they_stand_and_run_nothing(
     assert not list(tmp_path.rglob("result.json"))
 
 
+@pytest.mark.parametrize("args", [["model=tiny", "batch_size=1,2", "-m"], ["--multirun", "model=tiny"],
+                                  ["-cn", "mine", "model=tiny"]])
+def test_a_hydra_flag_that_would_run_points_past_the_harness_is_refused_naming_it(args, tmp_path):
+    """`run ... -m` ran the default grid inside this process through Hydra alone: no point validated
+    first, no progress, no report. Such a flag is refused by name before anything runs."""
+    r = run_cli("run", *args, f"results_dir={tmp_path}")
+    flag = next(a for a in args if a.startswith("-"))
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(f"harness: error: {flag}:"), r.stderr
+    assert not list(tmp_path.rglob("result.json"))
+
+
 def test_run_records_every_column(tmp_path):
     r = run_cli("run", "model=tiny", "batch_size=2", "seq_len=32", f"results_dir={tmp_path}")
     assert r.returncode == 0, r.stderr

@@ -201,6 +201,11 @@ def _searching(verb: str, rest: list[str], asked: list[str]) -> int:
         os._exit(e.exit_code)
 
 
+# Hydra's flags that show the config, the help or the search path, and run nothing
+_SHOWING = frozenset({"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--resolve", "--package", "-p",
+                      "--info", "-i", "--shell-completion", "-sc"})
+
+
 def _flags_apart(args: list[str]) -> tuple[list[str], list[str]]:
     """Hydra's flags, each with its value (`--cfg job`, `--info defaults`, `-cn name`: the word
     right after a flag, unless it is an override: those have an `=` or start with `~`), and the
@@ -255,6 +260,10 @@ def entry(argv: list[str]) -> int:
     if verb not in ("run", "sweep"):
         return _fail(f"unknown verb '{verb}' (run, sweep, plan, calibrate, report, replay, diagnose, script)")
     flags, overrides = _flags_apart(rest)
+    running = next((f for f in flags if f.startswith("-") and f.split("=", 1)[0] not in _SHOWING), None)
+    if running is not None:  # (--multirun ran the grid in this process: no validation first, no report)
+        return _fail(f"{running}: not a flag the harness takes; `python -m harness sweep` runs a grid, and of "
+                     f"Hydra's own flags those that only show things: {', '.join(sorted(f for f in _SHOWING if f[1] == '-'))}")
     if flags:  # --cfg, --info, --help: Hydra's own, nothing runs
         sys.argv = [sys.argv[0], *overrides, *flags]  # (argparse takes the overrides in one run, first)
         main()
