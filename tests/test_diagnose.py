@@ -238,3 +238,21 @@ def test_output_whose_reader_went_away_ends_without_a_traceback(tmp_path):
     proc.stdout.close()  # before it writes: its first line meets a closed pipe
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and "Traceback" not in err, err
+
+
+def test_diagnose_tells_runs_of_one_job_under_other_allocator_settings_and_leaks_apart(tmp_path):
+    """A sweep of one job under two allocator settings, with and without a leak: each run's line
+    says which it is (the lines read alike in pairs before), as the report's labels do."""
+    common = dict(model="m", batch_size=1, seq_len=8, precision="bf16", checkpointing=False, gpu="T4")
+    variants = [("", "none"), ("expandable_segments:True", "none"), ("", "graph"), ("expandable_segments:True", "graph")]
+    for i, (conf, leak) in enumerate(variants):
+        (tmp_path / "runs" / str(i)).mkdir(parents=True)
+        (tmp_path / "runs" / str(i) / "result.json").write_text(
+            json.dumps(_record(run_id=str(i), allocator_conf=conf, leak=leak, **common)))
+    r = run_cli("diagnose", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 4 and len({ln.split(" on ", 1)[0] for ln in lines}) == 4
+    out = {(o["allocator_conf"], o["leak"]): o["label"] for o in json.loads(run_cli("diagnose", str(tmp_path),
+                                                                                     "--json").stdout)}
+    assert "alloc=expandable_segments:True leak=graph" in out["expandable_segments:True", "graph"]

@@ -104,16 +104,20 @@ def _runs(path: Path, as_json: bool) -> int:
     rows = results.load_rows(path)
     if not rows:
         return _fail(f"diagnose: no result.json under {path}")
+    # the report's labels: they tell every run from the others (the allocator, a leak, what else differs)
+    labels = words.job_labels([{**r, "run_id": str(i)} for i, r in enumerate(rows)])
     out = []
-    for rec in rows:
+    for i, rec in enumerate(rows):
         k = kind(rec)
         sh = shape(rec.get("step_allocated_bytes") or [], rec.get("step_peak_bytes") or [],
                    rec.get("workload") == "train")
         world, _reshard = spread(rec)
-        out.append({"run_id": rec.get("run_id"), "model": rec.get("model"), "batch_size": rec.get("batch_size"),
+        out.append({"run_id": rec.get("run_id"), "label": labels[str(i)], "model": rec.get("model"),
+                    "batch_size": rec.get("batch_size"),
                     "seq_len": rec.get("seq_len"), "precision": rec.get("precision"),
                     "checkpointing": rec.get("checkpointing"),
                     "checkpointing_policy": rec.get("checkpointing_policy"), "allocator_conf": rec.get("allocator_conf"),
+                    "leak": rec.get("leak"),
                     "gpus": world, "layout": layout(rec) or None,  # the figures are one GPU's of the job's
                     "gpu": rec.get("gpu"), "status": rec.get("status"), "kind": k.kind, "why": words.kind_reason(k),
                     "shape": sh.shape, "shape_numbers": words.shape_numbers(sh)})
@@ -122,7 +126,6 @@ def _runs(path: Path, as_json: bool) -> int:
         return EXIT_OK
     for r in out:
         spread_over = f", {r['layout']} over {r['gpus']} GPUs," if r["gpus"] > 1 else ""
-        print(f"{r['model']} b{r['batch_size']} s{r['seq_len']} {r['precision']} ckpt={r['checkpointing']}"
-              f"{' (op)' if r.get('checkpointing_policy') == 'op' else ''}{spread_over} "
-              f"on {r['gpu']}: {r['kind']} ({r['why']}); shape {r['shape']} ({r['shape_numbers']})")
+        print(f"{r['label']}{spread_over} on {r['gpu']}: {r['kind']} ({r['why']}); shape {r['shape']} "
+              f"({r['shape_numbers']})")
     return EXIT_OK
