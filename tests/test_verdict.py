@@ -224,7 +224,8 @@ def test_every_key_that_varies_is_in_the_label_and_a_column():
 def test_static_ooms_of_a_sweep_spread_over_no_more_gpus_name_the_plan_that_counts_them():
     """Points that OOM with their weights, gradients and optimizer state alone, in a sweep of one GPU
     a point, are counted, and the words give the command's own overrides to `plan
-    plan.axis=world_size` (less those a plan refuses or runs otherwise: backend, the launcher);
+    plan.axis=world_size` (less those a plan refuses or runs otherwise: backend, the launcher, a
+    plan's own search);
     nothing where the sweep spreads a point over more GPUs, or where no point is static."""
     from harness.analysis.verdict import unspread_static
 
@@ -240,3 +241,6 @@ def test_static_ooms_of_a_sweep_spread_over_no_more_gpus_name_the_plan_that_coun
     assert "`python -m harness plan sweeps=./my-grid.yaml precision=bf16 hydra.searchpath=[file:///cards] " \
            "plan.axis=world_size`" in said
     assert said.startswith("2 point(s) OOM") and "<the same overrides>" in words.more_gpus(2)
+    # a batch plan's own search gives way to the count's; its cards and margin stay
+    planned = words.more_gpus(1, ["sweeps=finetune-7b", "plan.axis=seq_len", "plan.hi=64", "plan.margin=0.05"])
+    assert "`python -m harness plan sweeps=finetune-7b plan.margin=0.05 plan.axis=world_size`" in planned

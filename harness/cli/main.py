@@ -186,7 +186,10 @@ def _searching(verb: str, rest: list[str], asked: list[str]) -> int:
     """plan and calibrate: their points run from threads of this process; on Ctrl-C or SIGTERM
     every point's process stops and this process ends at once (the threads would start more)."""
     if verb == "plan":
-        from harness.cli.plan import main as run
+        from harness.cli.plan import main as plan
+
+        def run(overrides: list[str]) -> int:
+            return plan(overrides, asked)
     else:
         from harness.cli.calibrate import main as run
     try:

@@ -20,7 +20,8 @@ from harness.record import results
 from harness.report import words
 
 
-def main(overrides: list[str]) -> int:
+def main(overrides: list[str], asked: list[str] | None = None) -> int:
+    """`asked`: the overrides as typed (`overrides` with a grid file staged), for the report's advice."""
     import pandas as pd
 
     if unknown_flag(overrides):
@@ -46,4 +47,4 @@ def main(overrides: list[str]) -> int:
           file=sys.stderr)
     rows = planner.plan(groups, parallelism())
     results.write_frontier(pd.DataFrame(words.with_serving_why(rows)), out)
-    return aggregate(out)
+    return aggregate(out, asked=asked)

@@ -203,8 +203,10 @@ def worded_verdicts(judged: pd.DataFrame, rows: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-# a command's overrides that `plan` refuses or runs otherwise (it runs here, on the virtual GPU)
-_NOT_PLANS = ("backend", "hydra/launcher", "hydra.launcher")
+# a command's overrides that `plan` refuses or runs otherwise (it runs here, on the virtual GPU), and
+# another plan's search (its axis and grid)
+_NOT_PLANS = ("backend", "hydra/launcher", "hydra.launcher", "plan.axis", "plan.over", "plan.lo", "plan.hi",
+              "plan.step")
 
 
 def more_gpus(points: int, asked: list[str] | None = None) -> str:
