@@ -143,6 +143,15 @@ def test_a_hydra_flag_that_would_run_points_past_the_harness_is_refused_naming_i
     assert not list(tmp_path.rglob("result.json"))
 
 
+def test_a_results_dir_the_override_grammar_cannot_read_as_typed_holds_the_run(tmp_path):
+    """`results_dir=.../a (b)`: the run's own dir under it is quoted for Hydra too (the run wrote
+    nothing there and said 'no result.json under ...')."""
+    out = tmp_path / "a (b)"
+    r = run_cli("run", "model=tiny", "seq_len=32", f"results_dir={out}")
+    assert r.returncode == 0, r.stderr
+    assert len(list(out.rglob("result.json"))) == 1
+
+
 def test_run_records_every_column(tmp_path):
     r = run_cli("run", "model=tiny", "batch_size=2", "seq_len=32", f"results_dir={tmp_path}")
     assert r.returncode == 0, r.stderr

@@ -298,3 +298,17 @@ def test_a_knob_a_custom_job_ignores_is_refused_up_front(capsys):
     assert entry(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("harness: error: optimizer:"), err
+
+
+def test_paths_the_override_grammar_cannot_read_are_quoted_and_a_value_it_cannot_read_is_named_by_its_key():
+    """A results dir with a tilde the shell left (zsh does after `=`) or a parenthesis is quoted for
+    Hydra (it was "overrides: LexerNoViableAltException"); a readable path and a sweep of config
+    files stay as typed; another unreadable value is refused naming its key."""
+    from harness.config.compose import split_overrides, user_card_and_free_text
+
+    assert user_card_and_free_text(["results_dir=~/runs", "results_dir=/r/a(b)", "results_dir=/r/plain",
+                                    "model.config_json=a.json,b.json"]) == \
+        ["results_dir='~/runs'", "results_dir='/r/a(b)'", "results_dir=/r/plain", "model.config_json=a.json,b.json"]
+    with pytest.raises(ConfigError) as e:
+        split_overrides(["model=tiny", "gpu.memory_bytes=12(GB)"])
+    assert e.value.key == "gpu.memory_bytes" and "12(GB)" in str(e.value)

@@ -17,7 +17,7 @@ import hydra
 
 from harness.cli import callbacks, interrupt
 from harness.cli.common import aggregate, import_report_meanwhile, make_out_dir, prepare
-from harness.config.compose import CONF_DIR, as_dict, user_card_and_free_text, with_grid_files
+from harness.config.compose import CONF_DIR, as_dict, path_override, user_card_and_free_text, with_grid_files
 from harness.config.validate import validate
 from harness.errors import EXIT_OK, EXIT_USAGE, ConfigError
 from harness.launch import local
@@ -113,7 +113,7 @@ def _launch(verb: str, flags: list[str], overrides: list[str], asked: list[str] 
         return _fail(str(e))
     results_dir = Path(base.results_dir).expanduser().resolve()
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-    extra = [f"results_dir={results_dir}"]
+    extra = [path_override("results_dir", results_dir)]
     if not any(o.split("=", 1)[0] == "backend" for o in overrides):
         extra.append(f"backend={backend}")  # resolved once, so run_ids don't depend on the host
     dir_key = "hydra.sweep.dir" if verb == "sweep" else "hydra.run.dir"
@@ -125,8 +125,8 @@ def _launch(verb: str, flags: list[str], overrides: list[str], asked: list[str] 
         out = results_dir / base.sweep / stamp
     else:
         out = results_dir / "runs" / stamp
-    hydra_args = ([*overrides, f"{dir_key}={out}", *extra] if verb == "run"
-                  else ["--multirun", *overrides, f"{dir_key}={out}", *extra])
+    hydra_args = ([*overrides, path_override(dir_key, out), *extra] if verb == "run"
+                  else ["--multirun", *overrides, path_override(dir_key, out), *extra])
     try:
         make_out_dir(out, dir_key if given else "results_dir")
     except ConfigError as e:

@@ -137,6 +137,8 @@ def compose(overrides: list[str], with_hydra: bool = False):
         return copy.deepcopy(cached)
     try:
         parsed = _parse(overrides)
+    except Unreadable:
+        raise
     except ConfigError:
         return _hydra_compose(list(overrides), False)  # Hydra's own message for it
     groups = [text for text, o in zip(overrides, parsed) if _is_group(o.key_or_group)]
@@ -164,11 +166,23 @@ def compose(overrides: list[str], with_hydra: bool = False):
 _COMPOSED: dict[tuple[str, ...], Any] = {}  # the config groups' choices -> Hydra's composition
 
 
+class Unreadable(ConfigError):
+    """An override Hydra's grammar cannot read (its message names the key, as Hydra's does not)."""
+
+
 def _parse(overrides: list[str]) -> list:
-    try:
-        return [_parse_one(text) for text in overrides]
-    except Exception as e:
-        raise friendly_error(e) from e
+    parsed = []
+    for text in overrides:
+        try:
+            parsed.append(_parse_one(text))
+        except Exception as e:
+            if type(e).__name__ != "OverrideParseException":
+                raise friendly_error(e) from e
+            key, _, value = text.partition("=")
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise Unreadable(key.lstrip("+~") or "overrides", f"Hydra's override grammar cannot read '{value}' "
+                              f"({first}): quote the value past the shell, as in '{key}=\"{value}\"'") from e
+    return parsed
 
 
 @functools.lru_cache(maxsize=4096)
@@ -302,12 +316,7 @@ def _group_dir(group: str) -> Path:
 
 def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
     """(plain overrides, sweep overrides such as batch_size=1,2,4)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception as e:
-        raise friendly_error(e) from e
+    parsed = _parse(overrides)
     plain: list[str] = []
     sweeps: list[str] = []
     for text, o in zip(overrides, parsed):
@@ -342,8 +351,29 @@ def expand_grid(overrides: list[str]) -> list[list[str]]:
 
 
 # Hydra's override grammar: a value with these characters is a function call, a list or a sweep
-# unless quoted. The string fields users type free text into are quoted for them.
+# unless quoted. The string fields users type free text into are quoted for them; so are paths
+# that the grammar cannot read as they are (`~/runs` where the shell leaves the tilde, as zsh does
+# after `=`; a parenthesis), but for one with a comma (model.config_json=a.json,b.json sweeps).
 _FREE_TEXT = ("gpu.name", "gpu.device_name", "gpu.source", "gpu.non_pytorch_source", "sweep")
+_PATHS = ("results_dir", "model.config_json", "hydra.run.dir", "hydra.sweep.dir")
+
+
+def _quoted(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def path_override(key: str, path) -> str:
+    """`key=path` as Hydra's grammar reads it (quoted where it could not read it as it is)."""
+    text = f"{key}={path}"
+    return f"{key}={_quoted(str(path))}" if _unreadable(text) else text
+
+
+def _unreadable(text: str) -> bool:
+    try:
+        _parse_one(text)
+    except Exception:  # (hydra's OverrideParseException)
+        return True
+    return False
 
 
 def user_card_and_free_text(overrides: list[str]) -> list[str]:
@@ -353,9 +383,10 @@ def user_card_and_free_text(overrides: list[str]) -> list[str]:
     out = []
     for text in overrides:
         key, eq, value = text.partition("=")
-        if eq and key.lstrip("+") in _FREE_TEXT and value and value[0] not in "'\"":
-            value = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-            text = f"{key}={value}"
+        if eq and value and value[0] not in "'\"" and (
+                key.lstrip("+") in _FREE_TEXT
+                or key.lstrip("+") in _PATHS and "," not in value and _unreadable(text)):
+            text = f"{key}={_quoted(value)}"
         out.append(text)
     keys = {t.split("=", 1)[0].lstrip("+~") for t in out}
     if "gpu.memory_bytes" in keys and not keys & {"gpu", "gpu.name"}:
