@@ -71,14 +71,17 @@ def test_one_fake_rank_allocates_what_each_gloo_rank_allocates(parallel, precisi
     batch = [_over(p, c, **par) for par, p, c in _ORACLE]
     for rank, (after_steps, (real_allocs, real_freed, real_retags)) in _real_ranks(point, batch, shared).items():
         assert (real_allocs, real_retags) == (allocs, retags), f"rank {rank}"
-        assert real_freed.keys() == freed.keys(), f"rank {rank}"
         # a serving step ends gathering the head's logits: gloo's thread may still hold that
-        # collective's tensors as the step's leftovers are read, never more
+        # collective's tensors as the step's leftovers are read, never more; the last step's, as the
+        # rank's journal is read too (seen under 4 workers on 2 cores)
         late = [sum(round_plain(a[0]) for a in allocs if a[3] == step and a[4] == "lm_head") if checkpointing == "infer"
                 else 0 for step in range(len(after_steps))]
+        held = {i for i in freed.keys() - real_freed.keys()
+                if checkpointing == "infer" and allocs[i][3] == len(after_steps) - 1 and allocs[i][4] == "lm_head"}
+        assert real_freed.keys() | held == freed.keys(), f"rank {rank}"
         assert all(0 <= real - fake <= lag for real, fake, lag in zip(after_steps, m["step_allocated_bytes"], late,
                                                                       strict=True)), f"rank {rank}"
-        for i in (i for i in freed if freed[i] != real_freed[i]):
+        for i in (i for i in freed if i not in held and freed[i] != real_freed[i]):
             fake_at, real_at = freed[i], real_freed[i]
             assert fake_at < real_at, f"rank {rank}: alloc {i} {allocs[i]} freed earlier on the real rank"
             assert allocs[real_at - 1][3] == allocs[i][3], f"rank {rank}: alloc {i} {allocs[i]} freed steps later"
