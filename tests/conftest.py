@@ -46,12 +46,18 @@ def train_point(model="tiny", precision="bf16", batch_size=2, seq_len=64, checkp
 def hf_point(tmp_path, config: dict, **point) -> Point:
     """A training point of an architecture of the user's own (model=hf, its config.json written to
     `tmp_path`); `point`: train_point's knobs."""
-    import dataclasses
     import json
 
     (tmp_path / "config.json").write_text(json.dumps(config))
-    p = train_point(**point)
-    return p.replace(model=dataclasses.replace(p.model, name="hf", arch="auto", config_json=str(tmp_path), hf={}))
+    return on_config(train_point(**point), tmp_path)
+
+
+def on_config(point: Point, config_json) -> Point:
+    """`point` on the model of a config.json (model=hf, model.config_json: the file or its dir)."""
+    import dataclasses
+
+    return point.replace(model=dataclasses.replace(point.model, name="hf", arch="auto", config_json=str(config_json),
+                                                   hf={}))
 
 
 def run_cli(*args, cwd=None, timeout=600):

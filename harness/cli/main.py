@@ -94,7 +94,7 @@ def _gpu_launch(cards: list) -> None:
     os.environ[GPU_DEVICES_ENV] = ",".join(devices)
 
 
-def _launch(verb: str, flags: list[str], overrides: list[str], asked: list[str] | None = None) -> int:
+def _launch(verb: str, overrides: list[str], asked: list[str] | None = None) -> int:
     """Run `overrides` through Hydra; `asked`: what the user typed (for the resume line)."""
     try:
         prepared = prepare(verb, overrides)
@@ -135,9 +135,9 @@ def _launch(verb: str, flags: list[str], overrides: list[str], asked: list[str] 
     resolved = prepared.resolved(os.getcwd(), cluster, extra, results_dir)
     results.write_manifest(out, prepared.manifest(resolved, verb))
     print(f"harness: {verb}: {len(points)} point(s) on backend={backend} -> {out}", file=sys.stderr)
-    if verb == "sweep" and not flags and local.chosen(base):
+    if verb == "sweep" and local.chosen(base):
         return _sweep_here(resolved, base, out, results_dir, asked or overrides)
-    sys.argv = [sys.argv[0], *flags, *hydra_args]  # hydra.main reads its overrides from argv
+    sys.argv = [sys.argv[0], *hydra_args]  # hydra.main reads its overrides from argv
     callbacks.arm(out, len(points), asked or overrides)  # Hydra's callback shows progress and writes the report
     try:
         with interrupt.stoppable():
@@ -271,4 +271,4 @@ def entry(argv: list[str]) -> int:
         sys.argv = [sys.argv[0], *overrides, *flags]  # (argparse takes the overrides in one run, first)
         main()
         return EXIT_OK
-    return _launch(verb, flags, overrides, asked=argv[1:])
+    return _launch(verb, overrides, asked=argv[1:])

@@ -171,17 +171,19 @@ class Unreadable(ConfigError):
 
 
 def _parse(overrides: list[str]) -> list:
+    from hydra.errors import OverrideParseException
+
     parsed = []
     for text in overrides:
         try:
             parsed.append(_parse_one(text))
-        except Exception as e:
-            if type(e).__name__ != "OverrideParseException":
-                raise friendly_error(e) from e
+        except OverrideParseException as e:
             key, _, value = text.partition("=")
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise Unreadable(key.lstrip("+~") or "overrides", f"Hydra's override grammar cannot read '{value}' "
                               f"({first}): quote the value past the shell, as in '{key}=\"{value}\"'") from e
+        except Exception as e:
+            raise friendly_error(e) from e
     return parsed
 
 
@@ -369,9 +371,11 @@ def path_override(key: str, path) -> str:
 
 
 def _unreadable(text: str) -> bool:
+    from hydra.errors import OverrideParseException
+
     try:
         _parse_one(text)
-    except Exception:  # (hydra's OverrideParseException)
+    except OverrideParseException:
         return True
     return False
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 
 import pandas as pd
 
@@ -11,14 +12,21 @@ from harness.report import tables
 
 
 def _console():
+    console = _console_class()
+    return console(width=max(200, console().width))  # 10 cards: keep every column whole
+
+
+@functools.cache
+def _console_class():
+    """rich's Console, but for a closed pipe: rich's own exits 1, as a failed row would; the CLI's
+    edge ends with SIGPIPE's 141 (rich imported where a table is first printed)."""
     from rich.console import Console
 
     class _Console(Console):
         def on_broken_pipe(self) -> None:
-            # rich's own exits 1, as a failed row would; the CLI's edge ends with SIGPIPE's 141
             raise BrokenPipeError
 
-    return _Console(width=max(200, Console().width))  # 10 cards: keep every column whole
+    return _Console
 
 
 def _print(table: tables.Table, title: str, caption: str | None = None, right_from: int = 99,
