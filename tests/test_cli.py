@@ -299,28 +299,21 @@ def test_a_zygote_leaves_neither_its_socket_nor_its_pid_file_nor_its_slots(tmp_p
     assert not list(tmp_path.glob("harness-zygote-slots-*"))
 
 
-@pytest.mark.slow
-def test_a_zygotes_points_name_the_code_it_loaded_though_its_files_change_after(tmp_path):
-    """An edit to harness while a zygote serves starts a fresh zygote for the sweeps after it; a
-    point the old one still forks runs the old code, and its row says so (its run_id with it)."""
-    import shutil
+def _served(sock: Path, cwd: Path, point, run_dir: Path, before=lambda: None) -> str:
+    """`point` run by a zygote serving `sock`, started in `cwd` (`before()` once it serves), asked
+    from this process's directory; its answers."""
     import subprocess as sp
 
     from harness.launch import zygote
-    from harness.record.row import POINT_FILE, RESULT_FILE, run_id
+    from harness.record.row import POINT_FILE
 
-    shutil.copytree(REPO / "harness", tmp_path / "harness")
-    sock = tmp_path / "z.sock"
     code = "import sys; from pathlib import Path; import harness.launch.zygote as z; z.serve(Path(sys.argv[1]))"
-    proc = sp.Popen([sys.executable, "-c", code, str(sock)], cwd=tmp_path)
+    proc = sp.Popen([sys.executable, "-c", code, str(sock)], cwd=cwd)
     try:
         deadline = time.monotonic() + 120
         while not sock.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-        with open(tmp_path / "harness" / "units.py", "a") as f:
-            f.write("# an edit after the zygote started\n")
-        point = train_point().replace(sweep="z")
-        run_dir = tmp_path / "run"
+        before()
         run_dir.mkdir()
         (run_dir / POINT_FILE).write_text(json.dumps(point.to_dict(), default=str))
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -330,10 +323,45 @@ def test_a_zygotes_points_name_the_code_it_loaded_though_its_files_change_after(
         conn.close()
     finally:
         proc.kill()
+    return answers
+
+
+def test_a_zygotes_points_name_the_code_it_loaded_though_its_files_change_after(tmp_path):
+    """An edit to harness while a zygote serves starts a fresh zygote for the sweeps after it; a
+    point the old one still forks runs the old code, and its row says so (its run_id with it)."""
+    from harness.record.row import RESULT_FILE, run_id
+
+    shutil.copytree(REPO / "harness", tmp_path / "harness")
+
+    def edit():
+        with open(tmp_path / "harness" / "units.py", "a") as f:
+            f.write("# an edit after the zygote started\n")
+
+    point = train_point().replace(sweep="z")
+    answers = _served(tmp_path / "z.sock", tmp_path, point, tmp_path / "run", edit)
     assert "rc 0" in answers
-    row = json.loads((run_dir / RESULT_FILE).read_text())
+    row = json.loads((tmp_path / "run" / RESULT_FILE).read_text())
     # this checkout's code is the copy's as it was when the zygote started
     assert row["status"] == "ok" and row["run_id"] == run_id(point)
+
+
+def test_a_zygotes_point_runs_where_its_client_runs(tmp_path, monkeypatch):
+    """A zygote started from one directory (another sweep's) serves a client in another (a Slurm
+    node runs in a directory of its own alike): the point reads a relative model.config_json from
+    the directory it was asked from."""
+    from harness.launch.point import to_point
+    from harness.record.row import RESULT_FILE
+    from tests.conftest import on_config
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.json").write_text((REPO / "tests/data/architectures/gpt2.json").read_text())
+    monkeypatch.chdir(tmp_path / "mine")
+    mine = on_config(train_point(batch_size=1, seq_len=32), "config.json").replace(sweep="z")
+    point = to_point(None, [], built=mine)  # as the CLI makes it here
+    answers = _served(tmp_path / "z.sock", REPO, point, tmp_path / "run")
+    assert "rc 0" in answers
+    row = json.loads((tmp_path / "run" / RESULT_FILE).read_text())
+    assert row["status"] == "ok", row.get("error")
 
 
 def test_a_zygote_whose_code_is_not_the_code_its_socket_names_serves_nothing(tmp_path):

@@ -449,7 +449,11 @@ _RUN = {Backend.cuda: run_cuda, Backend.cpu: run_cpu, Backend.sim: run_sim}
 def main(run_dir: Path) -> int:
     """The point's row in run_dir; a rank's (launch.ranks) in its rank's file, written before the
     process group is left (leaving may wait on peers that will never come)."""
+    run_dir = run_dir.resolve()
     point = Point.from_dict(json.loads((run_dir / POINT_FILE).read_text()))
+    if point.cwd:  # where it was asked from (a zygote another sweep started, a Slurm node): relative paths
+        with contextlib.suppress(OSError):  # (gone since: a relative path is refused naming its key)
+            os.chdir(point.cwd)
     as_rank = rank.runs_as_ranks(point)
     with contextlib.ExitStack() as group:
         try:
