@@ -255,19 +255,54 @@ def test_a_step_that_frees_older_memory_does_not_repeat():
         steps.extend(journal, 3)
 
 
-def test_layers_that_differ_are_traced_in_full_and_say_why():
-    """Qwen2 with a sliding window from layer 2 on: its layers are not one block repeated."""
+def _on_architecture(name: str, **hf) -> Point:
+    """A training point on a small config.json of tests/data/architectures, its keys `hf` changed."""
+    from tests.conftest import REPO, on_config
+
+    p = on_config(_point("tiny"), REPO / "tests" / "data" / "architectures" / f"{name}.json")
+    return p.replace(model=dataclasses.replace(p.model, hf=hf))
+
+
+def test_layers_that_differ_up_to_the_top_are_traced_in_full_and_say_why():
+    """Gemma 2 alternates sliding and full attention: no run of alike layers to copy. Qwen2 with a
+    sliding window from layer 2 of 4 on: too few alike to copy."""
+    a, why = shortcut.template_depth(_on_architecture("gemma2", num_hidden_layers=7))
+    assert a == 7 and "layer_types" in why
     cfg = model_cfg("qwen2.5-7b", num_hidden_layers=DEPTH, use_sliding_window=True, max_window_layers=2,
                     sliding_window=64)
     p = _point("qwen2.5-7b")
     p = p.replace(model=dataclasses.replace(p.model, hf=cfg["hf"]))
-    assert "layer_types" in shortcut.refusal(p)
+    a, why = shortcut.template_depth(p)
+    assert a == 3 and "layer_types" in why
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, hf, a", [
+    ("deepseek_v3", dict(num_hidden_layers=8, first_k_dense_replace=3), 4),
+    ("qwen2_moe", dict(num_hidden_layers=8, use_sliding_window=True, max_window_layers=1, sliding_window=16), 2),
+], ids=["dense-then-moe", "full-then-sliding"])
+def test_layers_built_otherwise_at_the_bottom_stay_in_the_template_and_the_rest_are_synthesized(name, hf, a):
+    """DeepSeek-V3's first 3 layers are dense, the rest mixtures of experts (a template from 1 and 2
+    layers, checked at 3, copied a dense layer to the top: a tenth fewer parameters here, most of
+    DeepSeek-V3's own 671B); a sliding window from layer 1 on. The template's shallower depth holds
+    those layers and one of the rest (a = k+1), its per-layer lists cut to its depth, and the
+    synthesized trace is the full one."""
+    p = _on_architecture(name, **hf)
+    assert shortcut.template_depth(p) == (a, None)
+    m = _assert_same_as_full(p)
+    assert m["trace_method"].startswith(f"synthesized: layers {a}, {a + 1} -> 8")
+
+
+def test_a_cut_model_keeps_its_per_layer_lists_for_its_layers():
+    p = _on_architecture("gemma3_text", num_hidden_layers=8)
+    kinds = list(shortcut.hf_config(p.model).layer_types)
+    assert shortcut.at_depth(p, 3).model.hf["layer_types"] == kinds[:3] and len(set(kinds[:8])) == 2
 
 
 def test_a_shallow_model_and_a_users_job_are_traced_in_full():
-    assert shortcut.refusal(train_point(model="tiny")) == "2 layers"
+    assert shortcut.template_depth(train_point(model="tiny"))[1] == "2 layers"
     custom = train_point().replace(workload=Workload(name="custom", target="m:f"))
-    assert shortcut.refusal(custom) == "a job of the user's own"
+    assert shortcut.template_depth(custom)[1] == "a job of the user's own"
 
 
 def _ev(action, key, size, phase="forward", module=""):

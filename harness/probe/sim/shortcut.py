@@ -33,7 +33,7 @@ from harness.config import attention, kernels
 from harness.config.attention import ATTENTION_CALLS, FUSED_PREFIX, FusedShape
 from harness.config.models import attention_shape, hf_config
 from harness.config.point import Leak, Point, Precision, WorkloadName
-from harness.probe.sim import ddp_setup, repeat, replicas
+from harness.probe.sim import ddp_setup, layers, repeat, replicas
 from harness.probe.sim import steps as stepwise
 from harness.probe.sim.kernel_scratch import recorded
 from harness.probe.sim.measure import measurements
@@ -42,7 +42,7 @@ from harness.probe.sim.trace import collector, run_point
 from harness.probe.sim.tracker import StorageTracker, TraceEvent
 from harness.record import trace_store
 
-SHALLOW = 1  # a: the template's depths are a and a+1, checked at a+2
+SHALLOW = 1  # layers of the repeated block in the template's shallower depth a (a+1 more, checked at a+2)
 
 
 @dataclass
@@ -60,10 +60,10 @@ def trace(point: Point) -> Traced:
 
 
 def _trace(point: Point) -> Traced:
-    reason = refusal(point)
+    a, reason = template_depth(point)
     if reason is None:
         try:
-            return synthesized(point)
+            return synthesized(point, a)
         except NotRepeating as e:
             reason = f"its layers did not repeat ({e})"
     m, tracker = run_point(point)
@@ -75,30 +75,40 @@ def depth(point: Point) -> int:
     return int(hf_config(point.model).num_hidden_layers)
 
 
-def refusal(point: Point) -> str | None:
-    """Why the point is traced in full (None: it may be synthesized)."""
+def template_depth(point: Point) -> tuple[int, str | None]:
+    """a, the template's shallower depth: SHALLOW layers past those built otherwise than the rest
+    (probe.sim.layers; the old part of the journal holds what a first layer of the block makes,
+    its optimizer's groups), and why the point is traced in full instead (None: it may be
+    synthesized)."""
     if point.workload.name == WorkloadName.custom:
-        return "a job of the user's own"
-    config = hf_config(point.model)
-    n = int(config.num_hidden_layers)
+        return SHALLOW, "a job of the user's own"
+    n = depth(point)
     if n <= SHALLOW + 2:
-        return f"{n} layers"
-    kinds = getattr(config, "layer_types", None)
-    if kinds and len(set(kinds)) > 1:
-        return f"its layers differ (layer_types: {', '.join(sorted(set(kinds)))})"
-    return None
+        return SHALLOW, f"{n} layers"
+    deep = layers.signatures(point)
+    if deep is None:
+        return SHALLOW, "no module list holds one entry per layer"
+    alike, why = layers.alike_from(deep)
+    a = alike + SHALLOW
+    if n <= a + 2:
+        return a, f"{n} layers, {why}"
+    # the shallow models build their layers as the deep one does (their per-layer lists cut)
+    checked = layers.signatures(at_depth(point, a + 2), layers.per_layer_lists(hf_config(point.model), n))
+    if checked != deep[:a + 2]:
+        at = next((i for i, (x, y) in enumerate(zip(checked or [], deep)) if x != y), 0)
+        return a, f"a model of its first {a + 2} layers builds layer {at} otherwise than it does"
+    return a, None
 
 
 def at_depth(point: Point, n: int) -> Point:
-    hf = {**point.model.hf, "num_hidden_layers": n}
-    kinds = getattr(hf_config(point.model), "layer_types", None)
-    if kinds:
-        hf["layer_types"] = [kinds[0]] * n
+    """The point's model cut to its first `n` layers (its config's per-layer lists with them)."""
+    cut = layers.per_layer_lists(hf_config(point.model), depth(point))
+    hf = {**point.model.hf, **{k: v[:n] for k, v in cut.items()}, "num_hidden_layers": n}
     return point.replace(model=dataclasses.replace(point.model, hf=hf))
 
 
-def synthesized(point: Point) -> Traced:
-    a, n = SHALLOW, depth(point)
+def synthesized(point: Point, a: int = SHALLOW) -> Traced:
+    n = depth(point)
     if decodes_beyond(point):
         # serving: the shallow depths decode DECODE_TRACED tokens after the point's prompt, one more
         # at a+2; the point's steps grow from them (probe.sim.steps), each a token longer

@@ -1,0 +1,93 @@
+"""Which of a model's layers are one block repeated: the depth its journal may be synthesized from.
+
+probe.sim.shortcut traces depths a and a+1 and copies the new layer (index a) to the model's depth;
+the check at a+2 sees layers 0..a+1 only. So every layer from a-1 on must be built alike (depth a
+holds one of them), and the shallow models must build their layers as the deep one does. A layer is
+compared by what it is built of, on the meta device (0.03 s for a 7B model): each submodule's class,
+its parameters' and buffers' shapes and dtypes, its plain attributes (a sliding window, a layer's
+kind; not its index), and the config's per-layer lists at its index (layer_types). DeepSeek-V3's
+first three layers are dense and the rest mixtures of experts: a = 4, where a = 1 (checked at 3)
+copied a dense layer 58 times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from harness.config.models import hf_config
+from harness.config.point import Point
+
+# Attributes naming a layer's own index (a cache slot): alike layers differ in them. Another name
+# for an index makes the layers look unlike: traced in full, slower but exact.
+_INDEX = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number"})
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def per_layer_lists(config, n: int) -> dict[str, list]:
+    """The config's lists of one entry per layer (layer_types, no_rope_layers, ...)."""
+    return {k: list(v) for k, v in vars(config).items() if isinstance(v, list | tuple) and len(v) == n
+            and not k.startswith("_")}
+
+
+def signatures(point: Point, lists: Collection[str] | None = None) -> list[tuple] | None:
+    """Per layer of the point's model, what it is built of (None where no module list of one entry
+    per layer is found); `lists`: the config's per-layer lists to read (default: those of one entry
+    per layer here; a shallow model's are the deep one's, cut: GLM-4's three end-of-text tokens
+    are no list of layers at depth 3)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(point.model)
+    n = int(config.num_hidden_layers)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    stacks: dict[str, torch.nn.ModuleList] = {}
+    for name, m in model.named_modules():  # the outermost lists of one entry per layer (not experts inside one)
+        if isinstance(m, torch.nn.ModuleList) and len(m) == n and not any(name.startswith(f"{s}.") for s in stacks):
+            stacks[name] = m
+    if not stacks:
+        return None
+    keys = sorted(per_layer_lists(config, n) if lists is None else lists)
+    return [(tuple(_built(stack[i]) for stack in stacks.values()),
+             tuple((k, repr(getattr(config, k)[i])) for k in keys)) for i in range(n)]
+
+
+def _built(layer) -> tuple:
+    out = []
+    for name, m in layer.named_modules():
+        tensors = [(k, tuple(t.shape), str(t.dtype)) for k, t in (*m.named_parameters(recurse=False),
+                                                                    *m.named_buffers(recurse=False))]
+        plain = sorted((k, repr(v)) for k, v in vars(m).items()
+                       if isinstance(v, _PLAIN) and not k.startswith("_") and k != "training" and k not in _INDEX)
+        out.append((name or "the layer", type(m).__qualname__, tuple(tensors), tuple(plain)))
+    return tuple(out)
+
+
+def alike_from(sigs: list[tuple]) -> tuple[int, str]:
+    """The first layer from which every layer is built as it is (`sigs`: signatures'), and what
+    the one before differs in ("" where all are alike)."""
+    t = len(sigs) - 1
+    while t > 0 and sigs[t - 1] == sigs[-1]:
+        t -= 1
+    return t, "" if t == 0 else f"layers {t - 1} and {t} differ in {difference(sigs[t - 1], sigs[t])}"
+
+
+def difference(a: tuple, b: tuple) -> str:
+    """What two layers' signatures differ in, in a few words."""
+    (built_a, lists_a), (built_b, lists_b) = a, b
+    for (k, va), (_, vb) in zip(lists_a, lists_b):
+        if va != vb:
+            return f"{k} ({va}, {vb})"
+    for stack_a, stack_b in zip(built_a, built_b):
+        for (name, cls, tensors, plain), (name_b, cls_b, tensors_b, plain_b) in zip(stack_a, stack_b):
+            if name != name_b:
+                return f"their submodules ({name}, {name_b})"
+            if cls != cls_b:
+                return f"{name} ({cls}, {cls_b})"
+            if tensors != tensors_b:
+                return f"{name}'s tensors"
+            if plain != plain_b:
+                return f"{name}.{sorted(set(plain) ^ set(plain_b))[0][0]}"
+        if len(stack_a) != len(stack_b):
+            return "their submodules"
+    return "what they are built of" if (built_a, lists_a) != (built_b, lists_b) else "nothing"
