@@ -56,6 +56,23 @@ def test_a_model_without_sdpa_attends_as_transformers_would_unasked_eagerly(tmp_
     assert not json.loads(on_card.get("attention_calls") or "[]")  # no SDPA call: every card alike
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gpt2"])
+def test_serving_a_model_that_drops_out_nothing_allocates_on_fake_tensors_what_real_ones_do(arch):
+    """Under inference_mode dropout reaches the tracker whole; eager hands its input back where it
+    drops nothing (eval, p=0), where fake's decomposition cloned it: Gemma 2's eager attention
+    scores and GPT-2's dropout modules, each layer and decode step."""
+    from harness.config.point import Workload
+    from harness.probe.sim.trace import run_point
+    from tests.conftest import REPO, on_config, train_point
+    from tests.test_sharded import _lives
+
+    point = on_config(train_point(batch_size=2, seq_len=32), REPO / "tests" / "data" / "architectures" / f"{arch}.json")
+    point = point.replace(workload=Workload(name="infer", new_tokens=4))
+    fake = _lives(run_point(point, emulate_cuda=False, fake=True)[1].journal())
+    real = _lives(run_point(point, emulate_cuda=False, fake=False)[1].journal())
+    assert fake == real and len(fake[0]) > 0
+
+
 def test_a_bf16_grouped_mm_output_is_padded_as_on_cuda_whatever_torch_build_traces_it():
     """CUDA pads each row of torch._grouped_mm's output to 16 B; torch's meta function does so only
     on a CUDA build of torch, and the virtual GPU runs on either (this one: +cpu)."""

@@ -87,6 +87,12 @@ _CUDNN_FORWARD = _aten._scaled_dot_product_cudnn_attention.default
 _FLASH_FORWARD = _aten._scaled_dot_product_flash_attention.default
 _EFFICIENT_FORWARD = _aten._scaled_dot_product_efficient_attention.default
 _GROUPED_MM = _aten._grouped_mm.default
+# Dropout ops reach dispatch whole under inference_mode (composite: elsewhere autograd decomposes
+# them). Eager's kernel hands its input back where it drops nothing (_dropout_impl: p == 0, not
+# training, or empty); fake's decomposition clones it, an activation the size of every attention
+# score of Gemma's eager attention, of every GPT-2 residual, per layer and decode step.
+_DROPOUTS = frozenset({_aten.dropout.default, _aten.feature_dropout.default, _aten.alpha_dropout.default,
+                       _aten.feature_alpha_dropout.default})
 _function_modes = torch._C._len_torch_function_stack
 _pop_function_mode, _push_function_mode = torch._C._pop_torch_function_stack, torch._C._push_on_torch_function_stack
 # The fused forwards' outputs their rows name (config.attention.fused_code), by position: cuDNN's in
@@ -107,6 +113,10 @@ def _in_autograd_formula() -> bool:
     while caller is not None and caller.f_code.co_filename.endswith(_WRAPPER_FILES):
         caller = caller.f_back
     return caller is not None and caller.f_code.co_filename.endswith(_ENGINE_FILE)
+
+
+def _drops_nothing(input, p, train) -> bool:
+    return p == 0 or not train or input.numel() == 0
 
 
 def _accumulates_in_place(args, kwargs) -> bool:
@@ -414,6 +424,8 @@ class StorageTracker(TorchDispatchMode):
     def _dispatch(self, func, types, args=(), kwargs=None):
         if func is _DEVICE_QUERY:
             return func(*args, **(kwargs or {}))
+        if func in _DROPOUTS and _drops_nothing(*args, **(kwargs or {})):
+            return args[0]
         if (func is _WAIT or func is self._wrap) and isinstance(args[0], FakeTensor):
             if func is _WAIT:
                 return args[0]
