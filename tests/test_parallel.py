@@ -46,9 +46,10 @@ _ORACLE = [
     # rowwise_split_input): OLMo 2's q/k/v (normed over every head), Phi-3's fused qkv and gate-up
     (dict(tp=2, arch="olmo2"), "bf16", True),
     (dict(tp=2, arch="phi3", loss_parallel=True), "fp32", False),
+    (dict(tp=2, arch="gemma2"), "bf16", "infer"),  # Gemma's RMSNorm casts back with type_as: presets.composites_on_dtensors
 ]
 _ORACLE_IDS = ["ddp-fp32", "ddp-bf16-ckpt", "tp-fp32", "tp-bf16-ckpt", "hsdp-bf16", "fsdp-tp-bf16-ckpt", "sp-lp-bf16-op",
-               "tp-bf16-infer", "olmo2-tp-bf16-ckpt", "phi3-tp-lp-fp32"]
+               "tp-bf16-infer", "olmo2-tp-bf16-ckpt", "phi3-tp-lp-fp32", "gemma2-tp-bf16-infer"]
 
 
 @pytest.mark.slow

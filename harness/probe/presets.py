@@ -146,7 +146,7 @@ class Decode:
         from transformers import DynamicCache
 
         model.eval()
-        with torch.inference_mode(), linear_decomposed_on_dtensors():
+        with torch.inference_mode(), composites_on_dtensors():
             first = self.cache is None
             if first:
                 self.cache = DynamicCache(config=model.config)
@@ -162,27 +162,32 @@ def _decomposed(op, args, kwargs):
     return op.decompose(*args, **kwargs)
 
 
+def _as_type_of(op, args, kwargs):
+    return args[0].to(args[1].dtype)  # type_as's own decomposition (same device): a DTensor's _to_copy
+
+
 @contextlib.contextmanager
-def linear_decomposed_on_dtensors():
-    """Under inference_mode `aten.linear` reaches DTensor whole (elsewhere autograd decomposes it
-    first), and torch 2.13's DTensor first tries to shard it by its decomposition, fails (an
-    AssertionError on an unnormalized Shard(-1)) and then decomposes it: the failure's traceback
-    keeps the call's Python stack, activations and all, in a reference cycle until the cyclic GC
-    runs. Here it is decomposed at once, as it then is: a tensor-parallel decode frees what it
-    would once the collector ran, when its last reference goes (which the GC's timing, another
-    process's, could not say)."""
+def composites_on_dtensors():
+    """Under inference_mode composite ops reach DTensor whole (elsewhere autograd decomposes them
+    first), and torch 2.13's DTensor first tries to shard them by their decomposition. `aten.linear`
+    fails (an AssertionError on an unnormalized Shard(-1)) and is then decomposed: the failure's
+    traceback keeps the call's Python stack, activations and all, in a reference cycle until the
+    cyclic GC runs. Here it is decomposed at once, as it then is: a tensor-parallel decode frees what
+    it would once the collector ran, when its last reference goes (which the GC's timing, another
+    process's, could not say). `aten.type_as` (Gemma's RMSNorm) fails on fake tensors both ways
+    ("out variant should have at least one out arg") where real ones shard it: it is the cast it
+    decomposes to (the gloo oracle: tests/test_parallel.py)."""
     if not torch.distributed.is_available():  # (a build without it has no DTensor)
         yield
         return
     from torch.distributed.tensor import DTensor
 
     handlers = DTensor._op_dispatcher._custom_op_handlers
-    linear = torch.ops.aten.linear.default
-    if linear in handlers:
-        yield
-        return
-    handlers[linear] = _decomposed
+    ours = {op: h for op, h in ((torch.ops.aten.linear.default, _decomposed), (torch.ops.aten.type_as.default, _as_type_of))
+            if op not in handlers}
+    handlers.update(ours)
     try:
         yield
     finally:
-        handlers.pop(linear, None)
+        for op in ours:
+            handlers.pop(op, None)
