@@ -67,7 +67,7 @@ def test_every_preset_architecture_synthesizes_its_full_training_trace(model):
 @pytest.mark.parametrize("model,tp", [("7b", 1), ("qwen2.5-7b", 1), ("7b", 2)])
 def test_inference_prefill_and_decode_synthesize_their_full_trace(model, tp):
     """Over tensor parallel too: each linear decomposed at once under inference_mode
-    (presets.linear_decomposed_on_dtensors), not after a failed attempt whose reference cycle the
+    (presets.composites_on_dtensors), not after a failed attempt whose reference cycle the
     GC frees wherever it runs (no two depths alike: traced in full, 220 s for 7B)."""
     _assert_same_as_full(_point(model, workload="infer", seq_len=64).replace(parallel=Parallel(tp=tp)))
 
@@ -266,20 +266,20 @@ def _on_architecture(name: str, **hf) -> Point:
 def test_layers_that_differ_up_to_the_top_are_traced_in_full_and_say_why():
     """Gemma 2 alternates sliding and full attention: no run of alike layers to copy. Qwen2 with a
     sliding window from layer 2 of 4 on: too few alike to copy."""
-    a, why = shortcut.template_depth(_on_architecture("gemma2", num_hidden_layers=7))
-    assert a == 7 and "layer_types" in why
+    a, p, why = shortcut.template_depth(_on_architecture("gemma2", num_hidden_layers=7))
+    assert (a, p) == (7, 1) and "layer_types" in why
     cfg = model_cfg("qwen2.5-7b", num_hidden_layers=DEPTH, use_sliding_window=True, max_window_layers=2,
                     sliding_window=64)
     p = _point("qwen2.5-7b")
     p = p.replace(model=dataclasses.replace(p.model, hf=cfg["hf"]))
-    a, why = shortcut.template_depth(p)
+    a, _, why = shortcut.template_depth(p)
     assert a == 3 and "layer_types" in why
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, hf, a", [
-    ("deepseek_v3", dict(num_hidden_layers=8, first_k_dense_replace=3), 4),
-    ("qwen2_moe", dict(num_hidden_layers=8, use_sliding_window=True, max_window_layers=1, sliding_window=16), 2),
+    ("deepseek_v3", dict(num_hidden_layers=16, first_k_dense_replace=3), 4),
+    ("qwen2_moe", dict(num_hidden_layers=10, use_sliding_window=True, max_window_layers=1, sliding_window=16), 2),
 ], ids=["dense-then-moe", "full-then-sliding"])
 def test_layers_built_otherwise_at_the_bottom_stay_in_the_template_and_the_rest_are_synthesized(name, hf, a):
     """DeepSeek-V3's first 3 layers are dense, the rest mixtures of experts (a template from 1 and 2
@@ -288,9 +288,56 @@ def test_layers_built_otherwise_at_the_bottom_stay_in_the_template_and_the_rest_
     those layers and one of the rest (a = k+1), its per-layer lists cut to its depth, and the
     synthesized trace is the full one."""
     p = _on_architecture(name, **hf)
-    assert shortcut.template_depth(p) == (a, None)
+    assert shortcut.template_depth(p) == (a, 1, None)
     m = _assert_same_as_full(p)
-    assert m["trace_method"].startswith(f"synthesized: layers {a}, {a + 1} -> 8")
+    assert m["trace_method"].startswith(f"synthesized: layers {a}, {a + 1} -> {hf['num_hidden_layers']}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, n, how, p", [
+    ("gemma2", 14, "train", 2),  # sliding-window and global attention alternate
+    ("gemma2", 14, "serve", 2),  # prefill and 8 decode steps, grown from the traced 3
+    ("gemma2", 14, "tp", 2),  # over tensor parallel
+    ("gemma2", 14, "ddp", 2),  # over DDP: its setup traced at the model's depth
+    ("gemma3_text", 42, "train", 6),  # five sliding-window layers and a global one
+])
+def test_blocks_of_layers_that_repeat_synthesize_their_full_trace(name, n, how, p):
+    """A block of p layers is copied as one layer is: depths a and a+p traced, checked at a+2p,
+    the rest whole blocks named back as the layers they are (repeat.as_blocks)."""
+    point = _on_architecture(name, num_hidden_layers=n)
+    if how == "serve":
+        point = point.replace(workload=Workload(name="infer", new_tokens=8))
+    if how in ("tp", "ddp"):
+        point = point.replace(parallel=Parallel(tp=2) if how == "tp" else Parallel(dp_replicate=2))
+    a, period, why = shortcut.template_depth(point)
+    assert (period, why) == (p, None) and (n - a) % p == 0
+    m = _assert_same_as_full(point)
+    assert f"layers {a}, {a + p} (blocks of {p} layers) -> {n}" in m["trace_method"]
+
+
+def test_a_block_of_layers_is_copied_only_where_that_traces_fewer_layers_and_not_under_fsdp2():
+    """Gemma 3's blocks of 6: at 34 layers (Gemma 3 4B's), 10, 16 and 22 would be traced (nor are
+    its last 4, alike, copied from 31 and 32); at 42, 6, 12 and 18. FSDP2's backward names no
+    module: a block of two slides by a layer and is placed wrong (the check refused it)."""
+    a, p, why = shortcut.template_depth(_on_architecture("gemma3_text", num_hidden_layers=34))
+    assert p == 1 and "layer_types" in why
+    fsdp = _on_architecture("gemma2", num_hidden_layers=14).replace(parallel=Parallel(dp_shard=2))
+    a, p, why = shortcut.template_depth(fsdp)
+    assert p == 1 and "layer_types" in why
+    a, p, why = shortcut.template_depth(_on_architecture("gemma3_text", num_hidden_layers=42))
+    assert (a, p, why) == (6, 6, None)
+
+
+def test_blocks_named_as_one_layer_are_named_back_as_their_layers():
+    from harness.probe.sim.repeat import as_blocks, from_blocks
+
+    journal = [_ev("alloc", k, 8, module=m) for k, m in enumerate(
+        ["model.embed", "model.layers.1.mlp", "model.layers.2", "model.layers.3.self_attn.q", "model.layers.12.mlp",
+         "model.norm"])]
+    named = as_blocks(journal, "model.layers.", 2, 2)
+    assert [e.module for e in named] == ["model.embed", "model.layers.1.mlp", "model.layers.2.~0",
+                                         "model.layers.2.~1.self_attn.q", "model.layers.7.~0.mlp", "model.norm"]
+    assert from_blocks(named, "model.layers.", 2, 2) == journal
 
 
 def test_a_cut_model_keeps_its_per_layer_lists_for_its_layers():
@@ -300,9 +347,9 @@ def test_a_cut_model_keeps_its_per_layer_lists_for_its_layers():
 
 
 def test_a_shallow_model_and_a_users_job_are_traced_in_full():
-    assert shortcut.template_depth(train_point(model="tiny"))[1] == "2 layers"
+    assert shortcut.template_depth(train_point(model="tiny"))[2] == "2 layers"
     custom = train_point().replace(workload=Workload(name="custom", target="m:f"))
-    assert shortcut.template_depth(custom)[1] == "a job of the user's own"
+    assert shortcut.template_depth(custom)[2] == "a job of the user's own"
 
 
 def _ev(action, key, size, phase="forward", module=""):

@@ -2,7 +2,9 @@
 
 probe.sim.shortcut traces depths a and a+1 and copies the new layer (index a) to the model's depth;
 the check at a+2 sees layers 0..a+1 only. So every layer from a-1 on must be built alike (depth a
-holds one of them), and the shallow models must build their layers as the deep one does. A layer is
+holds one of them), and the shallow models must build their layers as the deep one does. Or a block
+of p layers repeats (Gemma 2 alternates sliding-window and global attention): depths a and a+p, the
+check at a+2p, the layers from a-p on each built as the one p after it. A layer is
 compared by what it is built of, on the meta device (0.03 s for a 7B model): each submodule's class,
 its parameters' and buffers' shapes and dtypes, its plain attributes (a sliding window, a layer's
 kind; not its index), and the config's per-layer lists at its index (layer_types). DeepSeek-V3's
@@ -21,6 +23,7 @@ from harness.config.point import Point
 # for an index makes the layers look unlike: traced in full, slower but exact.
 _INDEX = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number"})
 _PLAIN = (bool, int, float, str, type(None))
+MAX_PERIOD = 8  # layers in a repeated block (Gemma 3's: five sliding-window layers and a global one)
 
 
 def per_layer_lists(config, n: int) -> dict[str, list]:
@@ -63,13 +66,22 @@ def _built(layer) -> tuple:
     return tuple(out)
 
 
-def alike_from(sigs: list[tuple]) -> tuple[int, str]:
-    """The first layer from which every layer is built as it is (`sigs`: signatures'), and what
-    the one before differs in ("" where all are alike)."""
-    t = len(sigs) - 1
-    while t > 0 and sigs[t - 1] == sigs[-1]:
-        t -= 1
-    return t, "" if t == 0 else f"layers {t - 1} and {t} differ in {difference(sigs[t - 1], sigs[t])}"
+def repeats(sigs: list[tuple]) -> dict[int, int]:
+    """Per period p (up to MAX_PERIOD layers, a third of them): the first layer t from which each
+    layer is built as the one p layers after it (`sigs`: signatures')."""
+    n = len(sigs)
+    out = {}
+    for p in range(1, min(MAX_PERIOD, n // 3) + 1):
+        t = n - p
+        while t > 0 and sigs[t - 1] == sigs[t - 1 + p]:
+            t -= 1
+        out[p] = t
+    return out
+
+
+def unlike(sigs: list[tuple], t: int, p: int = 1) -> str:
+    """What layer t-1 differs in from the layer p after it, in a few words."""
+    return f"layers {t - 1} and {t - 1 + p} differ in {difference(sigs[t - 1], sigs[t - 1 + p])}"
 
 
 def difference(a: tuple, b: tuple) -> str:

@@ -550,3 +550,50 @@ def structure(t: Template) -> str:
     blob = repr((t.depth, t.layer_prefix, [(b.start, b.length, b.reverse, b.joins) for b in t.blocks],
                  sorted(t.rules.items()), _less_sizes(t.entries), *([sorted(t.scaled)] if t.scaled else [])))
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+# A block of `period` layers repeated (Gemma 3: five sliding-window layers and a global one) is one
+# layer to learn and synthesize: its layers' modules are named as parts of one ("model.layers.8.~1"
+# for layer 9 of blocks of 2 from layer 8), and back after synthesis. "~" is in no module's name.
+_PART = "~"
+
+
+def as_blocks(entries: list[TraceEvent], prefix: str, first: int, period: int) -> list[TraceEvent]:
+    """`entries` with layers `first` and on named as parts of blocks of `period` layers."""
+    if period == 1:
+        return entries
+    pattern = re.compile(rf"^{re.escape(prefix)}(\d+)(?=\.|$)")
+
+    def named(module: str) -> str:
+        m = pattern.match(module)
+        if m is None or int(m.group(1)) < first:
+            return module
+        block, part = divmod(int(m.group(1)) - first, period)
+        return f"{prefix}{first + block}.{_PART}{part}{module[m.end():]}"
+
+    return _renamed(entries, named)
+
+
+def from_blocks(entries: list[TraceEvent], prefix: str, first: int, period: int) -> list[TraceEvent]:
+    """as_blocks undone: each block's parts named as the layers they are."""
+    if period == 1:
+        return entries
+    pattern = re.compile(rf"^{re.escape(prefix)}(\d+)\.{re.escape(_PART)}(\d+)(?=\.|$)")
+
+    def named(module: str) -> str:
+        m = pattern.match(module)
+        if m is None:
+            return module
+        return f"{prefix}{first + (int(m.group(1)) - first) * period + int(m.group(2))}{module[m.end():]}"
+
+    return _renamed(entries, named)
+
+
+def _renamed(entries: list[TraceEvent], named) -> list[TraceEvent]:
+    names: dict[str, str] = {}  # (a few module names, each on thousands of entries)
+    out = []
+    for e in entries:
+        if e.module not in names:
+            names[e.module] = named(e.module)
+        out.append(e._replace(module=names[e.module]))
+    return out

@@ -60,10 +60,10 @@ def trace(point: Point) -> Traced:
 
 
 def _trace(point: Point) -> Traced:
-    a, reason = template_depth(point)
+    a, p, reason = template_depth(point)
     if reason is None:
         try:
-            return synthesized(point, a)
+            return synthesized(point, a, p)
         except NotRepeating as e:
             reason = f"its layers did not repeat ({e})"
     m, tracker = run_point(point)
@@ -75,40 +75,52 @@ def depth(point: Point) -> int:
     return int(hf_config(point.model).num_hidden_layers)
 
 
-def template_depth(point: Point) -> tuple[int, str | None]:
-    """a, the template's shallower depth: SHALLOW layers past those built otherwise than the rest
-    (probe.sim.layers; the old part of the journal holds what a first layer of the block makes,
-    its optimizer's groups), and why the point is traced in full instead (None: it may be
-    synthesized)."""
+def template_depth(point: Point) -> tuple[int, int, str | None]:
+    """a, the template's shallower depth, and p, the layers of the block it copies: the layers
+    before the repeated blocks and SHALLOW blocks (probe.sim.layers; the old part of the journal
+    holds what a first block makes, its optimizer's groups), the rest whole blocks; and why the
+    point is traced in full instead (None: it may be synthesized)."""
     if point.workload.name == WorkloadName.custom:
-        return SHALLOW, "a job of the user's own"
+        return SHALLOW, 1, "a job of the user's own"
+    # Blocks of several layers, not under FSDP2: its backward's entries name no module, and a block
+    # of two may slide by one layer along the look-alike layers (repeat._place takes the wrong one,
+    # the check refuses it: a full trace after three others)
+    blocks = point.parallel.dp_shard == 1
     # per model: a zygote finds its preset's before it forks the points (30-250 ms a model)
-    key = json.dumps(dataclasses.asdict(point.model), sort_keys=True, default=str)
+    key = json.dumps([dataclasses.asdict(point.model), blocks], sort_keys=True, default=str)
     if key not in _BY_MODEL:
-        _BY_MODEL[key] = _template_depth(point)
+        _BY_MODEL[key] = _template_depth(point, blocks)
     return _BY_MODEL[key]
 
 
-_BY_MODEL: dict[str, tuple[int, str | None]] = {}
+_BY_MODEL: dict[str, tuple[int, int, str | None]] = {}
 
 
-def _template_depth(point: Point) -> tuple[int, str | None]:
+def _template_depth(point: Point, blocks: bool) -> tuple[int, int, str | None]:
     n = depth(point)
     if n <= SHALLOW + 2:
-        return SHALLOW, f"{n} layers"
+        return SHALLOW, 1, f"{n} layers"
     deep = layers.signatures(point)
     if deep is None:
-        return SHALLOW, "no module list holds one entry per layer"
-    alike, why = layers.alike_from(deep)
-    a = alike + SHALLOW
-    if n <= a + 2:
-        return a, f"{n} layers, {why}"
+        return SHALLOW, 1, "no module list holds one entry per layer"
+    repeats = layers.repeats(deep)
+    choices = []  # (layers traced, p, a)
+    for p, t in repeats.items():
+        a = t + SHALLOW * p + (n - t - SHALLOW * p) % p
+        # where a, a+p and a+2p layers are fewer than the model's (or a one-layer block from the
+        # bottom, as ever: a sweep's other points skip the check)
+        if n > a + 2 * p and (p == 1 and t == 0 or 3 * (a + p) < n) and (p == 1 or blocks):
+            choices.append((3 * (a + p), p, a))
+    if not choices:
+        t = repeats[1]
+        return t + SHALLOW, 1, f"{n} layers" + (f", {layers.unlike(deep, t)}" if t else "")
+    _, p, a = min(choices)
     # the shallow models build their layers as the deep one does (their per-layer lists cut)
-    checked = layers.signatures(at_depth(point, a + 2), layers.per_layer_lists(hf_config(point.model), n))
-    if checked != deep[:a + 2]:
+    checked = layers.signatures(at_depth(point, a + 2 * p), layers.per_layer_lists(hf_config(point.model), n))
+    if checked != deep[:a + 2 * p]:
         at = next((i for i, (x, y) in enumerate(zip(checked or [], deep)) if x != y), 0)
-        return a, f"a model of its first {a + 2} layers builds layer {at} otherwise than it does"
-    return a, None
+        return a, p, f"a model of its first {a + 2 * p} layers builds layer {at} otherwise than it does"
+    return a, p, None
 
 
 def at_depth(point: Point, n: int) -> Point:
@@ -118,11 +130,13 @@ def at_depth(point: Point, n: int) -> Point:
     return point.replace(model=dataclasses.replace(point.model, hf=hf))
 
 
-def synthesized(point: Point, a: int = SHALLOW) -> Traced:
-    n = depth(point)
+def synthesized(point: Point, a: int = SHALLOW, p: int = 1) -> Traced:
+    """The point's trace from depths a and a+p (blocks of p layers: repeat.as_blocks), checked at
+    a+2p."""
+    n, deeper_at, checked_at = depth(point), a + p, a + 2 * p
     if decodes_beyond(point):
         # serving: the shallow depths decode DECODE_TRACED tokens after the point's prompt, one more
-        # at a+2; the point's steps grow from them (probe.sim.steps), each a token longer
+        # at a+2p; the point's steps grow from them (probe.sim.steps), each a token longer
         few, steps = DECODE_TRACED + 1, point.workload.new_tokens + 1
         shallow, checked_on = decoding(point, DECODE_TRACED), decoding(point, DECODE_TRACED + 1)
         grow: Callable[[str], int | None] | None = _sized_on(point.gpu)
@@ -135,22 +149,26 @@ def synthesized(point: Point, a: int = SHALLOW) -> Traced:
     runs: dict[int, tuple[dict, StorageTracker]] = {}
     reused = placed_on = None
     # DDP: the shallow depths as another replica count of the job traced them (probe.sim.replicas)
-    other_count = replicas.read(cache, shallow, (a, a + 1))
+    other_count = replicas.read(cache, shallow, (a, deeper_at))
     if other_count is not None:
         (shallower, deeper), findings, counted = other_count
     else:
         runs[a] = run_point(at_depth(shallow, a))
         shallower = ddp_setup.cut(runs[a][1].journal())
         skeleton = repeat.skeleton(shallower)
-        reused = _placed_as_before(cache, skeleton, shallower, runs[a][1].findings)
+        reused = _placed_as_before(cache, skeleton, shallower, runs[a][1].findings) if p == 1 else None
         if reused is not None:
             template, deeper_findings, placed_on = reused
         else:
-            runs[a + 1] = run_point(at_depth(shallow, a + 1))
-            deeper, deeper_findings = ddp_setup.cut(runs[a + 1][1].journal()), runs[a + 1][1].findings
+            runs[deeper_at] = run_point(at_depth(shallow, deeper_at))
+            deeper, deeper_findings = ddp_setup.cut(runs[deeper_at][1].journal()), runs[deeper_at][1].findings
         findings = [runs[a][1].findings, deeper_findings]
+    prefix = _layer_prefix(deeper, a) if reused is None else template.layer_prefix
     if reused is None:  # both depths' journals at hand, traced here or at another count
-        template = repeat.learn(shallower, deeper, a, _layer_prefix(deeper, a))
+        template = repeat.learn(shallower, repeat.as_blocks(deeper, prefix, a, p), a, prefix)
+
+    def blocks(k: int) -> list[TraceEvent]:  # the journal of a and k blocks more
+        return repeat.from_blocks(repeat.synthesize(template, a + k), prefix, a, p)
 
     def full(journal: list[TraceEvent], to: int = steps) -> list[TraceEvent]:  # every step of the point
         return stepwise.extend(journal, to, grow) if few < to else journal
@@ -158,32 +176,33 @@ def synthesized(point: Point, a: int = SHALLOW) -> Traced:
     # A template of a structure already checked (another batch or sequence length of the same job,
     # in this sweep's trace cache) synthesizes as that one did: only its sizes differ.
     structure = f"{repeat.structure(template)}:" + (f"decode {few}->{few + 1}" if grow else f"steps {few}->{steps}")
+    structure += f":blocks of {p}" if p > 1 else ""
     checked = trace_store.read_note(cache, trace_store.CHECKED, structure)
     if checked is None:
-        runs[a + 2] = run_point(at_depth(checked_on, a + 2))
-        check = repeat.canonical(full(repeat.synthesize(template, a + 2), few + 1 if grow else steps))
-        traced = repeat.canonical(ddp_setup.cut(runs[a + 2][1].journal()))
+        runs[checked_at] = run_point(at_depth(checked_on, checked_at))
+        check = repeat.canonical(full(blocks(2), few + 1 if grow else steps))
+        traced = repeat.canonical(ddp_setup.cut(runs[checked_at][1].journal()))
         if check != traced:
             at = next((i for i, (x, y) in enumerate(zip(check, traced)) if x != y), min(len(check), len(traced)))
-            raise NotRepeating(f"synthesized {a + 2} layers differ from traced at entry {at} of {len(traced)}")
-        findings.append(runs[a + 2][1].findings)
-        how = f"checked at {a + 2}"
+            raise NotRepeating(f"synthesized {checked_at} layers differ from traced at entry {at} of {len(traced)}")
+        findings.append(runs[checked_at][1].findings)
+        how = f"checked at {checked_at}"
     else:
-        how = f"its structure checked at {a + 2} on {checked.get('point', 'another point')}"
+        how = f"its structure checked at {checked_at} on {checked.get('point', 'another point')}"
     findings = [_as_json(f) for f in findings]  # as a note holds them (some may come from one)
-    scalars = _extrapolate([f["scalars"] for f in findings], n - a)
-    holder = _extrapolate([f.get("retained_holder") for f in findings], n - a)
-    # Both held at a+2 (the journal and the figures beside it), or were held on a point of this structure
+    scalars = _extrapolate([f["scalars"] for f in findings], (n - a) // p)
+    holder = _extrapolate([f.get("retained_holder") for f in findings], (n - a) // p)
+    # Both held at a+2p (the journal and the figures beside it), or were held on a point of this structure
     if checked is None:
         trace_store.write_note(cache, trace_store.CHECKED, structure, {"point": describe(point)})
-    if a + 1 in runs:  # traced here: for the job's other replica counts (DDP only)
-        replicas.write(cache, shallow, (a, a + 1), [shallower, deeper], findings[:2])
-    recipe = repeat.recipe(template) if reused is None and other_count is None else None
+    if deeper_at in runs:  # traced here: for the job's other replica counts (DDP only)
+        replicas.write(cache, shallow, (a, deeper_at), [shallower, deeper], findings[:2])
+    recipe = repeat.recipe(template) if reused is None and other_count is None and p == 1 else None
     if recipe is not None:
         trace_store.write_note(cache, trace_store.LAYOUTS, skeleton, {
             "layout": repeat.layout(template), "recipe": recipe, "point": describe(point),
             "findings": findings[:2]})
-    journal = full(repeat.synthesize(template, n))
+    journal = full(blocks((n - a) // p))
     setup = ""
     if ddp_setup.section(shallower) is not None:  # DDP's own, traced at the point's depth
         journal = ddp_setup.splice(journal, run_point(at_depth(point, n), setup_only=True)[1].journal())
@@ -194,8 +213,8 @@ def synthesized(point: Point, a: int = SHALLOW) -> Traced:
         calls += [c for c in f.get(ATTENTION_CALLS, []) if c not in calls]
     m[ATTENTION_CALLS] = attention.to_column(attention.from_dicts(calls), point.gpu.capability)
     traced_layers = (f"layer {a}, layer {a + 1} placed as on {placed_on}" if placed_on
-                     else f"layers {a}, {a + 1} as traced over {counted} GPUs" if other_count is not None
-                     else f"layers {a}, {a + 1}")
+                     else f"layers {a}, {deeper_at} as traced over {counted} GPUs" if other_count is not None
+                     else f"layers {a}, {deeper_at}") + (f" (blocks of {p} layers)" if p > 1 else "")
     m["trace_method"] = f"synthesized: {traced_layers} -> {n}{steps_said}{setup} ({how})"
     events = [e for e in journal if e.action in ("alloc", "free")]
     return Traced(m, events, {"scalars": scalars, "retained_holder": holder, ATTENTION_CALLS: calls})
