@@ -25,8 +25,9 @@ def _point(model="7b", workload="train", **kw) -> Point:
     return p
 
 
-def _assert_same_as_full(point: Point, synthesized: bool = True) -> dict:
-    traced = shortcut.trace(point)
+def _assert_same_as_full(point: Point, synthesized: bool = True, traced: shortcut.Traced | None = None) -> dict:
+    """The point's trace (`traced`, else as shortcut.trace makes it) is its full trace, figures and all."""
+    traced = traced or shortcut.trace(point)
     assert traced.measurements["trace_method"].startswith("synthesized" if synthesized else "full"), \
         traced.measurements["trace_method"]
     m, tracker = run_point(point)
@@ -287,37 +288,37 @@ def test_layers_built_otherwise_at_the_bottom_stay_in_the_template_and_the_rest_
     DeepSeek-V3's own 671B); a sliding window from layer 1 on. The template's shallower depth holds
     those layers and one of the rest (a = k+1), its per-layer lists cut to its depth, and the
     synthesized trace is the full one."""
-    p = _on_architecture(name, **hf)
-    assert shortcut.template_depth(p) == (a, 1, None)
-    m = _assert_same_as_full(p)
-    assert m["trace_method"].startswith(f"synthesized: layers {a}, {a + 1} -> {hf['num_hidden_layers']}")
+    assert shortcut.template_depth(_on_architecture(name, **hf)) == (a, 1, None)
+    p = _on_architecture(name, **{**hf, "num_hidden_layers": a + 3})  # (a shorter full trace)
+    m = _assert_same_as_full(p, traced=shortcut.synthesized(p, a))
+    assert m["trace_method"].startswith(f"synthesized: layers {a}, {a + 1} -> {a + 3}")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, n, how, p", [
-    ("gemma2", 14, "train", 2),  # sliding-window and global attention alternate
-    ("gemma2", 14, "serve", 2),  # prefill and 8 decode steps, grown from the traced 3
-    ("gemma2", 14, "tp", 2),  # over tensor parallel
-    ("gemma2", 14, "ddp", 2),  # over DDP: its setup traced at the model's depth
-    ("gemma3_text", 42, "train", 6),  # five sliding-window layers and a global one
+    ("gemma2", 8, "train", 2),  # sliding-window and global attention alternate
+    ("gemma2", 8, "serve", 2),  # prefill and 8 decode steps, grown from the traced 3
+    ("gemma2", 8, "tp", 2),  # over tensor parallel
+    ("gemma2", 8, "ddp", 2),  # over DDP: its setup traced at the model's depth
+    ("gemma3_text", 24, "train", 6),  # five sliding-window layers and a global one
 ])
 def test_blocks_of_layers_that_repeat_synthesize_their_full_trace(name, n, how, p):
     """A block of p layers is copied as one layer is: depths a and a+p traced, checked at a+2p,
-    the rest whole blocks named back as the layers they are (repeat.as_blocks)."""
+    the rest whole blocks named back as the layers they are (repeat.as_blocks). (Shallower than a
+    model whose blocks template_depth copies, whose full trace would take longer.)"""
     point = _on_architecture(name, num_hidden_layers=n)
     if how == "serve":
         point = point.replace(workload=Workload(name="infer", new_tokens=8))
     if how in ("tp", "ddp"):
         point = point.replace(parallel=Parallel(tp=2) if how == "tp" else Parallel(dp_replicate=2))
-    a, period, why = shortcut.template_depth(point)
-    assert (period, why) == (p, None) and (n - a) % p == 0
-    m = _assert_same_as_full(point)
-    assert f"layers {a}, {a + p} (blocks of {p} layers) -> {n}" in m["trace_method"]
+    m = _assert_same_as_full(point, traced=shortcut.synthesized(point, p, p))
+    assert f"layers {p}, {2 * p} (blocks of {p} layers) -> {n}" in m["trace_method"]
 
 
 def test_a_block_of_layers_is_copied_only_where_that_traces_fewer_layers_and_not_under_fsdp2():
     """Gemma 3's blocks of 6: at 34 layers (Gemma 3 4B's), 10, 16 and 22 would be traced (nor are
-    its last 4, alike, copied from 31 and 32); at 42, 6, 12 and 18. FSDP2's backward names no
+    its last 4, alike, copied from 31 and 32); at 42, 6, 12 and 18; Gemma 2's of 2 at 14 layers,
+    2, 4 and 6. FSDP2's backward names no
     module: a block of two slides by a layer and is placed wrong (the check refused it)."""
     a, p, why = shortcut.template_depth(_on_architecture("gemma3_text", num_hidden_layers=34))
     assert p == 1 and "layer_types" in why
