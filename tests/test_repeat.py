@@ -211,6 +211,15 @@ def test_decode_steps_over_which_only_the_traced_card_starts_splitting_grow_thro
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_a_model_without_attention_serves_more_decode_steps_than_are_traced():
+    """Mamba decoding 8 tokens, its state of one size (no keys to split): it was an error row,
+    asked for its attention heads."""
+    point = _on_architecture("mamba", num_hidden_layers=5).replace(workload=Workload(name="infer", new_tokens=8))
+    assert shortcut.decodes_beyond(point)
+    assert any(e.phase == "decode" for e in shortcut.trace(point).events)
+
+
 def test_decode_steps_whose_flash_starts_splitting_the_keys_are_all_traced():
     """A 100-token prompt decoded to 140: flash's keys pass one block of 128 on the way, where its
     split-KV accumulators begin (a step the traced ones have no entry for): every step is traced."""

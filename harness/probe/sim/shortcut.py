@@ -266,12 +266,15 @@ def decodes_beyond(point: Point) -> bool:
     and where its decode attends with flash on its card, flash splits the keys (config.kernels:
     accumulators a step) on its card or on a catalog card at every length it reaches or at none
     (its rows, a placeholder where only another card's launch splits: kernel_scratch), so that no
-    step makes an entry the traced ones did not."""
+    step makes an entry the traced ones did not; a model without attention's too (its state a
+    constant size: the check at a+2 decodes a step more either way)."""
     w = point.workload
     if w.name != WorkloadName.infer or w.new_tokens <= DECODE_TRACED:
         return False
-    tp = point.parallel.tp
-    h, h_k, d = attention_shape(hf_config(point.model))
+    tp, config = point.parallel.tp, hf_config(point.model)
+    if getattr(config, "num_attention_heads", None) is None:  # no attention (Mamba): no keys to split
+        return True
+    h, h_k, d = attention_shape(config)
     call = attention.Call(Precision(point.precision).compute_dtype, d, d, mask=False, grad=False, dropout=False,
                           causal_nonsquare=False, grouped=h_k != h, enable_gqa=h_k != h)
     if attention.kernel(point.gpu.capability, call) != attention.FLASH:  # (flash takes 16-bit calls only)
