@@ -6,7 +6,8 @@ on the 7B-70B presets instead (deeper than tiny's two layers: their traces are s
 few, and DDP's shallow journals are shared between counts), with up to 64 GPUs; with `--custom`,
 the examples as jobs of the user's own (workload=custom), the GPT over several GPUs; with
 `--architectures`, `model=hf` on the small configs of tests/data/architectures/ (GPT-2, Falcon,
-Gemma 2, GLM-4, Mixtral, DeepSeek-V3, Mamba, T5, ...: what transformers builds beyond Llama). A run must end in a
+Gemma 2, GLM-4, Mixtral, DeepSeek-V3, Mamba, T5, ...: what transformers builds beyond Llama), half
+of them 6 or 14 layers deep (synthesized from a few). A run must end in a
 row (exit 0: ok or OOM) or be refused before anything runs (exit 2, one line naming the key); an
 error row (exit 1) or any other exit is a bug, and the script exits 1 after listing them. Prints
 each run's exit code and overrides, then the refusals by message.
@@ -36,6 +37,8 @@ def combination(rng: random.Random, presets: bool = False, architectures: bool =
     o = [f"model={model}"]
     if architectures:
         o = ["model=hf", f"model.config_json={rng.choice(ARCHITECTURES).relative_to(REPO)}"]
+        if rng.random() < 0.5:  # deep enough to be synthesized (blocks of layers: 14)
+            o.append(f"+model.hf.num_hidden_layers={rng.choice([6, 14])}")
     o += [f"seq_len={rng.choice(lengths)}", f"batch_size={rng.choice([1, 2, 4])}",
           f"precision={rng.choice(['fp32', 'bf16', 'fp16', 'amp_bf16', 'amp_fp16'])}",
           f"allocator={rng.choice(['default', 'expandable', 'max_split_512', 'roundup4', 'gc80'])}",
