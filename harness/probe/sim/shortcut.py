@@ -4,8 +4,11 @@ Tracing costs the same per layer (FakeTensor dispatch, ~0.1 s per layer and step
 takes 10 s and a 405B one minutes; the layers are the same block, though. Depths a and a+1 give the
 template (probe.sim.repeat), the template synthesizes depth a+2, and only when that equals the
 traced a+2 entry for entry (action, size, kind, phase, step, module, which alloc each free and
-retag refers to) is the point's depth synthesized. Otherwise, and for jobs of the user's own (whose
-depth the harness does not know), the point is traced in full; the row's trace_method says which.
+retag refers to) is the point's depth synthesized. a is 1 past the layers built otherwise than the
+rest (probe.sim.layers: DeepSeek-V3's dense ones); a block of p layers that repeats (Gemma's
+sliding-window and global attention) is copied as one layer, from depths a and a+p, checked at
+a+2p. Otherwise, and for jobs of the user's own (whose depth the harness does not know), the point
+is traced in full; the row's trace_method says which.
 
 Training steps repeat too: the shallow depths are traced for two steps and the rest are copies of
 the second (probe.sim.steps), checked with the layers (the a+2 trace has every step). A template
@@ -109,7 +112,7 @@ def _template_depth(point: Point, blocks: bool) -> tuple[int, int, str | None]:
         a = t + SHALLOW * p + (n - t - SHALLOW * p) % p
         # where a, a+p and a+2p layers are fewer than the model's (or a one-layer block from the
         # bottom, as ever: a sweep's other points skip the check)
-        if n > a + 2 * p and (p == 1 and t == 0 or 3 * (a + p) < n) and (p == 1 or blocks):
+        if n > a + 2 * p and ((p == 1 and t == 0) or 3 * (a + p) < n) and (p == 1 or blocks):
             choices.append((3 * (a + p), p, a))
     if not choices:
         t = repeats[1]
