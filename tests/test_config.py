@@ -150,6 +150,19 @@ def test_a_model_type_without_a_causal_lm_is_refused_naming_the_file(tmp_path):
     assert e.value.key == "model.config_json" and "t5" in str(e.value) and "workload=custom" in str(e.value)
 
 
+def test_a_config_json_transformers_cannot_build_is_refused_naming_the_file(tmp_path):
+    """SmolLM3's default pad token (128004) outside a 1000-token vocabulary: nn.Embedding asserts as
+    the model is built, in each point an error row; it is refused before any work instead."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "smollm3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}))
+    with pytest.raises(ConfigError) as e:
+        validate(compose(["model=hf", f"model.config_json={tmp_path}", "seq_len=32"]))
+    assert e.value.key == "model.config_json" and "Padding_idx" in str(e.value)
+
+
 @pytest.mark.parametrize("model_type", ["gemma3", "llama4", "mllama"])
 def test_a_multimodal_models_config_is_refused_naming_the_file_and_its_language_model(tmp_path, model_type):
     """A vision-language model's config.json (Gemma 3 4B+, Llama 4, Mllama: the language model in
