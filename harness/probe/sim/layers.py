@@ -27,9 +27,10 @@ MAX_PERIOD = 8  # layers in a repeated block (Gemma 3's: five sliding-window lay
 
 
 def per_layer_lists(config, n: int) -> dict[str, list]:
-    """The config's lists of one entry per layer (layer_types, no_rope_layers, ...)."""
+    """The config's lists of one entry per layer (layer_types, no_rope_layers, ...); not a list of
+    every layer's index (Llama 4's moe_layers where each layer has experts: alike, not 0..n-1)."""
     return {k: list(v) for k, v in vars(config).items() if isinstance(v, list | tuple) and len(v) == n
-            and not k.startswith("_")}
+            and not k.startswith("_") and list(v) != list(range(n))}
 
 
 def signatures(point: Point, lists: Collection[str] | None = None) -> list[tuple] | None:

@@ -270,11 +270,14 @@ def decodes_beyond(point: Point) -> bool:
     accumulators a step) on its card or on a catalog card at every length it reaches or at none
     (its rows, a placeholder where only another card's launch splits: kernel_scratch), so that no
     step makes an entry the traced ones did not; a model without attention's too (its state a
-    constant size: the check at a+2 decodes a step more either way)."""
+    constant size: the check at a+2 decodes a step more either way). Not where the decode reaches a
+    sliding window or a chunk's end (_crosses_a_window)."""
     w = point.workload
     if w.name != WorkloadName.infer or w.new_tokens <= DECODE_TRACED:
         return False
     tp, config = point.parallel.tp, hf_config(point.model)
+    if _crosses_a_window(config, point.seq_len - w.new_tokens, point.seq_len):
+        return False
     if getattr(config, "num_attention_heads", None) is None:  # no attention (Mamba): no keys to split
         return True
     h, h_k, d = attention_shape(config)
@@ -286,6 +289,18 @@ def decodes_beyond(point: Point) -> bool:
     shapes = (FusedShape(point.batch_size, h // tp, h_k // tp, 1, s_k, d, d, 2) for s_k in range(prompt + 1, point.seq_len + 1))
     # each step's accumulators in the trace as the tracker records them (kernel_scratch.recorded)
     return len({recorded(kernels.flash_splitkv_bytes(s, g)[1], kernels.splitkv_code(s, 1)) for s in shapes}) == 1
+
+
+def _crosses_a_window(config, prompt: int, end: int) -> bool:
+    """Whether decoding from `prompt` tokens to `end` reaches a sliding window's size or a chunk's
+    end (chunked attention), a token either side: there a layer's cache stops growing or its mask
+    starts a chunk, and the steps after it would not grow as the traced ones did (Llama 4, 58
+    tokens decoded to 64 in chunks of 64: the last step's mask made 76 allocations more)."""
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, int) and window > 0 and prompt - 1 <= window <= end + 1:
+        return True
+    chunk = getattr(config, "attention_chunk_size", None)
+    return isinstance(chunk, int) and chunk > 0 and (end + 1) // chunk * chunk >= prompt - 1
 
 
 def traced_steps(point: Point) -> int:
