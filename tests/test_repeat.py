@@ -221,17 +221,19 @@ def test_a_model_without_attention_serves_more_decode_steps_than_are_traced():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, seq_len, new_tokens, p", [
-    ("llama4_text", 64, 6, 4),  # chunks of 64: the last step's mask starts a chunk (76 allocations more)
-    ("gemma2", 80, 20, 2),  # a window of 64 reached at the 5th step: its masks stop growing there
+@pytest.mark.parametrize("arch, seq_len, new_tokens, p, grown", [
+    ("llama4_text", 64, 6, 4, False),  # chunks of 64: the last step's mask starts a chunk (76 allocations more)
+    ("gemma2", 80, 20, 2, True),  # a window of 64 reached at the 5th step: its masks stop growing there
 ])
-def test_decode_steps_that_reach_a_chunks_end_or_a_sliding_window_are_all_traced(arch, seq_len, new_tokens, p):
-    """Steps grown from the traced 3 as those grew were not the full trace past the boundary (the
-    check decodes 4): every step is traced, and the trace is the full one."""
+def test_decode_steps_past_a_chunks_end_or_a_sliding_window_are_the_full_trace(arch, seq_len, new_tokens, p, grown):
+    """Steps grown from the traced 3 were not the full trace past the boundary (the check decodes
+    4): a sliding window's point traces 3 steps past it and grows from there, a chunk's every
+    step."""
     point = _on_architecture(arch, num_hidden_layers=4 * p).replace(
         seq_len=seq_len, workload=Workload(name="infer", new_tokens=new_tokens))
-    assert not shortcut.decodes_beyond(point)
-    _assert_same_as_full(point, traced=shortcut.synthesized(point, p, p))
+    assert shortcut.decodes_beyond(point) == grown
+    m = _assert_same_as_full(point, traced=shortcut.synthesized(point, p, p))
+    assert ("decode steps 9 -> 20" in m["trace_method"]) == grown  # 60 tokens, 64 + 1 reached at 5: 3 past
 
 
 def test_decode_steps_whose_flash_starts_splitting_the_keys_are_all_traced():

@@ -138,10 +138,11 @@ def synthesized(point: Point, a: int = SHALLOW, p: int = 1) -> Traced:
     a+2p."""
     n, deeper_at, checked_at = depth(point), a + p, a + 2 * p
     if decodes_beyond(point):
-        # serving: the shallow depths decode DECODE_TRACED tokens after the point's prompt, one more
-        # at a+2p; the point's steps grow from them (probe.sim.steps), each a token longer
-        few, steps = DECODE_TRACED + 1, point.workload.new_tokens + 1
-        shallow, checked_on = decoding(point, DECODE_TRACED), decoding(point, DECODE_TRACED + 1)
+        # serving: the shallow depths decode a few tokens after the point's prompt (decode_traced),
+        # one more at a+2p; the point's steps grow from them (probe.sim.steps), each a token longer
+        decoded = decode_traced(point) or DECODE_TRACED
+        few, steps = decoded + 1, point.workload.new_tokens + 1
+        shallow, checked_on = decoding(point, decoded), decoding(point, decoded + 1)
         grow: Callable[[str], int | None] | None = _sized_on(point.gpu)
         steps_said = f", decode steps {few - 1} -> {steps - 1}"
     else:
@@ -270,14 +271,15 @@ def decodes_beyond(point: Point) -> bool:
     accumulators a step) on its card or on a catalog card at every length it reaches or at none
     (its rows, a placeholder where only another card's launch splits: kernel_scratch), so that no
     step makes an entry the traced ones did not; a model without attention's too (its state a
-    constant size: the check at a+2 decodes a step more either way). Not where the decode reaches a
-    sliding window or a chunk's end (_crosses_a_window)."""
+    constant size: the check at a+2 decodes a step more either way); past the steps decode_traced
+    says."""
     w = point.workload
-    if w.name != WorkloadName.infer or w.new_tokens <= DECODE_TRACED:
+    if w.name != WorkloadName.infer:
+        return False
+    traced = decode_traced(point)
+    if traced is None or w.new_tokens <= traced:
         return False
     tp, config = point.parallel.tp, hf_config(point.model)
-    if _crosses_a_window(config, point.seq_len - w.new_tokens, point.seq_len):
-        return False
     if getattr(config, "num_attention_heads", None) is None:  # no attention (Mamba): no keys to split
         return True
     h, h_k, d = attention_shape(config)
@@ -291,16 +293,22 @@ def decodes_beyond(point: Point) -> bool:
     return len({recorded(kernels.flash_splitkv_bytes(s, g)[1], kernels.splitkv_code(s, 1)) for s in shapes}) == 1
 
 
-def _crosses_a_window(config, prompt: int, end: int) -> bool:
-    """Whether decoding from `prompt` tokens to `end` reaches a sliding window's size or a chunk's
-    end (chunked attention), a token either side: there a layer's cache stops growing or its mask
-    starts a chunk, and the steps after it would not grow as the traced ones did (Llama 4, 58
-    tokens decoded to 64 in chunks of 64: the last step's mask made 76 allocations more)."""
+def decode_traced(point: Point) -> int | None:
+    """The decode steps a serving point's shallow depths trace, the rest grown from them: 3, or 3
+    past a sliding window the decode reaches (a token either side), where the masks stop growing
+    (Gemma 2, 60 tokens decoded to 80 over a window of 64: 520-B masks where grown steps had
+    512 B; Mistral's alike); None (every step traced) where the decode reaches a chunk's end
+    (Llama 4's chunked attention: its mask starts a chunk there, 76 allocations more at the 64th
+    token), as the check, a step more, would not reach it."""
+    w, config = point.workload, hf_config(point.model)
+    prompt, end = point.seq_len - w.new_tokens, point.seq_len
+    chunk = getattr(config, "attention_chunk_size", None)
+    if isinstance(chunk, int) and chunk > 0 and (end + 1) // chunk * chunk >= prompt - 1:
+        return None
     window = getattr(config, "sliding_window", None)
     if isinstance(window, int) and window > 0 and prompt - 1 <= window <= end + 1:
-        return True
-    chunk = getattr(config, "attention_chunk_size", None)
-    return isinstance(chunk, int) and chunk > 0 and (end + 1) // chunk * chunk >= prompt - 1
+        return window + 2 - prompt + DECODE_TRACED
+    return DECODE_TRACED
 
 
 def traced_steps(point: Point) -> int:
