@@ -342,16 +342,18 @@ def test_blocks_of_layers_that_repeat_synthesize_their_full_trace(name, n, how, 
 
 def test_a_block_of_layers_is_copied_only_where_that_traces_fewer_layers_and_not_under_fsdp2():
     """Gemma 3's blocks of 6: at 34 layers (Gemma 3 4B's), 10, 16 and 22 would be traced (nor are
-    its last 4, alike, copied from 31 and 32); at 42, 6, 12 and 18; Gemma 2's of 2 at 14 layers,
-    2, 4 and 6. FSDP2's backward names no
-    module: a block of two slides by a layer and is placed wrong (the check refused it)."""
+    its last 4, alike, copied from 31 and 32); at 42, 6, 12 and 18. Gemma 2's of 2 at 14 layers: 2, 4
+    and 6, not under FSDP2 (its backward names no module, and learn placed a block of two wrong:
+    the check refused it). Llama 4's of 4 (3 chunked, 1 global) at 28: 4, 8 and 12, its moe_layers
+    listing every layer's index where each has experts (alike, not 0..27)."""
     a, p, why = shortcut.template_depth(_on_architecture("gemma3_text", num_hidden_layers=34))
     assert p == 1 and "layer_types" in why
+    assert shortcut.template_depth(_on_architecture("gemma3_text", num_hidden_layers=42)) == (6, 6, None)
+    assert shortcut.template_depth(_on_architecture("gemma2", num_hidden_layers=14)) == (2, 2, None)
     fsdp = _on_architecture("gemma2", num_hidden_layers=14).replace(parallel=Parallel(dp_shard=2))
     a, p, why = shortcut.template_depth(fsdp)
     assert p == 1 and "layer_types" in why
-    a, p, why = shortcut.template_depth(_on_architecture("gemma3_text", num_hidden_layers=42))
-    assert (a, p, why) == (6, 6, None)
+    assert shortcut.template_depth(_on_architecture("llama4_text", num_hidden_layers=28)) == (4, 4, None)
 
 
 def test_blocks_named_as_one_layer_are_named_back_as_their_layers():
