@@ -295,11 +295,11 @@ def decodes_beyond(point: Point) -> bool:
 
 def decode_traced(point: Point) -> int | None:
     """The decode steps a serving point's shallow depths trace, the rest grown from them: 3, or 3
-    past a sliding window the decode reaches (a token either side), where the masks stop growing
-    (Gemma 2, 60 tokens decoded to 80 over a window of 64: 520-B masks where grown steps had
-    512 B; Mistral's alike); None (every step traced) where the decode reaches a chunk's end
-    (Llama 4's chunked attention: its mask starts a chunk there, 76 allocations more at the 64th
-    token), as the check, a step more, would not reach it."""
+    past a sliding window the decode reaches (a token either side), where each layer's cache and
+    mask stop growing (Mistral, 50 tokens decoded to 80 over a window of 64: self_attn's 224,280 B
+    a step, where steps grown from the first 3 reached 263,664 B); None (every step traced) where
+    the decode reaches a chunk's end (Llama 4's chunked attention: its mask starts a chunk there,
+    76 allocations more at the 64th token). The check, a step more, would reach neither."""
     w, config = point.workload, hf_config(point.model)
     prompt, end = point.seq_len - w.new_tokens, point.seq_len
     chunk = getattr(config, "attention_chunk_size", None)
