@@ -12,6 +12,7 @@ from harness.config.models import (
     has_causal_lm,
     hf_config,
     max_positions,
+    on_meta,
     sequence_parallel_refusal,
     tensor_parallel_refusal,
 )
@@ -85,17 +86,13 @@ _BUILT: dict[str, str | None] = {}  # a model's config -> why transformers canno
 
 
 def _check_builds(model, config) -> None:
-    """transformers builds the model of a user's config.json (on the meta device: 0.03 s for 7B,
-    a second for DeepSeek-V3), else the file is refused naming what transformers said: a pad token
-    outside the vocabulary was an error row in each point, an AssertionError from nn.Embedding."""
+    """transformers builds the model of a user's config.json (models.on_meta), else the file is
+    refused naming what transformers said: a pad token outside the vocabulary was an error row in
+    each point, an AssertionError from nn.Embedding."""
     key = json.dumps(dataclasses.asdict(model), sort_keys=True, default=str)
     if key not in _BUILT:
-        import torch
-        from transformers import AutoModelForCausalLM
-
         try:
-            with torch.device("meta"):
-                AutoModelForCausalLM.from_config(config)
+            on_meta(config)
             _BUILT[key] = None
         except Exception as e:  # whatever the architecture's code raises
             _BUILT[key] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"

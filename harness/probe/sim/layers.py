@@ -5,7 +5,7 @@ the check at a+2 sees layers 0..a+1 only. So every layer from a-1 on must be bui
 holds one of them), and the shallow models must build their layers as the deep one does. Or a block
 of p layers repeats (Gemma 2 alternates sliding-window and global attention): depths a and a+p, the
 check at a+2p, the layers from a-p on each built as the one p after it. A layer is
-compared by what it is built of, on the meta device (0.03 s for a 7B model): each submodule's class,
+compared by what it is built of, on the meta device (config.models.on_meta): each submodule's class,
 its parameters' and buffers' shapes and dtypes, its plain attributes (a sliding window, a layer's
 kind; not its index), and the config's per-layer lists at its index (layer_types). DeepSeek-V3's
 first three layers are dense and the rest mixtures of experts: a = 4, where a = 1 (checked at 3)
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from harness.config.models import hf_config
+from harness.config.models import hf_config, on_meta
 from harness.config.point import Point
 
 # Attributes naming a layer's own index (a cache slot): alike layers differ in them. Another name
@@ -39,12 +39,10 @@ def signatures(point: Point, lists: Collection[str] | None = None) -> list[tuple
     per layer here; a shallow model's are the deep one's, cut: GLM-4's three end-of-text tokens
     are no list of layers at depth 3)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     config = hf_config(point.model)
     n = int(config.num_hidden_layers)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = on_meta(config)
     stacks: dict[str, torch.nn.ModuleList] = {}
     for name, m in model.named_modules():  # the outermost lists of one entry per layer (not experts inside one)
         if isinstance(m, torch.nn.ModuleList) and len(m) == n and not any(name.startswith(f"{s}.") for s in stacks):
