@@ -100,7 +100,8 @@ _BY_MODEL: dict[str, tuple[int, int, str | None]] = {}
 
 
 def _template_depth(point: Point, blocks: bool) -> tuple[int, int, str | None]:
-    n = depth(point)
+    config = hf_config(point.model)
+    n = int(config.num_hidden_layers)
     if n <= SHALLOW + 2:
         return SHALLOW, 1, f"{n} layers"
     deep = layers.signatures(point)
@@ -119,7 +120,7 @@ def _template_depth(point: Point, blocks: bool) -> tuple[int, int, str | None]:
         return t + SHALLOW, 1, f"{n} layers" + (f", {layers.unlike(deep, t)}" if t else "")
     _, p, a = min(choices)
     # the shallow models build their layers as the deep one does (their per-layer lists cut)
-    checked = layers.signatures(at_depth(point, a + 2 * p), layers.per_layer_lists(hf_config(point.model), n))
+    checked = layers.signatures(at_depth(point, a + 2 * p), layers.per_layer_lists(config, n))
     if checked != deep[:a + 2 * p]:
         at = next((i for i, (x, y) in enumerate(zip(checked or [], deep)) if x != y), 0)
         return a, p, f"a model of its first {a + 2 * p} layers builds layer {at} otherwise than it does"
@@ -128,7 +129,8 @@ def _template_depth(point: Point, blocks: bool) -> tuple[int, int, str | None]:
 
 def at_depth(point: Point, n: int) -> Point:
     """The point's model cut to its first `n` layers (its config's per-layer lists with them)."""
-    cut = layers.per_layer_lists(hf_config(point.model), depth(point))
+    config = hf_config(point.model)
+    cut = layers.per_layer_lists(config, int(config.num_hidden_layers))
     hf = {**point.model.hf, **{k: v[:n] for k, v in cut.items()}, "num_hidden_layers": n}
     return point.replace(model=dataclasses.replace(point.model, hf=hf))
 
@@ -137,10 +139,10 @@ def synthesized(point: Point, a: int = SHALLOW, p: int = 1) -> Traced:
     """The point's trace from depths a and a+p (blocks of p layers: repeat.as_blocks), checked at
     a+2p."""
     n, deeper_at, checked_at = depth(point), a + p, a + 2 * p
-    if decodes_beyond(point):
-        # serving: the shallow depths decode a few tokens after the point's prompt (decode_traced),
-        # one more at a+2p; the point's steps grow from them (probe.sim.steps), each a token longer
-        decoded = decode_traced(point) or DECODE_TRACED
+    decoded = decodes_beyond(point)
+    if decoded is not None:
+        # serving: the shallow depths decode a few tokens after the point's prompt, one more at
+        # a+2p; the point's steps grow from them (probe.sim.steps), each a token longer
         few, steps = decoded + 1, point.workload.new_tokens + 1
         shallow, checked_on = decoding(point, decoded), decoding(point, decoded + 1)
         grow: Callable[[str], int | None] | None = _sized_on(point.gpu)
@@ -265,43 +267,42 @@ def _sized_on(card) -> Callable[[str], int | None]:
     return lambda code: kernels.scratch_bytes(code, g) if code and not code.startswith(FUSED_PREFIX) else None
 
 
-def decodes_beyond(point: Point) -> bool:
-    """Whether a serving point's decode steps past the traced ones grow from them: it decodes more,
-    and where its decode attends with flash on its card, flash splits the keys (config.kernels:
-    accumulators a step) on its card or on a catalog card at every length it reaches or at none
-    (its rows, a placeholder where only another card's launch splits: kernel_scratch), so that no
-    step makes an entry the traced ones did not; a model without attention's too (its state a
-    constant size: the check at a+2 decodes a step more either way); past the steps decode_traced
-    says."""
+def decodes_beyond(point: Point) -> int | None:
+    """The decode steps a serving point's shallow depths trace where its later steps grow from them
+    (None: every step is traced). They do where it decodes more than those (_decode_traced: 3, or 3
+    past a sliding window it reaches) and, where its decode attends with flash on its card, flash
+    splits the keys (config.kernels: accumulators a step) on its card or on a catalog card at every
+    length it reaches or at none (its rows, a placeholder where only another card's launch splits:
+    kernel_scratch), so that no step makes an entry the traced ones did not; a model without
+    attention's too (its state a constant size: the check at a+2 decodes a step more either way)."""
     w = point.workload
     if w.name != WorkloadName.infer:
-        return False
-    traced = decode_traced(point)
+        return None
+    config = hf_config(point.model)
+    traced = _decode_traced(config, point.seq_len - w.new_tokens, point.seq_len)
     if traced is None or w.new_tokens <= traced:
-        return False
-    tp, config = point.parallel.tp, hf_config(point.model)
+        return None
     if getattr(config, "num_attention_heads", None) is None:  # no attention (Mamba): no keys to split
-        return True
+        return traced
     h, h_k, d = attention_shape(config)
     call = attention.Call(Precision(point.precision).compute_dtype, d, d, mask=False, grad=False, dropout=False,
                           causal_nonsquare=False, grouped=h_k != h, enable_gqa=h_k != h)
     if attention.kernel(point.gpu.capability, call) != attention.FLASH:  # (flash takes 16-bit calls only)
-        return True
-    g, prompt = kernels.geometry(point.gpu), point.seq_len - w.new_tokens
+        return traced
+    tp, g, prompt = point.parallel.tp, kernels.geometry(point.gpu), point.seq_len - w.new_tokens
     shapes = (FusedShape(point.batch_size, h // tp, h_k // tp, 1, s_k, d, d, 2) for s_k in range(prompt + 1, point.seq_len + 1))
     # each step's accumulators in the trace as the tracker records them (kernel_scratch.recorded)
-    return len({recorded(kernels.flash_splitkv_bytes(s, g)[1], kernels.splitkv_code(s, 1)) for s in shapes}) == 1
+    splits = {recorded(kernels.flash_splitkv_bytes(s, g)[1], kernels.splitkv_code(s, 1)) for s in shapes}
+    return traced if len(splits) == 1 else None
 
 
-def decode_traced(point: Point) -> int | None:
-    """The decode steps a serving point's shallow depths trace, the rest grown from them: 3, or 3
+def _decode_traced(config, prompt: int, end: int) -> int | None:
+    """The decode steps traced before the rest grow, decoding from `prompt` tokens to `end`: 3, or 3
     past a sliding window the decode reaches (a token either side), where each layer's cache and
     mask stop growing (Mistral, 50 tokens decoded to 80 over a window of 64: self_attn's 224,280 B
     a step, where steps grown from the first 3 reached 263,664 B); None (every step traced) where
     the decode reaches a chunk's end (Llama 4's chunked attention: its mask starts a chunk there,
     76 allocations more at the 64th token). The check, a step more, would reach neither."""
-    w, config = point.workload, hf_config(point.model)
-    prompt, end = point.seq_len - w.new_tokens, point.seq_len
     chunk = getattr(config, "attention_chunk_size", None)
     if isinstance(chunk, int) and chunk > 0 and (end + 1) // chunk * chunk >= prompt - 1:
         return None
