@@ -21,6 +21,7 @@ from harness.config import cards  # noqa: E402
 from harness.config.point import Point  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+ARCHITECTURES = REPO / "tests" / "data" / "architectures"  # small config.json files of transformers' model types
 
 # A user's own calibrated cards (calibrate's measured-cards.json) must not move the catalog under test:
 # each test process's own file, in a folder removed when that process ends.
@@ -52,12 +53,13 @@ def hf_point(tmp_path, config: dict, **point) -> Point:
     return on_config(train_point(**point), tmp_path)
 
 
-def on_config(point: Point, config_json) -> Point:
-    """`point` on the model of a config.json (model=hf, model.config_json: the file or its dir)."""
+def on_config(point: Point, config_json, **hf) -> Point:
+    """`point` on the model of a config.json (model=hf, model.config_json: the file or its dir),
+    its keys `hf` changed."""
     import dataclasses
 
     return point.replace(model=dataclasses.replace(point.model, name="hf", arch="auto", config_json=str(config_json),
-                                                   hf={}))
+                                                   hf=hf))
 
 
 def run_cli(*args, cwd=None, timeout=600):

@@ -63,10 +63,10 @@ def test_serving_a_model_that_drops_out_nothing_allocates_on_fake_tensors_what_r
     scores and GPT-2's dropout modules, each layer and decode step."""
     from harness.config.point import Workload
     from harness.probe.sim.trace import run_point
-    from tests.conftest import REPO, on_config, train_point
+    from tests.conftest import ARCHITECTURES, on_config, train_point
     from tests.test_sharded import _lives
 
-    point = on_config(train_point(batch_size=2, seq_len=32), REPO / "tests" / "data" / "architectures" / f"{arch}.json")
+    point = on_config(train_point(batch_size=2, seq_len=32), ARCHITECTURES / f"{arch}.json")
     point = point.replace(workload=Workload(name="infer", new_tokens=4))
     fake = _lives(run_point(point, emulate_cuda=False, fake=True)[1].journal())
     real = _lives(run_point(point, emulate_cuda=False, fake=False)[1].journal())

@@ -16,7 +16,7 @@ from harness.config.models import hf_config
 from harness.config.point import Parallel, Workload
 from harness.errors import ConfigError
 from harness.probe.sim.trace import run_point
-from tests.conftest import REPO, hf_point, on_config, run_cli, train_point
+from tests.conftest import ARCHITECTURES, hf_point, on_config, run_cli, train_point
 from tests.test_sharded import _lives, _real_ranks
 
 
@@ -28,7 +28,7 @@ def _over(precision="fp32", checkpointing=False, arch=None, **parallel):
         return _over(precision, arch=arch, **parallel).replace(workload=Workload(name="infer", new_tokens=4))
     point = train_point(batch_size=2, seq_len=32, precision=precision, checkpointing=bool(checkpointing)).replace(
         parallel=Parallel(**parallel), checkpointing_policy="op" if checkpointing == "op" else "full")
-    return point if arch is None else on_config(point, REPO / "tests" / "data" / "architectures" / f"{arch}.json")
+    return point if arch is None else on_config(point, ARCHITECTURES / f"{arch}.json")
 
 
 _ORACLE = [
