@@ -339,6 +339,17 @@ def test_blocks_of_layers_that_repeat_synthesize_their_full_trace(name, n, how, 
     assert f"layers {p}, {2 * p} (blocks of {p} layers) -> {n}" in m["trace_method"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "opt", "bloom"])
+def test_layers_whose_parameters_end_the_optimizers_lists_synthesize_their_full_training_trace(name):
+    """AdamW's foreach ops make an output per parameter, layer by layer, and free them last first.
+    A final norm's outputs after the layers' (GPT-2, BLOOM) look like a layer's first, and OPT has
+    none: unnamed, the new layer's allocations and frees made one insertion, copied whole, and these
+    were traced in full. Named by their parameters' modules, the frees run the other way."""
+    point = _on_architecture(name, num_hidden_layers=5)
+    assert _assert_same_as_full(point)["trace_method"].startswith("synthesized: layers 1, 2 -> 5")
+
+
 def test_a_block_of_layers_is_copied_only_where_that_traces_fewer_layers_and_not_under_fsdp2():
     """Gemma 3's blocks of 6: at 34 layers (Gemma 3 4B's), 10, 16 and 22 would be traced (nor are
     its last 4, alike, copied from 31 and 32); at 42, 6, 12 and 18. Gemma 2's of 2 at 14 layers: 2, 4
@@ -400,6 +411,18 @@ def test_an_entry_that_grows_by_a_layers_bytes_with_each_layer_is_scaled():
     t = repeat.learn(journal(1), journal(2), 1, "model.layers.")
     assert list(t.scaled.values()) == [512, 512]  # the alloc and its free
     for n in (3, 7):
+        assert repeat.canonical(repeat.synthesize(t, n)) == repeat.canonical(journal(n))
+
+
+def test_outputs_made_for_every_layer_and_freed_last_first_are_copied_so():
+    """A foreach op's outputs, one per layer's parameter, freed in reverse with nothing after them:
+    the new layer's allocation and its free are two insertions, not one block copied whole."""
+    def journal(n):
+        outputs = [_ev("alloc", 100 + i, 512, "optimizer", f"model.layers.{i}.mlp") for i in range(n)]
+        frees = [_ev("free", 100 + i, 512, "optimizer") for i in reversed(range(n))]  # (a free names no module)
+        return [_ev("alloc", 1, 64, module="model.embed"), *outputs, *frees, _ev("free", 1, 64)]
+    t = repeat.learn(journal(1), journal(2), 1, "model.layers.")
+    for n in (3, 6):
         assert repeat.canonical(repeat.synthesize(t, n)) == repeat.canonical(journal(n))
 
 

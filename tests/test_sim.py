@@ -67,6 +67,30 @@ def test_foreach_adamw_sqrt_temporaries_of_every_parameter_appear():
     assert _phase_peak_temporaries(tr2, "optimizer") < 0.5 * params
 
 
+def test_the_optimizers_allocations_are_charged_to_their_parameters_modules():
+    """Each allocation of the optimizer's step names the module of the parameter it is for (its
+    state; a foreach op's output i, its lists' parameter i): what AdamW's first step keeps of a
+    module is its two moments, twice the module's parameters."""
+    from harness.config.models import hf_config, on_meta
+
+    point = train_point(model="tiny", precision="bf16")
+    _, tr = run_point(point)
+    owns = {name: sum(p.numel() * 2 for p in mod.parameters(recurse=False))  # (bf16: 2 B an element)
+            for name, mod in on_meta(hf_config(point.model)).named_modules()}
+    owns = {name: nbytes for name, nbytes in owns.items() if nbytes}
+    assert {e.module for e in tr.events if e.phase == "optimizer" and e.action == "alloc"} == set(owns)
+    kept: dict[int, tuple[str, int]] = {}
+    for e in tr.events:
+        if e.step == 0 and e.action == "alloc" and e.phase == "optimizer":
+            kept[e.key] = (e.module, e.size)
+        elif e.step == 0 and e.action == "free":
+            kept.pop(e.key, None)
+    state: dict[str, int] = {}
+    for module, size in kept.values():
+        state[module] = state.get(module, 0) + size
+    assert state == {name: 2 * nbytes for name, nbytes in owns.items()}
+
+
 def test_optimizer_impl_auto_is_what_torch_picks_on_cuda():
     """foreach for AdamW and SGD (torch's _default_to_fused_or_foreach); Adafactor's for-loop."""
     import torch

@@ -107,7 +107,7 @@ def _insertion(sa: str, sb: str, i: int, j: int) -> int | None:
 
 
 def _align(a: list[TraceEvent], b: list[TraceEvent], refs: dict[int, int],
-           layer_prefix: str) -> tuple[list[_Block], list[int], dict[int, int]]:
+           layer_prefix: str, depth: int) -> tuple[list[_Block], list[int], dict[int, int]]:
     """b's insertions into a (b = a with blocks inserted), each placed where the new layer's own
     entries are (_place). Returns the blocks, per entry of a its index in b, and the scaled entries
     (b's index -> a's): where an entry of a is nowhere ahead in b but b has it there with another
@@ -140,7 +140,10 @@ def _align(a: list[TraceEvent], b: list[TraceEvent], refs: dict[int, int],
         j += found
     if j < len(sb):
         spans.append([j, len(sb) - j])
-    blocks = _place(sb, spans, refs, b, re.compile(rf"^{re.escape(layer_prefix)}\d+(\.|$)"), referents(a))
+    spans = [half for span in spans for half in _turned(span, b, refs)]
+    # the old layers' names (not the new one's, `depth`): which side of the new layer they run on
+    old = re.compile(rf"^{re.escape(layer_prefix)}(?!{depth}(\.|$))\d+(\.|$)")
+    blocks = _place(sb, spans, refs, b, old, referents(a))
     inside: set[int] = set()
     for blk in blocks:
         inside.update(range(blk.start, blk.start + blk.length))
@@ -148,6 +151,18 @@ def _align(a: list[TraceEvent], b: list[TraceEvent], refs: dict[int, int],
     if len(common) != len(sa) or any(sa[n] != sb[k] and scaled.get(k) != n for n, k in enumerate(common)):
         raise NotRepeating("the deeper journal is not the shallower one with insertions")
     return blocks, common, scaled
+
+
+def _turned(span: list[int], b: list[TraceEvent], refs: dict[int, int]) -> list[list[int]]:
+    """An insertion that allocates and then frees what it allocated, last first (a foreach op's
+    outputs for the new layer's parameters, where no other parameter's follow them), as two: the
+    layers' allocations run one way and their frees the other."""
+    start, length = span
+    half = length // 2
+    if length % 2 or not half or any(b[start + k].action != "alloc" or refs.get(start + length - 1 - k) != start + k
+                                     for k in range(half)):
+        return [span]
+    return [[start, half], [start + half, half]]
 
 
 def _misfits(starts: range, length: int, touched: set[tuple[int, int]], others: _Others,
@@ -211,8 +226,8 @@ def _place(sb: str, spans: list[list[int]], refs: dict[int, int], b: list[TraceE
             spans[n][0] = min(misfits, key=lambda s: (misfits[s], -s))
     blocks = []
     for (start, length), (left, right) in zip(spans, ranges):
-        before = _names_a_layer(b[max(0, start - length):start], b[start], layer_name)
-        after = _names_a_layer(b[start + length:start + 2 * length], b[start], layer_name)
+        before = _names_a_layer(b, range(max(0, start - length), start), b[start], layer_name, refs)
+        after = _names_a_layer(b, range(start + length, min(len(b), start + 2 * length)), b[start], layer_name, refs)
         if before != after:
             reverse = after
         elif left < right:
@@ -241,16 +256,19 @@ class _Others:
         return self.before[bisect.bisect_right(self.starts, k)]
 
 
-def _names_a_layer(entries: list[TraceEvent], like: TraceEvent, layer_name: re.Pattern) -> bool:
-    """Whether any of `entries` in `like`'s phase and step is charged to a layer's module."""
-    return any(e.phase == like.phase and e.step == like.step and layer_name.match(e.module) for e in entries)
+def _names_a_layer(b: list[TraceEvent], at: range, like: TraceEvent, layer_name: re.Pattern,
+                   refs: dict[int, int]) -> bool:
+    """Whether any of b's entries `at` in `like`'s phase and step is charged to a layer's module (a
+    free or retag: its storage's alloc)."""
+    return any(b[k].phase == like.phase and b[k].step == like.step
+               and layer_name.match(b[refs.get(k, k)].module) for k in at)
 
 
 def learn(a: list[TraceEvent], b: list[TraceEvent], depth: int, layer_prefix: str) -> Template:
     """The template from the journals of `depth` and `depth`+1 layers; `layer_prefix` names the
     layers' modules (e.g. "model.layers." for "model.layers.3.mlp")."""
     ref_a, ref_b = referents(a), referents(b)
-    blocks, to_b, scaled = _align(a, b, ref_b, layer_prefix)
+    blocks, to_b, scaled = _align(a, b, ref_b, layer_prefix, depth)
     _junctions(b, blocks, ref_b)
     block_of = [-1] * len(b)
     for n, blk in enumerate(blocks):

@@ -163,7 +163,7 @@ class TraceEvent(NamedTuple):
     kind: str  # parameter | gradient | optimizer_state | activation | temporary | input | workspace
     phase: str
     step: int  # -1: before the first step
-    module: str  # the innermost module running, "" outside any
+    module: str  # the innermost module running, "" outside any; in the optimizer's step an alloc's parameter's
     stream: int = 0  # the CUDA stream the storage was allocated on (0: the default stream)
     # A kernel's own scratch whose bytes depend on the card: its launch (config.kernels' code), for
     # another card's size (record.trace_store.sized_for); a fused attention kernel's outputs and
@@ -217,6 +217,10 @@ class StorageTracker(TorchDispatchMode):
         self.phase = "setup"
         self.step = -1
         self.module_stack: list[str] = []
+        # The optimizer's step charges each allocation to the module of the parameter it is for
+        # (_owner): storage key -> module, for the parameters and what the step made of them
+        self._parameters: list[tuple[str, torch.Tensor]] = []
+        self._owners: dict[int, str] = {}
         self.stream = 0  # the current stream's id (virtual_cuda's streams set it); 0: the default
         self.emulate_cublas_workspace = emulate_cublas_workspace
         self.workspace_bytes = workspace_bytes  # one cuBLAS workspace on the card (config.cublas)
@@ -257,6 +261,8 @@ class StorageTracker(TorchDispatchMode):
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase
+        if phase == "optimizer":  # (a sharded parameter's storage is its local shard's, now)
+            self._owners.update((_own(p).untyped_storage()._cdata, name) for name, p in self._parameters)
 
     def _phase(self) -> str:
         # Inside autograd's engine it is backward, whatever the step last named (its forward, or a
@@ -266,13 +272,14 @@ class StorageTracker(TorchDispatchMode):
         return self.phase
 
     # ---- bookkeeping -----------------------------------------------------------------
-    def _record_alloc(self, key: int, nbytes: int, kind: str, kernel: str = "") -> None:
+    def _record_alloc(self, key: int, nbytes: int, kind: str, kernel: str = "", module: str | None = None) -> None:
         alloc = counted(nbytes)
         self._live[key] = [nbytes, alloc, kind, self.stream]
         self.allocated += alloc
         self.requested += nbytes
         self.kind_bytes[kind] += alloc
-        module = self.module_stack[-1] if self.module_stack else ""
+        if module is None:
+            module = self.module_stack[-1] if self.module_stack else ""
         if not self.recording:
             return
         self.events.append(TraceEvent(self._seq, "alloc", key, nbytes, kind, self._phase(), self.step, module,
@@ -291,13 +298,15 @@ class StorageTracker(TorchDispatchMode):
         return entry
 
     def _record_free(self, key: int) -> None:
+        self._owners.pop(key, None)
         entry = self._forget(key)
         if entry is not None and self.recording:
             self.events.append(TraceEvent(self._seq, "free", key, entry[0], entry[2], self._phase(), self.step, "",
                                           entry[3]))
             self._seq += 1
 
-    def track(self, t: torch.Tensor, kind: str, host: bool = False, kernel: str = "") -> None:
+    def track(self, t: torch.Tensor, kind: str, host: bool = False, kernel: str = "",
+              module: str | None = None) -> None:
         """Start tracking a tensor's storage (idempotent); `kind` (and the kernel's code, see
         TraceEvent.kernel) applies if it is new. A host storage is remembered as such and not counted."""
         st = _own(t).untyped_storage()
@@ -308,7 +317,9 @@ class StorageTracker(TorchDispatchMode):
             self._host.add(key)
             weakref.finalize(st, self._host.discard, key)
             return
-        self._record_alloc(key, st.nbytes(), kind, kernel)
+        self._record_alloc(key, st.nbytes(), kind, kernel, module)
+        if module:
+            self._owners[key] = module
         weakref.finalize(st, self._record_free, key)
 
     def resized(self, st, nbytes: int) -> None:
@@ -473,11 +484,13 @@ class StorageTracker(TorchDispatchMode):
         # H200's memory history)
         before = 2 if func is _FLASH_FORWARD and scratch else len(made)
         keys: list[int] | None = None
+        owners = self._owner(func, args, len(made)) if self._owners and self._phase() == "optimizer" else None
         for i, (t, code) in enumerate(made):
             if i == before:
                 keys = self._scratch_made(scratch)
             if t.device.type != "meta":
-                self.track(t, kind, host or (self.real_is_host and not isinstance(t, FakeTensor)), code)
+                self.track(t, kind, host or (self.real_is_host and not isinstance(t, FakeTensor)), code,
+                           owners[i] if owners else None)
         # the GEMM's output is allocated first, then the handle's workspace (at its first call; an
         # H200's snapshot: the rotary embedding's 262,144 B product, then 33,554,432 B)
         if self.emulate_cublas_workspace and not host and func.overloadpacket.__name__ in _GEMM_OPS:
@@ -487,6 +500,17 @@ class StorageTracker(TorchDispatchMode):
             for key in keys if kernel_scratch.freed_in_order(func) else reversed(keys):  # before the op returns
                 self._record_free(key)
         return out
+
+    def _owner(self, func, args, n: int) -> list[str | None]:
+        """For each of an optimizer's op's `n` outputs, the module of the parameter it is for: that
+        of its first input a parameter's, or made of one (a foreach op's output i: of its lists'
+        entries i)."""
+        def of(t) -> str | None:
+            return self._owners.get(_own(t).untyped_storage()._cdata) if isinstance(t, torch.Tensor) else None
+
+        first = next((m for m in map(of, _tensors(args)) if m), None)
+        lists = [a for a in args if isinstance(a, (list, tuple)) and len(a) == n]
+        return [next((m for m in (of(x[i]) for x in lists) if m), first) for i in range(n)]
 
     def _scratch_made(self, made: list[kernel_scratch.Scratch]) -> list[int]:
         """A kernel's own allocations, recorded in order, each freed where the kernel frees it
@@ -502,8 +526,11 @@ class StorageTracker(TorchDispatchMode):
 
     # ---- module attribution ----------------------------------------------------------
     def attach_modules(self, model: torch.nn.Module) -> list:
-        """Forward hooks that keep the current module's name for each event."""
+        """Forward hooks that keep the current module's name for each event (and the modules of
+        the parameters, which the optimizer's step charges its allocations to)."""
         handles = []
+        self._parameters = [(name or "<root>", p) for name, mod in model.named_modules()
+                            for p in mod.parameters(recurse=False)]
         for name, mod in model.named_modules():
             def pre(_m, _inp, name=name or "<root>"):
                 self.module_stack.append(name)
