@@ -85,10 +85,10 @@ def template_depth(point: Point) -> tuple[int, int, str | None]:
     point is traced in full instead (None: it may be synthesized)."""
     if point.workload.name == WorkloadName.custom:
         return SHALLOW, 1, "a job of the user's own"
-    # Blocks of several layers, not under FSDP2: learn placed a block of two of Gemma 2's wrong
-    # there (repeat._place: a backward's entries name no module, and FSDP2's references did not
-    # place it; the check refused it, a full trace after three others)
-    blocks = point.parallel.dp_shard == 1
+    # Blocks of several layers, not under FSDP2 with checkpointing: each layer's recompute gathers
+    # its parameters again, and a block of two of Gemma 2's hands them on otherwise than one layer
+    # does (the check refused it: a full trace after three others)
+    blocks = point.parallel.dp_shard == 1 or not point.checkpointing
     # per model: a zygote finds its preset's before it forks the points (30-250 ms a model)
     key = json.dumps([dataclasses.asdict(point.model), blocks], sort_keys=True, default=str)
     if key not in _BY_MODEL:
