@@ -325,6 +325,7 @@ def test_layers_built_otherwise_at_the_bottom_stay_in_the_template_and_the_rest_
     ("gemma2", 8, "tp", 2),  # over tensor parallel
     ("gemma2", 8, "ddp", 2),  # over DDP: its setup traced at the model's depth
     ("gemma2", 8, "fsdp", 2),  # over FSDP2: a unit per layer, two to a block
+    ("gemma2", 8, "fsdp-ckpt", 2),  # each layer's recompute gathering it again
     ("gemma3_text", 24, "train", 6),  # five sliding-window layers and a global one
 ])
 def test_blocks_of_layers_that_repeat_synthesize_their_full_trace(name, n, how, p):
@@ -334,9 +335,9 @@ def test_blocks_of_layers_that_repeat_synthesize_their_full_trace(name, n, how, 
     point = _on_architecture(name, num_hidden_layers=n)
     if how == "serve":
         point = point.replace(workload=Workload(name="infer", new_tokens=8))
-    if how in ("tp", "ddp", "fsdp"):
-        point = point.replace(parallel={"tp": Parallel(tp=2), "ddp": Parallel(dp_replicate=2),
-                                        "fsdp": Parallel(dp_shard=2)}[how])
+    if how in ("tp", "ddp", "fsdp", "fsdp-ckpt"):
+        point = point.replace(parallel={"tp": Parallel(tp=2), "ddp": Parallel(dp_replicate=2)}.get(
+            how, Parallel(dp_shard=2)), checkpointing=how == "fsdp-ckpt")
     m = _assert_same_as_full(point, traced=shortcut.synthesized(point, p, p))
     assert f"layers {p}, {2 * p} (blocks of {p} layers) -> {n}" in m["trace_method"]
 
@@ -352,21 +353,17 @@ def test_layers_whose_parameters_end_the_optimizers_lists_synthesize_their_full_
     assert _assert_same_as_full(point)["trace_method"].startswith("synthesized: layers 1, 2 -> 5")
 
 
-def test_a_block_of_layers_is_copied_only_where_that_traces_fewer_layers_and_not_under_fsdp2_recomputing():
+def test_a_block_of_layers_is_copied_only_where_that_traces_fewer_layers():
     """Gemma 3's blocks of 6: at 34 layers (Gemma 3 4B's), 10, 16 and 22 would be traced (nor are
     its last 4, alike, copied from 31 and 32); at 42, 6, 12 and 18. Gemma 2's of 2 at 14 layers: 2, 4
-    and 6, under FSDP2 too, but not with checkpointing (each recompute gathers its layer again, and
-    a block of two hands the gathered parameters on otherwise than a layer: the check refused it).
-    Llama 4's of 4 (3 chunked, 1 global) at 28: 4, 8 and 12, its moe_layers listing every layer's
-    index where each has experts (alike, not 0..27)."""
+    and 6, under FSDP2 too. Llama 4's of 4 (3 chunked, 1 global) at 28: 4, 8 and 12, its moe_layers
+    listing every layer's index where each has experts (alike, not 0..27)."""
     a, p, why = shortcut.template_depth(_on_architecture("gemma3_text", num_hidden_layers=34))
     assert p == 1 and "layer_types" in why
     assert shortcut.template_depth(_on_architecture("gemma3_text", num_hidden_layers=42)) == (6, 6, None)
     assert shortcut.template_depth(_on_architecture("gemma2", num_hidden_layers=14)) == (2, 2, None)
     fsdp = _on_architecture("gemma2", num_hidden_layers=14).replace(parallel=Parallel(dp_shard=2))
-    assert shortcut.template_depth(fsdp) == (2, 2, None)
-    a, p, why = shortcut.template_depth(fsdp.replace(checkpointing=True))
-    assert p == 1 and "layer_types" in why
+    assert shortcut.template_depth(fsdp) == shortcut.template_depth(fsdp.replace(checkpointing=True)) == (2, 2, None)
     assert shortcut.template_depth(_on_architecture("llama4_text", num_hidden_layers=28)) == (4, 4, None)
 
 

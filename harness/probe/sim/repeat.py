@@ -346,8 +346,12 @@ def _junctions(b: list[TraceEvent], blocks: list[_Block], refs: dict[int, int]) 
         # (the new layer may do what the one after does not: prefetch the layer below, where the
         # last has none; and the other way round)
         ids: dict[tuple, int] = {}
-        mine = [ids.setdefault(role(e), len(ids)) for e in b[host.start:host.start + host.length]]
         after = [ids.setdefault(role(e), len(ids)) for e in b[host.start + host.length:blk.start]]
+        # against the host's first entries only, as many as those and a tenth more: a block of
+        # several layers repeats within itself, and the junction is in its first layer alike
+        # with that, not in a later one
+        mine = [ids.setdefault(role(e), len(ids))
+                for e in b[host.start:host.start + min(host.length, len(after) + len(after) // 10 + 1)]]
         matched = [run for run in difflib.SequenceMatcher(None, mine, after, autojunk=False).get_matching_blocks()
                    if run.size]
         # the layer after as the host's entries, but for a few

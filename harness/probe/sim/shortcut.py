@@ -85,21 +85,17 @@ def template_depth(point: Point) -> tuple[int, int, str | None]:
     point is traced in full instead (None: it may be synthesized)."""
     if point.workload.name == WorkloadName.custom:
         return SHALLOW, 1, "a job of the user's own"
-    # Blocks of several layers, not under FSDP2 with checkpointing: each layer's recompute gathers
-    # its parameters again, and a block of two of Gemma 2's hands them on otherwise than one layer
-    # does (the check refused it: a full trace after three others)
-    blocks = point.parallel.dp_shard == 1 or not point.checkpointing
     # per model: a zygote finds its preset's before it forks the points (30-250 ms a model)
-    key = json.dumps([dataclasses.asdict(point.model), blocks], sort_keys=True, default=str)
+    key = json.dumps(dataclasses.asdict(point.model), sort_keys=True, default=str)
     if key not in _BY_MODEL:
-        _BY_MODEL[key] = _template_depth(point, blocks)
+        _BY_MODEL[key] = _template_depth(point)
     return _BY_MODEL[key]
 
 
 _BY_MODEL: dict[str, tuple[int, int, str | None]] = {}
 
 
-def _template_depth(point: Point, blocks: bool) -> tuple[int, int, str | None]:
+def _template_depth(point: Point) -> tuple[int, int, str | None]:
     config = hf_config(point.model)
     n = int(config.num_hidden_layers)
     if n <= SHALLOW + 2:
@@ -113,7 +109,7 @@ def _template_depth(point: Point, blocks: bool) -> tuple[int, int, str | None]:
         a = t + SHALLOW * p + (n - t - SHALLOW * p) % p
         # where a, a+p and a+2p layers are fewer than the model's (or a one-layer block from the
         # bottom, as ever: a sweep's other points skip the check)
-        if n > a + 2 * p and ((p == 1 and t == 0) or 3 * (a + p) < n) and (p == 1 or blocks):
+        if n > a + 2 * p and ((p == 1 and t == 0) or 3 * (a + p) < n):
             choices.append((3 * (a + p), p, a))
     if not choices:
         t = repeats[1]
