@@ -427,6 +427,17 @@ def test_outputs_made_for_every_layer_and_freed_last_first_are_copied_so():
         assert repeat.canonical(repeat.synthesize(t, n)) == repeat.canonical(journal(n))
 
 
+def test_a_layers_own_temporaries_freed_within_it_stay_one_block():
+    """Allocated and freed last first as a foreach op's outputs are, but after the old layer's have
+    been freed: each layer's own, copied whole."""
+    def journal(n):
+        layers = [_ev(action, 100 + i, 512, module=f"model.layers.{i}.mlp" if action == "alloc" else "")
+                  for i in range(n) for action in ("alloc", "free")]
+        return [_ev("alloc", 1, 64, module="model.embed"), *layers, _ev("free", 1, 64)]
+    t = repeat.learn(journal(1), journal(2), 1, "model.layers.")
+    assert repeat.canonical(repeat.synthesize(t, 4)) == repeat.canonical(journal(4))
+
+
 def test_a_chain_hands_the_residual_stream_from_layer_to_layer():
     """Embedding output -> layer 0 -> (layer 1) -> norm: each layer frees the one before's output,
     the norm frees the last layer's; synthesized 4 layers keep that chain."""

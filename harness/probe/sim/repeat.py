@@ -154,13 +154,16 @@ def _align(a: list[TraceEvent], b: list[TraceEvent], refs: dict[int, int],
 
 
 def _turned(span: list[int], b: list[TraceEvent], refs: dict[int, int]) -> list[list[int]]:
-    """An insertion that allocates and then frees what it allocated, last first (a foreach op's
-    outputs for the new layer's parameters, where no other parameter's follow them), as two: the
-    layers' allocations run one way and their frees the other."""
+    """An insertion that allocates and then frees what it allocated, last first, inside an old
+    layer's alike (its last allocation before, freed right after: a foreach op's outputs for each
+    parameter, where no other parameter's follow the new layer's), as two: the layers' allocations
+    run one way and their frees the other. (A layer's own temporaries, freed within it, follow the
+    old layer's frees: one block.)"""
     start, length = span
     half = length // 2
-    if length % 2 or not half or any(b[start + k].action != "alloc" or refs.get(start + length - 1 - k) != start + k
-                                     for k in range(half)):
+    if length % 2 or not half or start == 0 or b[start - 1].action != "alloc" \
+            or refs.get(start + length) != start - 1 \
+            or any(b[start + k].action != "alloc" or refs.get(start + length - 1 - k) != start + k for k in range(half)):
         return [span]
     return [[start, half], [start + half, half]]
 
