@@ -354,12 +354,14 @@ def test_layers_whose_parameters_end_the_optimizers_lists_synthesize_their_full_
 
 
 def test_a_block_of_layers_is_copied_only_where_that_traces_fewer_layers():
-    """Gemma 3's blocks of 6: at 34 layers (Gemma 3 4B's), 10, 16 and 22 would be traced (nor are
-    its last 4, alike, copied from 31 and 32); at 42, 6, 12 and 18. Gemma 2's of 2 at 14 layers: 2, 4
-    and 6, under FSDP2 too. Llama 4's of 4 (3 chunked, 1 global) at 28: 4, 8 and 12, its moe_layers
-    listing every layer's index where each has experts (alike, not 0..27)."""
-    a, p, why = shortcut.template_depth(_on_architecture("gemma3_text", num_hidden_layers=34))
+    """Gemma 3's blocks of 6: at 26 layers (Gemma 3 1B's), 8 and 14 a point would be traced (nor are
+    its last 2, alike, copied from 23 and 24); at 34 (4B's), 10 and 16 (22 once, for the check); at
+    42, 6 and 12. Gemma 2's of 2 at 14 layers: 2 and 4, under FSDP2 too. Llama 4's of 4 (3 chunked,
+    1 global) at 28: 4 and 8, its moe_layers listing every layer's index where each has experts
+    (alike, not 0..27)."""
+    a, p, why = shortcut.template_depth(_on_architecture("gemma3_text", num_hidden_layers=26))
     assert p == 1 and "layer_types" in why
+    assert shortcut.template_depth(_on_architecture("gemma3_text", num_hidden_layers=34)) == (10, 6, None)
     assert shortcut.template_depth(_on_architecture("gemma3_text", num_hidden_layers=42)) == (6, 6, None)
     assert shortcut.template_depth(_on_architecture("gemma2", num_hidden_layers=14)) == (2, 2, None)
     fsdp = _on_architecture("gemma2", num_hidden_layers=14).replace(parallel=Parallel(dp_shard=2))

@@ -26,6 +26,8 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from harness.probe.sim.tracker import TraceEvent
 
 _REFERS = ("free", "retag")  # entries that name a storage allocated before them
@@ -175,22 +177,31 @@ def _misfits(starts: range, length: int, touched: set[tuple[int, int]], others: 
     (weighs most), and a reference across the new layer's edge (a hand-off: a few per layer)."""
     # What does not depend on the start, once: whether the other insertions hold each end, and
     # where an old entry held by none of them sits in the shallower journal before this insertion
-    refs = []
-    for f, x in touched:
-        of, ox = others.owns(f), others.owns(x)
-        at_a = None if of or ox else (f - others.count_before(f), x - others.count_before(x))
-        refs.append((f, x, of, ox, at_a))
-    out = {}
-    for start in starts:
-        end, bad = start + length, 0
-        for f, x, of, ox, at_a in refs:
-            fin, xin = start <= f < end, start <= x < end
-            if fin != xin:
-                bad += 0 if (ox if fin else of) else 1
-            elif not fin and at_a is not None and \
-                    ref_a.get(at_a[0] - min(length, max(0, f - start))) != at_a[1] - min(length, max(0, x - start)):
-                bad += 100
-        out[start] = bad
+    rows = []
+    for referring, referred in touched:
+        held = others.owns(referring), others.owns(referred)
+        at = (0, 0) if any(held) else (referring - others.count_before(referring),
+                                       referred - others.count_before(referred))
+        rows.append((referring, referred, *held, *at, not any(held)))
+    if not rows:
+        return dict.fromkeys(starts, 0)
+    f, x, of, ox, f_a, x_a, old = (np.array(column) for column in zip(*rows))
+    nowhere = np.iinfo(np.int64).min  # what no entry refers to, in the shallower journal
+    refers = np.full(max(ref_a, default=0) + 1, nowhere, dtype=np.int64)
+    refers[list(ref_a)] = list(ref_a.values())
+    out: dict[int, int] = {}
+    at_once = max(1, 4_000_000 // len(rows))  # starts x references a pass (a block of 6 layers slides far)
+    for lo in range(0, len(starts), at_once):
+        s = np.array(starts[lo:lo + at_once])[:, None]
+        f_in, x_in = (s <= f) & (f < s + length), (s <= x) & (x < s + length)
+        # a reference across the edge, unless another insertion holds its other end
+        bad = ((f_in != x_in) & np.where(f_in, ~ox, ~of)).sum(axis=1)
+        # both ends old: where they sit in the shallower journal had the insertion been here
+        f_at = f_a - np.minimum(length, np.maximum(0, f - s))
+        x_at = x_a - np.minimum(length, np.maximum(0, x - s))
+        found = np.where((f_at >= 0) & (f_at < len(refers)), refers[np.clip(f_at, 0, len(refers) - 1)], nowhere)
+        bad += 100 * (~f_in & ~x_in & old & (found != x_at)).sum(axis=1)
+        out.update(zip(starts[lo:lo + at_once], bad.tolist()))
     return out
 
 
