@@ -484,7 +484,7 @@ class StorageTracker(TorchDispatchMode):
         # H200's memory history)
         before = 2 if func is _FLASH_FORWARD and scratch else len(made)
         keys: list[int] | None = None
-        owners = self._owner(func, args, len(made)) if self._owners and self._phase() == "optimizer" else None
+        owners = self._owner(args, len(made)) if self._owners and self._phase() == "optimizer" else None
         for i, (t, code) in enumerate(made):
             if i == before:
                 keys = self._scratch_made(scratch)
@@ -501,7 +501,7 @@ class StorageTracker(TorchDispatchMode):
                 self._record_free(key)
         return out
 
-    def _owner(self, func, args, n: int) -> list[str | None]:
+    def _owner(self, args, n: int) -> list[str | None]:
         """For each of an optimizer's op's `n` outputs, the module of the parameter it is for: that
         of its first input a parameter's, or made of one (a foreach op's output i: of its lists'
         entries i)."""
