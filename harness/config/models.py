@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -75,6 +76,12 @@ def _causal_lm_class(config):
 
 def has_causal_lm(config) -> bool:
     return _causal_lm_class(config) is not None
+
+
+def model_key(model) -> str:
+    """The `model` config group (a Point's ModelCfg) as a key: what is found once per model keys on
+    it (a config.json by its path, as the process reads it once)."""
+    return json.dumps(dataclasses.asdict(model), sort_keys=True, default=str)
 
 
 def on_meta(config):

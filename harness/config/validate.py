@@ -3,15 +3,13 @@ and those that need the model's or the user's code. Each failure names its dotte
 
 from __future__ import annotations
 
-import dataclasses
-import json
-
 from harness.config import cards as catalog
 from harness.config.models import (
     PRESET_ARCHS,
     has_causal_lm,
     hf_config,
     max_positions,
+    model_key,
     on_meta,
     sequence_parallel_refusal,
     tensor_parallel_refusal,
@@ -89,7 +87,7 @@ def _check_builds(model, config) -> None:
     """transformers builds the model of a user's config.json (models.on_meta), else the file is
     refused naming what transformers said: a pad token outside the vocabulary was an error row in
     each point, an AssertionError from nn.Embedding."""
-    key = json.dumps(dataclasses.asdict(model), sort_keys=True, default=str)
+    key = model_key(model)
     if key not in _BUILT:
         try:
             on_meta(config)

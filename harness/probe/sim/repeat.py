@@ -24,6 +24,7 @@ import bisect
 import difflib
 import hashlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -170,11 +171,23 @@ def _turned(span: list[int], b: list[TraceEvent], refs: dict[int, int]) -> list[
     return [[start, half], [start + half, half]]
 
 
+_NOWHERE = np.iinfo(np.int64).min  # what no entry refers to (_referred)
+
+
+def _referred(refs: dict[int, int]) -> np.ndarray:
+    """`refs` (referring entry -> the alloc it refers to) as an array by referring entry, _NOWHERE
+    where an entry refers to none."""
+    out = np.full(max(refs, default=0) + 1, _NOWHERE, dtype=np.int64)
+    out[list(refs)] = list(refs.values())
+    return out
+
+
 def _misfits(starts: range, length: int, touched: set[tuple[int, int]], others: _Others,
-             ref_a: dict[int, int]) -> dict[int, int]:
+             refers: np.ndarray) -> dict[int, int]:
     """How badly an insertion of `length` placed at each of `starts` explains the references around
     it: an old entry referring to another old one that it did not refer to in the shallower journal
-    (weighs most), and a reference across the new layer's edge (a hand-off: a few per layer)."""
+    (`refers`: its references, _referred), weighing most, and a reference across the new layer's
+    edge (a hand-off: a few per layer)."""
     # What does not depend on the start, once: whether the other insertions hold each end, and
     # where an old entry held by none of them sits in the shallower journal before this insertion
     rows = []
@@ -186,9 +199,6 @@ def _misfits(starts: range, length: int, touched: set[tuple[int, int]], others: 
     if not rows:
         return dict.fromkeys(starts, 0)
     f, x, of, ox, f_a, x_a, old = (np.array(column) for column in zip(*rows))
-    nowhere = np.iinfo(np.int64).min  # what no entry refers to, in the shallower journal
-    refers = np.full(max(ref_a, default=0) + 1, nowhere, dtype=np.int64)
-    refers[list(ref_a)] = list(ref_a.values())
     out: dict[int, int] = {}
     at_once = max(1, 4_000_000 // len(rows))  # starts x references a pass (a block of 6 layers slides far)
     for lo in range(0, len(starts), at_once):
@@ -199,7 +209,7 @@ def _misfits(starts: range, length: int, touched: set[tuple[int, int]], others: 
         # both ends old: where they sit in the shallower journal had the insertion been here
         f_at = f_a - np.minimum(length, np.maximum(0, f - s))
         x_at = x_a - np.minimum(length, np.maximum(0, x - s))
-        found = np.where((f_at >= 0) & (f_at < len(refers)), refers[np.clip(f_at, 0, len(refers) - 1)], nowhere)
+        found = np.where((f_at >= 0) & (f_at < len(refers)), refers[np.clip(f_at, 0, len(refers) - 1)], _NOWHERE)
         bad += 100 * (~f_in & ~x_in & old & (found != x_at)).sum(axis=1)
         out.update(zip(starts[lo:lo + at_once], bad.tolist()))
     return out
@@ -229,6 +239,7 @@ def _place(sb: str, spans: list[list[int]], refs: dict[int, int], b: list[TraceE
     for f, x in refs.items():
         refs_at.setdefault(f, []).append((f, x))
         refs_at.setdefault(x, []).append((f, x))
+    refers = _referred(ref_a)
     for _ in range(2):  # each placement given the others', twice over
         for n, (left, right) in enumerate(ranges):
             if left == right:
@@ -236,7 +247,7 @@ def _place(sb: str, spans: list[list[int]], refs: dict[int, int], b: list[TraceE
             length = spans[n][1]
             others = _Others([span for m, span in enumerate(spans) if m != n])
             touched = {r for k in range(left, right + length) for r in refs_at.get(k, ())}
-            misfits = _misfits(range(left, right + 1), length, touched, others, ref_a)
+            misfits = _misfits(range(left, right + 1), length, touched, others, refers)
             spans[n][0] = min(misfits, key=lambda s: (misfits[s], -s))
     blocks = []
     for (start, length), (left, right) in zip(spans, ranges):
@@ -596,40 +607,38 @@ _PART = "~"
 
 def as_blocks(entries: list[TraceEvent], prefix: str, first: int, period: int) -> list[TraceEvent]:
     """`entries` with layers `first` and on named as parts of blocks of `period` layers."""
-    if period == 1:
-        return entries
-    pattern = re.compile(rf"^{re.escape(prefix)}(\d+)(?=\.|$)")
-
-    def named(module: str) -> str:
-        m = pattern.match(module)
-        if m is None or int(m.group(1)) < first:
-            return module
+    def named(m: re.Match) -> str | None:
+        if int(m.group(1)) < first:
+            return None
         block, part = divmod(int(m.group(1)) - first, period)
-        return f"{prefix}{first + block}.{_PART}{part}{module[m.end():]}"
+        return f"{first + block}.{_PART}{part}"
 
-    return _renamed(entries, named)
+    return _renamed(entries, period, re.compile(rf"^{re.escape(prefix)}(\d+)(?=\.|$)"), named)
 
 
 def from_blocks(entries: list[TraceEvent], prefix: str, first: int, period: int) -> list[TraceEvent]:
     """as_blocks undone: each block's parts named as the layers they are."""
+    def named(m: re.Match) -> str:
+        return str(first + (int(m.group(1)) - first) * period + int(m.group(2)))
+
+    pattern = re.compile(rf"^{re.escape(prefix)}(\d+)\.{re.escape(_PART)}(\d+)(?=\.|$)")
+    return _renamed(entries, period, pattern, named)
+
+
+def _renamed(entries: list[TraceEvent], period: int, layer: re.Pattern,
+             named: Callable[[re.Match], str | None]) -> list[TraceEvent]:
+    """`entries` with each module that `layer` matches (the layers' prefix, then what names the
+    layer) named `named(match)` past the prefix (None: left as it is); as they are for blocks of 1."""
     if period == 1:
         return entries
-    pattern = re.compile(rf"^{re.escape(prefix)}(\d+)\.{re.escape(_PART)}(\d+)(?=\.|$)")
-
-    def named(module: str) -> str:
-        m = pattern.match(module)
-        if m is None:
-            return module
-        return f"{prefix}{first + (int(m.group(1)) - first) * period + int(m.group(2))}{module[m.end():]}"
-
-    return _renamed(entries, named)
-
-
-def _renamed(entries: list[TraceEvent], named) -> list[TraceEvent]:
     names: dict[str, str] = {}  # (a few module names, each on thousands of entries)
     out = []
     for e in entries:
         if e.module not in names:
-            names[e.module] = named(e.module)
+            names[e.module] = e.module
+            m = layer.match(e.module)
+            new = named(m) if m is not None else None
+            if m is not None and new is not None:
+                names[e.module] = f"{e.module[:m.start(1)]}{new}{e.module[m.end():]}"
         out.append(e._replace(module=names[e.module]))
     return out

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from harness.config import attention, kernels
 from harness.config.attention import ATTENTION_CALLS, FUSED_PREFIX, FusedShape
-from harness.config.models import attention_shape, hf_config
+from harness.config.models import attention_shape, hf_config, model_key
 from harness.config.point import Leak, Point, Precision, WorkloadName
 from harness.probe.sim import ddp_setup, layers, repeat, replicas
 from harness.probe.sim import steps as stepwise
@@ -86,7 +86,7 @@ def template_depth(point: Point) -> tuple[int, int, str | None]:
     if point.workload.name == WorkloadName.custom:
         return SHALLOW, 1, "a job of the user's own"
     # per model: a zygote finds its preset's before it forks the points (30-250 ms a model)
-    key = json.dumps(dataclasses.asdict(point.model), sort_keys=True, default=str)
+    key = model_key(point.model)
     if key not in _BY_MODEL:
         _BY_MODEL[key] = _template_depth(point)
     return _BY_MODEL[key]
