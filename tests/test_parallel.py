@@ -60,7 +60,8 @@ def test_one_fake_rank_allocates_what_each_gloo_rank_allocates(parallel, precisi
     come later on a real rank, never earlier, and within its step: gloo's worker thread lets go of a
     collective's tensors when it is done (HSDP's reduce-scatter input, all-reduced across replicas
     after it, up to 4 allocs later on its stream; the receiving rank's copy of DDP's rebuilt bucket
-    indices; tensor parallel's all-reduce input; a serving step's last gather, past the step's end).
+    indices; tensor parallel's all-reduce input; a serving step's last gather, past the step's end
+    and into the next step).
     FSDP2 alone, one alloc later at most: tests/test_sharded.py."""
     point = _over(precision, checkpointing, **parallel)
     m, tracker = run_point(point, emulate_cuda=False, fake=True)
@@ -81,7 +82,10 @@ def test_one_fake_rank_allocates_what_each_gloo_rank_allocates(parallel, precisi
         for i in (i for i in freed if i not in held and freed[i] != real_freed[i]):
             fake_at, real_at = freed[i], real_freed[i]
             assert fake_at < real_at, f"rank {rank}: alloc {i} {allocs[i]} freed earlier on the real rank"
-            assert allocs[real_at - 1][3] == allocs[i][3], f"rank {rank}: alloc {i} {allocs[i]} freed steps later"
+            # (held past its step's end, as `late` allows: let go once the next step has begun)
+            past = 1 if checkpointing == "infer" and allocs[i][4] == "lm_head" else 0
+            assert allocs[i][3] <= allocs[real_at - 1][3] <= allocs[i][3] + past, \
+                f"rank {rank}: alloc {i} {allocs[i]} freed steps later"
 
 
 def test_a_ddp_rank_holds_the_whole_model_and_a_bucket_copy_of_its_gradients():
