@@ -518,7 +518,8 @@ def test_the_identity_of_a_run_covers_torch_transformers_and_harness():
     assert versions == provenance.versions()
 
 
-@pytest.mark.parametrize("verb,signum,code", [("sweep", "SIGINT", 130), ("run", "SIGTERM", 143)])
+@pytest.mark.parametrize("verb,signum,code", [("sweep", "SIGINT", 130), ("run", "SIGTERM", 143),
+                                               ("plan", "SIGINT", 130)])
 def test_an_interrupted_sweep_stops_every_point_and_says_how_to_resume(tmp_path, verb, signum, code):
     import signal
     import subprocess
@@ -530,8 +531,9 @@ def test_an_interrupted_sweep_stops_every_point_and_says_how_to_resume(tmp_path,
 
     args = [sys.executable, "-m", "harness", verb, "workload=custom", "workload.target=tests.jobs.sleepy:build",
             "+workload.args.sleep_s=120", "precision=fp32", f"results_dir={tmp_path}"]
-    if verb == "sweep":
-        args += ["batch_size=1,2", "seq_len=8", "checkpointing=false"]
+    if verb in ("sweep", "plan"):  # (a plan's searches would go on past the stop, each probe a point)
+        args += ["batch_size=1,2" if verb == "sweep" else "plan.cards=[t4,l4]", "seq_len=8",
+                 "checkpointing=false"]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not list(tmp_path.rglob("worker.log")):  # a point is running
@@ -542,7 +544,8 @@ def test_an_interrupted_sweep_stops_every_point_and_says_how_to_resume(tmp_path,
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
     lines = [ln for ln in err.strip().splitlines() if "points done" not in ln]
-    assert lines[-1].startswith(f"harness: interrupted by {signum}: 0 of ") and "python -m harness" in lines[-1]
+    assert lines[-1].startswith(f"harness: interrupted by {signum}: ") and f"python -m harness {verb}" in lines[-1]
+    assert verb == "plan" or lines[-1].startswith(f"harness: interrupted by {signum}: 0 of ")
     assert "Traceback" not in err
     time.sleep(3)
     assert not [p for p in started if os.path.exists(f"/proc/{p}")], "a process of the sweep kept running"

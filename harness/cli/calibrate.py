@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime as dt
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from harness.analysis import calibration
@@ -23,6 +22,7 @@ from harness.launch import gpus
 from harness.launch.gpus import check_cards
 from harness.launch.point import to_point
 from harness.launch.runner import run_point
+from harness.launch.threads import map_threads
 from harness.report import console
 
 CALIBRATION_FILE = "calibration.parquet"
@@ -71,5 +71,4 @@ def _run_all(points: list[list[str]], backend: str, out: Path, results_dir: Path
                          results_dir=results_dir)
         return run_point(point, out / "runs" / f"{i}-{backend}", results_dir)
 
-    with ThreadPoolExecutor(max(1, width)) as pool:
-        return list(pool.map(one, range(len(points))))
+    return map_threads(one, range(len(points)), width)

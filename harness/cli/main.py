@@ -20,7 +20,7 @@ from harness.cli.common import aggregate, import_report_meanwhile, make_out_dir,
 from harness.config.compose import CONF_DIR, as_dict, path_override, user_card_and_free_text, with_grid_files
 from harness.config.validate import validate
 from harness.errors import EXIT_OK, EXIT_USAGE, ConfigError
-from harness.launch import local
+from harness.launch import local, threads
 from harness.launch.gpus import check_cards, resolve_backend, visible_devices
 from harness.launch.point import to_point
 from harness.launch.ranks import check_here
@@ -160,23 +160,26 @@ def _sweep_here(points: list, base, out: Path, results_dir: Path, asked: list[st
         with interrupt.stoppable(), SweepProgress(out, expected):
             report_imported = import_report_meanwhile()
             local.sweep(points, local.workers(base.hydra.launcher.get("workers")), out, results_dir, os.getcwd())
-            report_imported.join()
+            threads.join(report_imported)
     except interrupt.Interrupted as e:
         return _interrupted("sweep", asked, out, expected, e)
     return aggregate(out, expected=expected, asked=asked)
 
 
-def _interrupted(verb: str, asked: list[str], out: Path, expected: int, e) -> int:
+def _interrupted(verb: str, asked: list[str], out: Path | None, expected: int, e) -> int:
     """Ctrl-C or SIGTERM: every point's process stopped, the rows kept, one line to go on from.
     This process ends at once: the points' threads would wait for points forked from the zygote,
-    which stop when this process's end closes their sockets."""
+    which stop when this process's end closes their sockets (and a plan's would search on).
+    `out` None: a plan or calibration, whose rows are counted in no one dir."""
     from harness.launch.runner import STOPPING
 
     with interrupt.stoppable():  # a second Ctrl-C while stopping changes nothing
         STOPPING.set()  # the points' threads write no row for a point stopped with the sweep
         callbacks.abandon()
         interrupt.stop_everything_started()
-        interrupt.say(interrupt.resume_line(verb, asked, out, expected, e))
+        interrupt.say(interrupt.resume_line(verb, asked, out, expected, e) if out is not None else
+                      f"harness: interrupted by {e}: the rows written so far are kept and reused; resume "
+                      f"with `python -m harness {verb} {' '.join(asked)}`")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(e.exit_code)
@@ -196,12 +199,7 @@ def _searching(verb: str, rest: list[str], asked: list[str]) -> int:
         with interrupt.stoppable():
             return run(rest)
     except interrupt.Interrupted as e:
-        with interrupt.stoppable():
-            interrupt.stop_everything_started()
-            interrupt.say(f"harness: interrupted by {e}: the rows written so far are kept and reused; resume "
-                          f"with `python -m harness {verb} {' '.join(asked)}`")
-        sys.stdout.flush()
-        os._exit(e.exit_code)
+        return _interrupted(verb, asked, None, 0, e)
 
 
 # Hydra's flags that show the config, the help or the search path, and run nothing

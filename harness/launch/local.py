@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from harness.config.compose import parallelism
 from harness.config.point import Point
 from harness.errors import ConfigError
 from harness.launch.runner import GPU_DEVICES_ENV, run_point
+from harness.launch.threads import map_threads
 from harness.record import trace_store
 from harness.record.results import done_rows
 
@@ -60,15 +60,8 @@ def sweep(points: list[Point], n: int, out: Path, results_dir: Path, cwd: str) -
 
     def run_group(indexes: list[int]) -> list[dict]:
         return [run_point(points[i], out / "runs" / str(i), results_dir, done) for i in indexes]
-    pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="harness-point")
-    futures = {pool.submit(run_group, indexes): indexes for indexes in groups.values()}
     rows: list[dict] = [{}] * len(points)
-    try:
-        for future, indexes in futures.items():
-            for i, row in zip(indexes, future.result()):
-                rows[i] = row
-    except BaseException:  # Ctrl-C, SIGTERM: no point starts after this, and none is waited for
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise
-    pool.shutdown()
+    for indexes, group_rows in zip(groups.values(), map_threads(run_group, list(groups.values()), n)):
+        for i, row in zip(indexes, group_rows):
+            rows[i] = row
     return rows

@@ -21,6 +21,7 @@ from pathlib import Path
 from harness.config.point import Backend, Point
 from harness.launch import gpus, ranks, zygote
 from harness.launch.exits import NO_ZYGOTE, TIMED_OUT, VANISHED, describe_exit, leave_job_warning
+from harness.launch.threads import POLL_S
 from harness.probe.rank import runs_as_ranks
 from harness.record.results import find_done
 from harness.record.row import POINT_FILE, RESULT_FILE, base_record, run_id, write_row
@@ -168,7 +169,10 @@ def _run_forked(run_dir: Path, timeout_s: float):
         pid = None
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([conn], [], [], remaining)[0]:
+            ready = remaining > 0 and select.select([conn], [], [], min(remaining, POLL_S))[0]
+            if not ready and remaining > POLL_S:  # (a wake-up for signals: launch.threads)
+                continue
+            if not ready:
                 if pid is not None:
                     try:
                         os.kill(pid, signal.SIGKILL)

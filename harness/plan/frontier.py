@@ -10,7 +10,6 @@ import math
 import os
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from harness.config.point import PARALLEL_KNOBS, Card, Point, fewest_nodes, need
 from harness.config.validate import validate
 from harness.errors import ConfigError
 from harness.launch.runner import run_point
+from harness.launch.threads import map_threads
 from harness.plan import fit, search, serving
 from harness.units import GiB
 
@@ -140,8 +140,7 @@ class Planner:
         # Points forked from the zygote wait for one of its run slots (one per core): every group
         # may search at once, and the cores stay busy to the last group's end.
         threads = max(workers, len(groups)) if os.environ.get("HARNESS_ZYGOTE", "1") != "0" else workers
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            return [r for rows in pool.map(self.plan_group, groups) for r in rows]
+        return [r for rows in map_threads(self.plan_group, groups, threads) for r in rows]
 
     @staticmethod
     def cards(g: Group) -> list[Card]:
@@ -245,8 +244,7 @@ def _nodes(point: Point, degree: int) -> list[str]:
 def _together(probe, values: list[int]) -> list:
     if len(values) == 1:
         return [probe(values[0])]
-    with ThreadPoolExecutor(max_workers=len(values)) as pool:
-        return list(pool.map(probe, values))
+    return map_threads(probe, values, len(values))
 
 
 def _step(values: list[int]) -> int:
