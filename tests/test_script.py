@@ -162,6 +162,20 @@ def test_the_script_verb_passes_its_args_and_takes_the_harness_options(tmp_path)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "gpu" in bad.stderr
 
 
+def test_a_script_stopped_by_ctrl_c_ends_with_130_its_own_frames_and_its_peaks_so_far(tmp_path):
+    script = tmp_path / "long.py"
+    script.write_text("import os, signal, torch\n"
+                      "signal.signal(signal.SIGINT, signal.default_int_handler)  # (as Python's own, if ignored here)\n"
+                      "x = torch.empty(2**28, device='cuda')  # 1 GiB\n"
+                      "os.kill(os.getpid(), signal.SIGINT)\n"
+                      "while True: pass\n")
+    r = run_cli("script", str(script), cwd=tmp_path)
+    assert r.returncode == 130, r.stderr
+    frames = r.stderr.split("KeyboardInterrupt")[0]
+    assert f'File "{script}", line' in frames and "harness/" not in frames
+    assert "peak allocated 1.00 GiB" in r.stderr and "virtual A100" in r.stderr
+
+
 def test_mixed_precision_with_grad_scaler_events_and_compile_runs_its_steps(capfd):
     """GradScaler reads its found-inf count (a stand-in 0: the optimizer steps, its state exists);
     CUDA events and streams do nothing; torch.compile runs eagerly and says so; the profiler

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import runpy
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,6 +171,8 @@ def run_script(path: Path, argv: list[str], card: Card, settings: AllocSettings)
             runpy.run_path(str(path), run_name="__main__")
         except SystemExit as e:
             run.exit_code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except KeyboardInterrupt as e:  # Ctrl-C: the script's frames and the peaks so far, as a shell reports it
+            run.error, run.exit_code = e, 128 + signal.SIGINT
         except VALUE_READS as e:
             run.error, run.exit_code = explain(e, "in the script"), 1
         except Exception as e:  # the script's own error: reported with its traceback
