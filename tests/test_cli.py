@@ -114,6 +114,23 @@ def test_a_report_whose_reader_went_away_writes_every_file_and_ends_with_sigpipe
     assert str(done / "report.html") in err
 
 
+def test_ctrl_c_outside_a_sweeps_points_ends_with_130_and_one_line(tmp_path):
+    """`diagnose -` waiting for an OOM message on stdin, stopped by Ctrl-C: one line, exit 130 as
+    README documents, no traceback (any verb: composing, reporting)."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-c", "import signal, runpy, sys; "  # SIGINT as a terminal's
+                             "signal.signal(signal.SIGINT, signal.default_int_handler); sys.argv = ['harness', 'diagnose', '-']; "
+                             "runpy.run_module('harness', run_name='__main__')"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, text=True)
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    proc.stdin.close()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("harness: interrupted by SIGINT")
+
+
 @pytest.mark.parametrize("args", [["model=tiny", "--cfg", "job", "seq_len=32"], ["--cfg", "job", "model=tiny", "seq_len=32"],
                                   ["model=tiny", "--info"]])
 def test_hydras_own_flags_take_their_values_wherever_they_stand_and_run_nothing(args, tmp_path):
