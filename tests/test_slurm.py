@@ -114,6 +114,11 @@ def _running_task(feature: str, task: int) -> str | None:
     return None
 
 
+def _running_job(feature: str) -> str | None:
+    out = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i %f"], capture_output=True, text=True).stdout
+    return next((job for job, features in (ln.split() for ln in out.splitlines()) if features == feature), None)
+
+
 def test_killed_and_timed_out_jobs_are_rows_and_the_others_are_intact(slurm, tmp_path):
     # Over its time limit: timeout_min=1 (submitit stops it at Slurm's warning signal, or Slurm does).
     late = _start(["sweep", *SLEEPY, "+workload.args.sleep_s=600", "gpu=a10g", *SLURM,
@@ -142,6 +147,33 @@ def test_killed_and_timed_out_jobs_are_rows_and_the_others_are_intact(slurm, tmp
 
     r = run_cli("report", str(_sweep_dir(tmp_path / "cancelled", "smoke")))
     assert r.returncode == 1 and (_sweep_dir(tmp_path / "cancelled", "smoke") / "report.html").exists()
+
+
+@pytest.mark.parametrize("signum,code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_ctrl_c_on_a_slurm_sweep_cancels_its_jobs_and_sigterm_leaves_them_running(slurm, tmp_path, signum, code):
+    """Ctrl-C stops every process the sweep started (README): on Slurm, its jobs are cancelled, not
+    left to run (and write rows) after the sweep said it stopped. SIGTERM leaves them running: a
+    launcher that is itself a Slurm job gets it at its time limit, and loses nothing."""
+    import signal
+
+    proc = _start(["sweep", *SLEEPY, "+workload.args.sleep_s=600", "gpu=l40s", *SLURM, f"results_dir={tmp_path}"])
+    job = None
+    try:
+        job = _wait_for("the sleeping point to run", lambda: _running_job("l40s"))
+        proc.send_signal(getattr(signal, signum))
+        out = proc.communicate(timeout=120)[0]
+        assert proc.returncode == code, out[-3000:]
+        assert out.strip().splitlines()[-1].startswith(f"harness: interrupted by {signum}: 0 of 1 point(s)")
+        if signum == "SIGINT":
+            _wait_for("Slurm to record the cancel", lambda: _sacct(job, "State") == {"CANCELLED by 0"}, 60)
+            assert not list(tmp_path.rglob("result.json"))
+        else:
+            time.sleep(3)
+            assert _running_job("l40s") == job
+    finally:
+        proc.kill()
+        if job:
+            subprocess.run(["scancel", job], capture_output=True)
 
 
 def test_jobs_that_never_start_are_rows_with_slurms_reason(slurm, tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import subprocess
 import time
 from collections.abc import Mapping
@@ -124,7 +125,6 @@ class SlurmArrays(SlurmLauncher):
     """The launcher's work; Hydra loads it as hydra_plugins.harness_launcher.HarnessSlurmLauncher."""
 
     def launch(self, job_overrides, initial_job_idx: int):
-        import submitit
 
         assert self.config is not None and self.hydra_context is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
@@ -152,7 +152,24 @@ class SlurmArrays(SlurmLauncher):
                 todo.append(p)
         log.info(f"Slurm: {len(todo)} of {len(points)} point(s) to submit ({len(points) - len(todo)} done before)")
 
-        jobs = []  # (point, submitit job)
+        jobs: list = []  # (point, submitit job)
+        try:
+            self._submit(todo, rows, jobs)
+            self._wait(jobs, rows)
+        except BaseException as e:
+            # Ctrl-C (cli.interrupt's, SIGINT) is the user stopping the sweep: its jobs too (the resume
+            # submits them again). Killed otherwise (SIGTERM: a launcher job's time limit, a kill), the
+            # launcher loses nothing: the jobs run on and write their rows (README).
+            if getattr(e, "signum", None) == signal.SIGINT:
+                _cancel([job for p, job in jobs if p.idx not in rows])
+            raise
+        return [JobReturn(overrides=p.overrides, status=JobStatus.COMPLETED, _return_value=rows[p.idx]["status"],
+                          working_dir=str(p.run_dir), task_name="harness") for p in points]
+
+    def _submit(self, todo: list[_Point], rows: dict, jobs: list) -> None:
+        """One array per card; `jobs` gets each (point, job) as its array is submitted."""
+        import submitit
+
         for params, group in _groups(todo):
             executor = submitit.AutoExecutor(cluster="slurm", folder=params["submitit_folder"],
                                              slurm_max_num_timeout=params.get("max_num_timeout", 0))
@@ -170,9 +187,6 @@ class SlurmArrays(SlurmLauncher):
                         p.point, None, "error", f"sbatch refused the job: {reason[-1] if reason else type(e).__name__}"))
                 continue
             jobs += list(zip(group, submitted))
-        self._wait(jobs, rows)
-        return [JobReturn(overrides=p.overrides, status=JobStatus.COMPLETED, _return_value=rows[p.idx]["status"],
-                          working_dir=str(p.run_dir), task_name="harness") for p in points]
 
     def _wait(self, jobs: list, rows: dict) -> None:
         """Until every job has a row: the job's own, or one written here from Slurm's state."""
@@ -196,6 +210,15 @@ class SlurmArrays(SlurmLauncher):
             waiting = still
             if waiting:
                 time.sleep(POLL_S)
+
+
+def _cancel(jobs: list) -> None:
+    """scancel for `jobs` at once (a sweep being stopped: no time for one call a job)."""
+    if jobs:
+        try:
+            subprocess.run(["scancel", *[str(j.job_id) for j in jobs]], capture_output=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):  # the stop goes on; squeue shows what is left
+            pass
 
 
 def _row_of(p: _Point, job) -> dict:
