@@ -169,7 +169,7 @@ def test_a_serving_plan_puts_the_harness_beside_vllms_arithmetic(tmp_path, tp, m
     from harness.plan import fit
     from harness.report.tables import group_label
 
-    r = run_cli("plan", "sweeps=smoke", "workload=infer", "seq_len=1024", "sweep=serve", "plan.hi=64",
+    r = run_cli("plan", "sweeps=smoke", "workload=infer", "seq_len=1024", "sweep=serve", "plan.hi=16",
                 f"plan.margin={margin}", "plan.cards=[t4]", "plan.max_num_batched_tokens=2048", f"parallel.tp={tp}",
                 "workload.new_tokens=4",  # (the arithmetic is per token: four decode steps tell it)
                 f"results_dir={tmp_path}")
