@@ -4,7 +4,8 @@ is, on the virtual GPU. Its own `torch.cuda` readings, snapshots and OOMs are th
 Arguments `gpu=...`, `gpu.<key>=...`, `allocator=...` and `allocator.<key>=...` are the harness's,
 wherever they stand; everything else goes to the script. Exit codes: the script's own (0 when it
 ends normally, its SystemExit code, 1 when it raises: the error is printed with its file and
-line; 130 on Ctrl-C, with the peaks so far), 2 when the command itself is wrong (no such script, a bad gpu=/allocator= value).
+line; 130 on Ctrl-C, with the peaks so far), 2 when the command itself is wrong (no such script,
+a bad gpu=/allocator= value).
 """
 
 from __future__ import annotations

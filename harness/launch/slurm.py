@@ -125,7 +125,6 @@ class SlurmArrays(SlurmLauncher):
     """The launcher's work; Hydra loads it as hydra_plugins.harness_launcher.HarnessSlurmLauncher."""
 
     def launch(self, job_overrides, initial_job_idx: int):
-
         assert self.config is not None and self.hydra_context is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
