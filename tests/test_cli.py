@@ -472,6 +472,43 @@ def test_an_edit_to_a_module_the_job_imports_runs_the_job_again(tmp_path):
     assert sweep(4)["reused_from"]  # the new row serves from now on
 
 
+def test_an_edit_to_a_file_the_job_reads_runs_the_job_again(tmp_path):
+    """A job that reads its model's size from a file of its own: the file is part of the row's
+    identity (user_code), as the job's modules are; the files it writes are not."""
+    from harness.config.compose import compose
+    from harness.launch.point import to_point
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "sizes.json").write_text('{"width": 32}')
+    (proj / "filejob.py").write_text(
+        "import json, os, torch\nfrom harness.workload import Job\n\n\n"
+        "def build(k):\n"
+        "    width = json.load(open('sizes.json'))['width']  # relative: the job's own folder\n"
+        "    with open(os.path.join(k.args['out'], 'built.txt'), 'w') as f:\n"
+        "        f.write(str(width))\n"
+        "    model = torch.nn.Linear(width, width)\n"
+        "    return Job(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(k.batch_size, width))\n")
+    results = tmp_path / "results"
+    cfg = compose(["workload=custom", "workload.target=filejob:build", "precision=fp32", "sweep=t",
+                   f"+workload.args.out={tmp_path}"])
+    point = to_point(cfg, [], str(proj), results_dir=results)
+
+    def sweep(n):
+        return runner.run_point(point, results / "t" / f"{n}" / "runs" / "0", results)
+
+    first = sweep(1)
+    assert first["status"] == "ok", first.get("error")
+    read = json.loads(first["user_code"])
+    assert str((proj / "sizes.json").resolve()) in read and str(tmp_path / "built.txt") not in read
+    assert sweep(2)["reused_from"]  # unchanged: reused
+    (proj / "sizes.json").write_text('{"width": 64}')
+    edited = sweep(3)
+    assert edited["status"] == "ok" and not edited.get("reused_from") and not edited.get("trace_reused")
+    assert edited["n_params"] > first["n_params"]
+    assert sweep(4)["reused_from"]
+
+
 def test_an_edit_to_the_models_config_json_runs_it_again(tmp_path):
     """model=hf reads its architecture from the user's file: an edited file is traced again, not
     served from the row and trace of the old architecture."""

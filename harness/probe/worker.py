@@ -77,8 +77,9 @@ def _traced(point: Point, trace_path: Path):
         df, m = cached
         df.to_parquet(trace_path, index=False)
         return df, m, key
-    traced = shortcut.trace(point)
-    m = _measured(point, traced.measurements)
+    with _reading(point) as read:
+        traced = shortcut.trace(point)
+    m = _measured(point, traced.measurements, read)
     df = trace_store.to_frame(traced.events)
     df.to_parquet(trace_path, index=False)
     key = own if traced.findings.get(READS_CARD) else tid if m.get(ATTENTION_CALLS) else anywhere
@@ -97,19 +98,25 @@ def run_cpu(point: Point, run_dir: Path) -> dict:
 
 def _run_cpu(point: Point, run_dir: Path) -> dict:
     t0 = time.perf_counter()
-    m, tracker = trace.run_point(point, emulate_cuda=False, fake=False)
+    with _reading(point) as read:
+        m, tracker = trace.run_point(point, emulate_cuda=False, fake=False)
     rec = base_record(point)
-    rec.update(_measured(point, m), device_name=f"CPU tensors, replayed on {point.gpu.device_name}")
+    rec.update(_measured(point, m, read), device_name=f"CPU tensors, replayed on {point.gpu.device_name}")
     df = trace_store.to_frame(tracker.events)
     df.to_parquet(run_dir / trace_store.TRACE_FILE, index=False)
     return _replayed(point, rec, df, run_dir, t0)
 
 
-def _measured(point: Point, m: dict) -> dict:
-    """A trace's measurements that are row columns (and, for a user's job, what it loaded)."""
+def _reading(point: Point):
+    """A user's job: the files it opens for reading, recorded (provenance.reading); else nothing."""
+    return provenance.reading() if point.workload.name == WorkloadName.custom else contextlib.nullcontext(set())
+
+
+def _measured(point: Point, m: dict, read: set[str]) -> dict:
+    """A trace's measurements that are row columns (and, for a user's job, what it loaded and read)."""
     out = {k: v for k, v in m.items() if k in _COLUMNS}
     if point.workload.name == WorkloadName.custom:
-        out[USER_CODE] = provenance.as_column(provenance.user_modules())
+        out[USER_CODE] = provenance.user_code(read)
     return out
 
 
@@ -402,9 +409,10 @@ def run_cuda(point: Point, run_dir: Path) -> dict:
 
     t0 = time.perf_counter()
     rec = base_record(point)
-    rec.update(cuda.run_cuda(point, run_dir), transformers_version=transformers.__version__)
+    with _reading(point) as read:
+        rec.update(cuda.run_cuda(point, run_dir), transformers_version=transformers.__version__)
     if point.workload.name == WorkloadName.custom:
-        rec[USER_CODE] = provenance.as_column(provenance.user_modules())
+        rec[USER_CODE] = provenance.user_code(read)
     if rec["status"] == "ok":
         rec.update(reserved.edge_columns(measured_edges(point, rec)), catalog_sha=catalog.digest())
     else:  # how much it needed is unknown past the OOM: no card is known to hold it

@@ -1,15 +1,18 @@
 """What a row's numbers depend on beyond its knobs: the library versions, harness's own code, and
-the user's code a custom job loaded (every module from outside the installed libraries).
+the user's code a custom job loaded (every module from outside the installed libraries) and the
+files it read (a model's YAML or JSON that its build function opens).
 
 A row or a cached trace is reused only while all of it is unchanged: an edit to a module the build
-function imports must trace the job again, not serve the old model's numbers.
+function imports, or to a file it reads, must trace the job again, not serve the old model's numbers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
+import os
 import site
 import sys
 import sysconfig
@@ -21,9 +24,27 @@ import harness
 USER_CODE = "user_code"  # the row's column: {file: sha} of the user's modules the job loaded
 
 
+# A file larger than this is known by its size and modification time, not hashed: a dataset read
+# by a job would cost its size in reading at every staleness check of every row.
+HASHED_AT_MOST_BYTES = 64 * 2**20
+
+
 def _sha(path: Path) -> str | None:
+    """The file's fingerprint: a hash of its bytes, or its size and mtime where it is large."""
     try:
-        return hashlib.sha1(path.read_bytes()).hexdigest()[:12]
+        st = path.stat()
+    except OSError:
+        return None
+    if st.st_size > HASHED_AT_MOST_BYTES:
+        return f"{st.st_size}b@{st.st_mtime_ns}"
+    return _hashed(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4096)
+def _hashed(path: str, _size: int, _mtime_ns: int) -> str | None:
+    """(keyed by size and mtime too: each row's check of the same unchanged file hashes it once)"""
+    try:
+        return hashlib.sha1(Path(path).read_bytes()).hexdigest()[:12]
     except OSError:
         return None
 
@@ -89,3 +110,64 @@ def changed(recorded) -> list[str]:
     if not isinstance(recorded, dict):
         return []
     return [f for f, sha in recorded.items() if _sha(Path(f)) != sha]
+
+
+# While a custom job runs (`reading`): the files opened for reading, as absolute paths. An audit hook
+# (PEP 578) sees every open, builtins' and os's alike; it cannot be removed, so it records only inside.
+_reads: set[str] | None = None
+_hooked = False
+
+
+def _on_audit(event: str, args: tuple) -> None:
+    if event != "open" or _reads is None:
+        return
+    path, _mode, flags = args
+    if isinstance(path, int) or (flags or 0) & (os.O_WRONLY | os.O_RDWR):
+        return  # a file descriptor; a file opened for writing (the job's own output)
+    try:
+        _reads.add(os.path.abspath(os.fsdecode(path)))
+    except (TypeError, ValueError):
+        pass
+
+
+@contextlib.contextmanager
+def reading():
+    """The set of files opened for reading inside the block (filled as they are)."""
+    global _reads, _hooked
+    if not _hooked:
+        sys.addaudithook(_on_audit)
+        _hooked = True
+    outer, _reads = _reads, set()
+    try:
+        yield _reads
+    finally:
+        mine, _reads = _reads, outer
+        if outer is not None:
+            outer.update(mine)
+
+
+# What a process reads beyond the job's data: the system's files, pseudo-files, caches of its own.
+_SYSTEM_DIRS = ("/proc/", "/sys/", "/dev/", "/etc/", "/usr/", "/lib/", "/lib64/", "/bin/", "/sbin/", "/run/", "/var/")
+
+
+def user_code(read=()) -> str:
+    """The user_code column of a custom job: the modules it loaded and the files it `read`."""
+    return as_column({**user_modules(), **user_files(read)})
+
+
+def user_files(paths) -> dict[str, str]:
+    """{file: fingerprint} of the regular files among `paths` that are the user's: outside the
+    libraries, harness and the system; modules left to user_modules."""
+    skip = _library_dirs() + tuple(str(Path(d).resolve()) + "/" for d in {sys.prefix, sys.base_prefix}) + _SYSTEM_DIRS
+    out = {}
+    for p in paths:
+        path = Path(p)
+        if path.suffix in (".py", ".pyc") or str(path).startswith(skip) or not path.is_file():
+            continue
+        path = path.resolve()
+        if str(path).startswith(skip):
+            continue
+        sha = _sha(path)
+        if sha is not None:
+            out[str(path)] = sha
+    return dict(sorted(out.items()))
