@@ -120,10 +120,11 @@ def test_ctrl_c_outside_a_sweeps_points_ends_with_130_and_one_line(tmp_path):
     import signal
 
     proc = subprocess.Popen([sys.executable, "-c", "import signal, runpy, sys; "  # SIGINT as a terminal's
-                             "signal.signal(signal.SIGINT, signal.default_int_handler); sys.argv = ['harness', 'diagnose', '-']; "
-                             "runpy.run_module('harness', run_name='__main__')"],
+                             "signal.signal(signal.SIGINT, signal.default_int_handler); print('ready', flush=True); "
+                             "sys.argv = ['harness', 'diagnose', '-']; runpy.run_module('harness', run_name='__main__')"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, text=True)
-    time.sleep(3)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(2)  # (importing or reading stdin by now: either way the same stop)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     proc.stdin.close()
