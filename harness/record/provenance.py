@@ -21,7 +21,7 @@ from pathlib import Path
 
 import harness
 
-USER_CODE = "user_code"  # the row's column: {file: sha} of the user's modules the job loaded
+USER_CODE = "user_code"  # the row's column: {file: fingerprint} of the modules the user's job loaded and the files it read
 
 
 # A file larger than this is known by its size and modification time, not hashed: a dataset read
