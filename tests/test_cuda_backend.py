@@ -212,14 +212,13 @@ def test_two_points_never_share_a_card_and_every_card_is_used(tmp_path):
                 running[device] -= 1
 
     threads = [threading.Thread(target=point) for _ in range(6)]
-    t0 = time.monotonic()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert all(count <= 1 for _d, snapshot in seen for count in snapshot.values())
     assert {d for d, _s in seen} == {"0", "1"}
-    assert time.monotonic() - t0 < 6 * 0.3  # two at a time, not one
+    assert any(sum(snapshot.values()) == 2 for _d, snapshot in seen)  # two at a time, not one
 
 
 def test_a_card_held_by_another_process_is_skipped_until_it_exits(tmp_path):
