@@ -163,6 +163,21 @@ def test_a_config_json_transformers_cannot_build_is_refused_naming_the_file(tmp_
     assert e.value.key == "model.config_json" and "Padding_idx" in str(e.value)
 
 
+def test_a_quantized_checkpoints_config_is_refused_naming_the_file_and_its_method(tmp_path):
+    """gpt-oss's config.json (MXFP4 experts): built unquantized, its peaks would be those of weights
+    four times larger, a "card problem" on the one H100 it is made to fit; refused, saying how to
+    plan the unquantized model instead."""
+    arch = {"model_type": "gpt_oss", "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4,
+            "num_experts_per_tok": 2, "vocab_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps({**arch, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(ConfigError) as e:
+        validate(compose(["model=hf", f"model.config_json={tmp_path}", "seq_len=32"]))
+    assert e.value.key == "model.config_json" and "mxfp4" in str(e.value) and str(tmp_path) in str(e.value)
+    (tmp_path / "config.json").write_text(json.dumps(arch))  # as the message says: the unquantized model
+    validate(compose(["model=hf", f"model.config_json={tmp_path}", "seq_len=32"]))
+
+
 @pytest.mark.parametrize("model_type", ["gemma3", "llama4", "mllama"])
 def test_a_multimodal_models_config_is_refused_naming_the_file_and_its_language_model(tmp_path, model_type):
     """A vision-language model's config.json (Gemma 3 4B+, Llama 4, Mllama: the language model in

@@ -71,6 +71,15 @@ def _check_model(point: Point) -> None:
                               f"language model in text_config (model_type '{text.model_type}'): the presets feed it "
                               "tokens alone, never its other inputs; save text_config as a config.json of its own "
                               "for the language model, or run the whole model as a job of your own (workload=custom)")
+        quantized = getattr(config, "quantization_config", None)
+        if quantized:  # (gpt-oss's MXFP4 experts, AWQ, GPTQ, FP8 checkpoints: their weights' bytes and kernels)
+            method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", "")
+            raise ConfigError("model.config_json" if model.config_json else "model.hf",
+                              f"{model.config_json or model.name} holds a quantization_config "
+                              f"({method or 'quantized weights'}): the harness builds the "
+                              f"weights in precision={point.precision.value}, not quantized, and models no "
+                              "dequantizing kernel; its peaks would be the unquantized model's. Delete "
+                              "quantization_config from a copy to plan the unquantized model")
         if model.config_json:
             _check_builds(model, config)
         _check_tensor_parallel(point, config)
