@@ -80,14 +80,16 @@ def _library_dirs() -> tuple[str, ...]:
 
 def user_modules(modules=None) -> dict[str, str]:
     """{file: sha} of every loaded module whose source lives outside the libraries and harness."""
-    libs = _library_dirs()
+    files = [getattr(m, "__file__", None) for m in list((modules if modules is not None else sys.modules).values())]
+    return _fingerprinted([f for f in files if f and f.endswith(".py")], _library_dirs())
+
+
+def _fingerprinted(files, skip: tuple[str, ...]) -> dict[str, str]:
+    """{file: fingerprint} of `files` as resolved, but those under the folders `skip` or gone."""
     out = {}
-    for module in list((modules if modules is not None else sys.modules).values()):
-        file = getattr(module, "__file__", None)
-        if not file or not file.endswith(".py"):
-            continue
+    for file in files:
         path = Path(file).resolve()
-        if str(path).startswith(libs):
+        if str(path).startswith(skip):
             continue
         sha = _sha(path)
         if sha is not None:
@@ -159,15 +161,4 @@ def user_files(paths) -> dict[str, str]:
     """{file: fingerprint} of the regular files among `paths` that are the user's: outside the
     libraries, harness and the system; modules left to user_modules."""
     skip = _library_dirs() + tuple(str(Path(d).resolve()) + "/" for d in {sys.prefix, sys.base_prefix}) + _SYSTEM_DIRS
-    out = {}
-    for p in paths:
-        path = Path(p)
-        if path.suffix in (".py", ".pyc") or str(path).startswith(skip) or not path.is_file():
-            continue
-        path = path.resolve()
-        if str(path).startswith(skip):
-            continue
-        sha = _sha(path)
-        if sha is not None:
-            out[str(path)] = sha
-    return dict(sorted(out.items()))
+    return _fingerprinted([p for p in paths if Path(p).suffix not in (".py", ".pyc") and Path(p).is_file()], skip)
