@@ -48,6 +48,15 @@ def slurm():
         pytest.skip(reason)
 
 
+@pytest.fixture(autouse=True)
+def one_after_another(request):
+    """Under xdist's --dist loadgroup these tests are one group, run on one worker one after another
+    (pytest 9.2 silently undid that: pytest-xdist#1386; pyproject pins pytest below it)."""
+    config = request.config
+    if os.environ.get("PYTEST_XDIST_WORKER") and config.getvalue("loadgroup"):
+        assert request.node.nodeid.endswith("@slurm"), "xdist ran a Slurm test outside its group"
+
+
 def _rows(sweep_dir: Path) -> pd.DataFrame:
     return pd.read_parquet(sweep_dir / "results.parquet")
 
@@ -114,9 +123,12 @@ def _running_task(feature: str, task: int) -> str | None:
     return None
 
 
-def _running_job(feature: str) -> str | None:
-    out = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i %f"], capture_output=True, text=True).stdout
-    return next((job for job, features in (ln.split() for ln in out.splitlines()) if features == feature), None)
+def _running_job_of(results: Path) -> str | None:
+    """The running Slurm job of the one sweep under `results` (submitit's folder is named by its id)."""
+    ids = [d.name for d in results.rglob(".submitit/*") if d.name.isdigit()]
+    out = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i", "-j", ",".join(ids)], capture_output=True,
+                         text=True).stdout.split() if ids else []
+    return out[0] if out else None
 
 
 def test_killed_and_timed_out_jobs_are_rows_and_the_others_are_intact(slurm, tmp_path):
@@ -159,7 +171,7 @@ def test_ctrl_c_on_a_slurm_sweep_cancels_its_jobs_and_sigterm_leaves_them_runnin
     proc = _start(["sweep", *SLEEPY, "+workload.args.sleep_s=600", "gpu=l40s", *SLURM, f"results_dir={tmp_path}"])
     job = None
     try:
-        job = _wait_for("the sleeping point to run", lambda: _running_job("l40s"))
+        job = _wait_for("the sleeping point to run", lambda: _running_job_of(tmp_path))
         proc.send_signal(getattr(signal, signum))
         out = proc.communicate(timeout=120)[0]
         assert proc.returncode == code, out[-3000:]
@@ -169,7 +181,7 @@ def test_ctrl_c_on_a_slurm_sweep_cancels_its_jobs_and_sigterm_leaves_them_runnin
             assert not list(tmp_path.rglob("result.json"))
         else:
             time.sleep(3)
-            assert _running_job("l40s") == job
+            assert _running_job_of(tmp_path) == job
     finally:
         proc.kill()
         if job:
