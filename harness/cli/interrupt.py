@@ -115,9 +115,12 @@ def rows_written(out: Path) -> int:
     return sum(1 for _ in out.rglob(RESULT_FILE)) if out.exists() else 0
 
 
-def resume_line(verb: str, args: list[str], out: Path, expected: int, e: Interrupted) -> str:
-    """The one line an interrupted sweep leaves: what was written and how to go on."""
+def resume_line(verb: str, args: list[str], out: Path | None, expected: int, e: Interrupted) -> str:
+    """The one line an interrupted sweep leaves: what was written and how to go on (`out` None: a
+    plan or calibration, whose rows lie in no one dir)."""
     command = " ".join(["python -m harness", verb, *args])
+    if out is None:
+        return f"harness: interrupted by {e}: the rows written so far are kept and reused; resume with `{command}`"
     again = (f"resume with `{command}` (rows done are reused)" if verb == "sweep"
              else f"run it again with `{command}`")
     return (f"harness: interrupted by {signal.Signals(e.signum).name}: {rows_written(out)} of {expected} point(s) "

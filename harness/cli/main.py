@@ -170,16 +170,14 @@ def _interrupted(verb: str, asked: list[str], out: Path | None, expected: int, e
     """Ctrl-C or SIGTERM: every point's process stopped, the rows kept, one line to go on from.
     This process ends at once: the points' threads would wait for points forked from the zygote,
     which stop when this process's end closes their sockets (and a plan's would search on).
-    `out` None: a plan or calibration, whose rows are counted in no one dir."""
+    `out` None: a plan or calibration (interrupt.resume_line)."""
     from harness.launch.runner import STOPPING
 
     with interrupt.stoppable():  # a second Ctrl-C while stopping changes nothing
         STOPPING.set()  # the points' threads write no row for a point stopped with the sweep
         callbacks.abandon()
         interrupt.stop_everything_started()
-        interrupt.say(interrupt.resume_line(verb, asked, out, expected, e) if out is not None else
-                      f"harness: interrupted by {e}: the rows written so far are kept and reused; resume "
-                      f"with `python -m harness {verb} {' '.join(asked)}`")
+        interrupt.say(interrupt.resume_line(verb, asked, out, expected, e))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(e.exit_code)

@@ -73,7 +73,7 @@ def _check_model(point: Point) -> None:
                               "for the language model, or run the whole model as a job of your own (workload=custom)")
         quantized = getattr(config, "quantization_config", None)
         if quantized:  # (gpt-oss's MXFP4 experts, AWQ, GPTQ, FP8 checkpoints: their weights' bytes and kernels)
-            method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", "")
+            method = quantized.get("quant_method") if isinstance(quantized, dict) else None  # (for_model keeps the dict)
             raise ConfigError("model.config_json" if model.config_json else "model.hf",
                               f"{model.config_json or model.name} holds a quantization_config "
                               f"({method or 'quantized weights'}): the harness builds the "

@@ -169,10 +169,9 @@ def _run_forked(run_dir: Path, timeout_s: float):
         pid = None
         while True:
             remaining = deadline - time.monotonic()
-            ready = remaining > 0 and select.select([conn], [], [], min(remaining, POLL_S))[0]
-            if not ready and remaining > POLL_S:  # (a wake-up for signals: launch.threads)
-                continue
-            if not ready:
+            if remaining > 0 and not select.select([conn], [], [], min(remaining, POLL_S))[0]:
+                continue  # nothing yet: awake for signals every POLL_S (launch.threads)
+            if remaining <= 0:
                 if pid is not None:
                     try:
                         os.kill(pid, signal.SIGKILL)

@@ -635,10 +635,8 @@ def _renamed(entries: list[TraceEvent], period: int, layer: re.Pattern,
     out = []
     for e in entries:
         if e.module not in names:
-            names[e.module] = e.module
             m = layer.match(e.module)
             new = named(m) if m is not None else None
-            if m is not None and new is not None:
-                names[e.module] = f"{e.module[:m.start(1)]}{new}{e.module[m.end():]}"
+            names[e.module] = e.module if m is None or new is None else f"{e.module[:m.start(1)]}{new}{e.module[m.end():]}"
         out.append(e._replace(module=names[e.module]))
     return out
