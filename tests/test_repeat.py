@@ -236,6 +236,52 @@ def test_decode_steps_past_a_chunks_end_or_a_sliding_window_are_the_full_trace(a
     assert ("decode steps 9 -> 20" in m["trace_method"]) == grown
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model, p", [
+    ("mistral-7b", 1),  # every layer's: its mask appears at the window (14 allocations a layer more)
+    ("gemma2", 2),  # every other layer's: the global ones' caches keep growing
+])
+def test_a_decode_across_a_sliding_window_far_past_its_prompt_is_joined_from_two_short_traces(model, p):
+    """A 20-token prompt decoded to 80 over a window of 64: the steps across it are traced from a
+    59-token prompt and joined to the point's first 3, grown to 40 tokens; the joined trace is the
+    full one."""
+    point = train_point(model=model, num_hidden_layers=DEPTH, sliding_window=64) if p == 1 else \
+        _on_architecture(model, num_hidden_layers=4 * p)
+    point = point.replace(seq_len=80, workload=Workload(name="infer", new_tokens=60 if p == 1 else 30))
+    prompt = 80 - point.workload.new_tokens
+    assert shortcut.decodes_beyond(point) == 64 + 2 - prompt + 3
+    m = _assert_same_as_full(point, traced=shortcut.synthesized(point, p, p))
+    assert "the sliding window crossed from a 59-token prompt" in m["trace_method"]
+
+
+def test_a_decode_from_a_longer_prompt_joins_where_its_storages_are_the_points_in_role_and_bytes():
+    """The head's cache after step 2 is the tail's after its step 1 (1280 B): the tail's steps 2
+    and 3 (a mask from step 2 on) follow as steps 3 and 4, freeing the head's cache. A cache of
+    other bytes there does not join."""
+    from harness.probe.sim import steps
+
+    def ev(action, key, size, step, module="attn"):
+        return TraceEvent(0, action, key, size, "activation", "decode", step, module)
+    head = [ev("alloc", 9, 1024, 0), ev("end", 0, 0, 0)]
+    for step in (1, 2):
+        head += [ev("alloc", 10 + step, 1024 + 128 * step, step), ev("free", 9 + step, 896 + 128 * step, step),
+                 ev("end", 0, 0, step)]
+    head[3] = head[3]._replace(key=9)  # (step 1 frees the prefill's)
+    tail = [ev("alloc", 50, 1152, 0), ev("end", 0, 0, 0), ev("alloc", 51, 1280, 1), ev("free", 50, 1152, 1),
+            ev("end", 0, 0, 1)]
+    for step, key in ((2, 52), (3, 53)):
+        tail += [ev("alloc", key, 1280, step), ev("alloc", 90 + step, 64, step, "mask"), ev("free", key - 1, 1280, step),
+                 ev("free", 90 + step, 64, step, "mask"), ev("end", 0, 0, step)]
+    out = steps.joined(head, tail, 2)
+    assert [(e.action, e.size, e.step, e.module) for e in out if e.step >= 3 and e.action != "end"] == [
+        ("alloc", 1280, 3, "attn"), ("alloc", 64, 3, "mask"), ("free", 1280, 3, "attn"), ("free", 64, 3, "mask"),
+        ("alloc", 1280, 4, "attn"), ("alloc", 64, 4, "mask"), ("free", 1280, 4, "attn"), ("free", 64, 4, "mask")]
+    assert [e.key for e in out if e.step == 3 and e.action == "free"][0] == 12  # the head's step-2 cache
+    assert len({e.key for e in out if e.action == "alloc"}) == sum(e.action == "alloc" for e in out)
+    with pytest.raises(NotRepeating, match="1280 B, at the same length from a longer prompt 1408 B"):
+        steps.joined(head, [e._replace(size=1408) if e.key == 51 else e for e in tail], 2)
+
+
 def test_decode_steps_whose_flash_starts_splitting_the_keys_are_all_traced():
     """A 100-token prompt decoded to 140: flash's keys pass one block of 128 on the way, where its
     split-KV accumulators begin (a step the traced ones have no entry for): every step is traced."""

@@ -144,29 +144,35 @@ def synthesized(point: Point, a: int = SHALLOW, p: int = 1) -> Traced:
         few, steps = decoded + 1, point.workload.new_tokens + 1
         shallow, checked_on = decoding(point, decoded), decoding(point, decoded + 1)
         grow: Callable[[str], int | None] | None = _sized_on(point.gpu)
-        steps_said = f", decode steps {few - 1} -> {steps - 1}"
+        crossed_from = _crossed_from(point, decoded)
+        steps_said = f", decode steps {few - 1} -> {steps - 1}" if crossed_from is None else \
+            f", decode steps {DECODE_TRACED} -> {steps - 1}, the sliding window crossed from a {crossed_from}-token prompt"
     else:
-        steps, few, grow = point.workload.steps, traced_steps(point), None
+        steps, few, grow, crossed_from = point.workload.steps, traced_steps(point), None, None
         shallow, checked_on = point.replace(workload=dataclasses.replace(point.workload, steps=few)), point
         steps_said = f", steps {few} -> {steps}" if few < steps else ""
+
+    def traced_at(at: Point):  # the shallow point's journal and findings (a tracker's or two joined)
+        return run_point(at)[1] if crossed_from is None else _across_window(at, crossed_from, grow)
+
     cache = Path(point.trace_cache) if point.trace_cache else None
-    runs: dict[int, tuple[dict, StorageTracker]] = {}
+    runs: dict[int, StorageTracker | Joined] = {}
     reused = placed_on = None
     # DDP: the shallow depths as another replica count of the job traced them (probe.sim.replicas)
     other_count = replicas.read(cache, shallow, (a, deeper_at))
     if other_count is not None:
         (shallower, deeper), findings, counted = other_count
     else:
-        runs[a] = run_point(at_depth(shallow, a))
-        shallower = ddp_setup.cut(runs[a][1].journal())
+        runs[a] = traced_at(at_depth(shallow, a))
+        shallower = ddp_setup.cut(runs[a].journal())
         skeleton = repeat.skeleton(shallower)
-        reused = _placed_as_before(cache, skeleton, shallower, runs[a][1].findings) if p == 1 else None
+        reused = _placed_as_before(cache, skeleton, shallower, runs[a].findings) if p == 1 else None
         if reused is not None:
             template, deeper_findings, placed_on = reused
         else:
-            runs[deeper_at] = run_point(at_depth(shallow, deeper_at))
-            deeper, deeper_findings = ddp_setup.cut(runs[deeper_at][1].journal()), runs[deeper_at][1].findings
-        findings = [runs[a][1].findings, deeper_findings]
+            runs[deeper_at] = traced_at(at_depth(shallow, deeper_at))
+            deeper, deeper_findings = ddp_setup.cut(runs[deeper_at].journal()), runs[deeper_at].findings
+        findings = [runs[a].findings, deeper_findings]
     prefix = _layer_prefix(deeper, a) if reused is None else template.layer_prefix
     if reused is None:  # both depths' journals at hand, traced here or at another count
         template = repeat.learn(shallower, repeat.as_blocks(deeper, prefix, a, p), a, prefix)
@@ -183,13 +189,13 @@ def synthesized(point: Point, a: int = SHALLOW, p: int = 1) -> Traced:
     structure += f":blocks of {p}" if p > 1 else ""
     checked = trace_store.read_note(cache, trace_store.CHECKED, structure)
     if checked is None:
-        runs[checked_at] = run_point(at_depth(checked_on, checked_at))
+        runs[checked_at] = traced_at(at_depth(checked_on, checked_at))
         check = repeat.canonical(full(blocks(2), few + 1 if grow else steps))
-        traced = repeat.canonical(ddp_setup.cut(runs[checked_at][1].journal()))
+        traced = repeat.canonical(ddp_setup.cut(runs[checked_at].journal()))
         if check != traced:
             at = next((i for i, (x, y) in enumerate(zip(check, traced)) if x != y), min(len(check), len(traced)))
             raise NotRepeating(f"synthesized {checked_at} layers differ from traced at entry {at} of {len(traced)}")
-        findings.append(runs[checked_at][1].findings)
+        findings.append(runs[checked_at].findings)
         how = f"checked at {checked_at}"
     else:
         how = f"its structure checked at {checked_at} on {checked.get('point', 'another point')}"
@@ -308,6 +314,50 @@ def _decode_traced(config, prompt: int, end: int) -> int | None:
     if isinstance(window, int) and window > 0 and prompt - 1 <= window <= end + 1:
         return window + 2 - prompt + DECODE_TRACED
     return DECODE_TRACED
+
+
+def _crossed_from(point: Point, decoded: int) -> int | None:
+    """The prompt from which a serving point's shallow depths trace the steps across a sliding
+    window, where `decoded` steps (_decode_traced: 3 past the window) would take more than 3 steps
+    to reach it from the point's own: 2 + DECODE_TRACED tokens short of the window, so that its
+    first steps are a cache's growing ones (the crossing a token either side of the window). The
+    steps before grow from the point's own first 3 (_across_window). None: traced as they are."""
+    config = hf_config(point.model)
+    window = getattr(config, "sliding_window", None)
+    prompt = point.seq_len - point.workload.new_tokens
+    if not isinstance(window, int) or decoded != window + 2 - prompt + DECODE_TRACED:  # (_decode_traced's window)
+        return None
+    crossed_from = window - 2 - DECODE_TRACED
+    return crossed_from if crossed_from - prompt > DECODE_TRACED else None
+
+
+@dataclass
+class Joined:
+    """A shallow decode's journal made of two traces (_across_window), as a tracker gives one."""
+    entries: list[TraceEvent]
+    findings: dict
+
+    def journal(self) -> list[TraceEvent]:
+        return self.entries
+
+
+def _across_window(at: Point, crossed_from: int, grow: Callable[[str], int | None] | None) -> Joined:
+    """`at` (a serving point at a shallow depth) as if traced whole: its prefill and first
+    DECODE_TRACED steps, grown (probe.sim.steps) to where a trace of the same job decoding from a
+    `crossed_from`-token prompt is one step in, joined to that trace's later steps, which cross the
+    window (steps.joined). The two trace the same calls but at lengths, so their figures must agree
+    but for the attention calls each made (both sets kept, for the cards' kernels)."""
+    prompt = at.seq_len - at.workload.new_tokens
+    head = run_point(decoding(at, DECODE_TRACED))[1]
+    tail = run_point(at.replace(workload=dataclasses.replace(at.workload, new_tokens=at.seq_len - crossed_from)))[1]
+    join = crossed_from - prompt + 1  # the head's step as long as the tail's step 1
+    entries = stepwise.joined(stepwise.extend(head.journal(), join + 1, grow), tail.journal(), join)
+    findings = {**head.findings, **tail.findings}
+    if _as_json(head.findings.get("scalars")) != _as_json(tail.findings.get("scalars")):
+        raise NotRepeating("the figures of decodes from two prompts differ")
+    calls = list(head.findings.get(ATTENTION_CALLS, []))
+    findings[ATTENTION_CALLS] = calls + [c for c in tail.findings.get(ATTENTION_CALLS, []) if c not in calls]
+    return Joined(entries, findings)
 
 
 def traced_steps(point: Point) -> int:

@@ -117,25 +117,66 @@ def _renumbered(code: str, numbers: list[int]) -> str:
 def _successors(journal: list[TraceEvent], before: int, last: int, ref: dict[int, int]) -> dict[int, int]:
     """Alloc entries of step `before` alive at its end -> those of step `last` alive at its end in
     the same role, in order."""
-    def survivors(step: int) -> dict[tuple, list[int]]:
-        alive: dict[int, str] = {}  # alloc entry -> its kind now
-        end = None
-        for i, e in enumerate(journal):
-            if e.action == "alloc" and e.step == step:
-                alive[i] = e.kind
-            elif e.action == "free" and i in ref:
-                alive.pop(ref[i], None)
-            elif e.action == "retag" and ref.get(i) in alive:
-                alive[ref[i]] = e.kind
-            elif e.action == "end" and e.step == step:
-                end = i
-                break
-        if end is None:
-            raise NotRepeating(f"step {step} has no end mark")
-        roles: dict[tuple, list[int]] = defaultdict(list)
-        for i, kind in alive.items():  # in allocation order (dicts keep insertion order)
-            roles[(kind, journal[i].phase, journal[i].module)].append(i)
-        return roles
-
-    old, new = survivors(before), survivors(last)
+    old, new = _survivors(journal, before, ref), _survivors(journal, last, ref)
     return {x: y for role, xs in old.items() for x, y in zip(xs, new.get(role, []))}
+
+
+def _survivors(journal: list[TraceEvent], step: int, ref: dict[int, int]) -> dict[tuple, list[int]]:
+    """The alloc entries of `step` alive at its end, by role (kind then, phase, module), in
+    allocation order."""
+    alive: dict[int, str] = {}  # alloc entry -> its kind now
+    end = None
+    for i, e in enumerate(journal):
+        if e.action == "alloc" and e.step == step:
+            alive[i] = e.kind
+        elif e.action == "free" and i in ref:
+            alive.pop(ref[i], None)
+        elif e.action == "retag" and ref.get(i) in alive:
+            alive[ref[i]] = e.kind
+        elif e.action == "end" and e.step == step:
+            end = i
+            break
+    if end is None:
+        raise NotRepeating(f"step {step} has no end mark")
+    roles: dict[tuple, list[int]] = defaultdict(list)
+    for i, kind in alive.items():  # in allocation order (dicts keep insertion order)
+        roles[(kind, journal[i].phase, journal[i].module)].append(i)
+    return roles
+
+
+def joined(head: list[TraceEvent], tail: list[TraceEvent], at: int) -> list[TraceEvent]:
+    """`head` (steps to `at`, each closed by its end mark) and, as its steps at+1, at+2, ..., the
+    steps after step 1 of `tail`: the same job decoding from a longer prompt, its step 1 as long as
+    head's step `at`. A tail entry that refers to a storage its step 1 left alive refers to head's
+    in the same role (the n-th of a role to the n-th; both roles' storages alike in number and
+    bytes); one that refers to a storage of its later steps, to that storage. Anything else (a
+    storage of its prefill) is NotRepeating. seq is the entry's index."""
+    ref_h, ref_t = referents(head), referents(tail)
+    mine, theirs = _survivors(head, at, ref_h), _survivors(tail, 1, ref_t)
+    if {r: len(v) for r, v in mine.items()} != {r: len(v) for r, v in theirs.items()}:
+        raise NotRepeating(f"step {at} and the longer prompt's step 1 leave storages of other roles alive")
+    alias = {}  # a tail alloc entry -> the key it has in the joined journal
+    for role, xs in theirs.items():
+        for x, y in zip(xs, mine[role], strict=True):
+            if tail[x].size != head[y].size:
+                raise NotRepeating(f"a {role[0]} of {role[2] or 'no module'} alive after step {at} has "
+                                   f"{head[y].size} B, at the same length from a longer prompt {tail[x].size} B")
+            alias[x] = head[y].key
+    out = [e for e in head if e.step <= at]
+    next_key = max((abs(e.key) for e in head), default=0) + 1
+    shift = at - 1
+    for i, e in enumerate(tail):
+        if e.step < 2:
+            continue
+        if e.action == "alloc":
+            alias[i], next_key = next_key, next_key + 1
+            key = alias[i]
+        elif e.action == "end":
+            key = e.key
+        elif ref_t.get(i) in alias:
+            key = alias[ref_t[i]]
+        else:
+            raise NotRepeating(f"entry {i} from the longer prompt refers to a storage of its step "
+                               f"{tail[ref_t[i]].step if i in ref_t else 'none'}")
+        out.append(e._replace(key=key, step=e.step + shift))
+    return [TraceEvent(i, *e[1:]) for i, e in enumerate(out)]
