@@ -9,6 +9,10 @@ gradient its zero_grad frees) refers to that storage's successor: the storage th
 left alive in the same role (kind at the step's end, phase, module: the n-th of a role to the
 n-th). Anything else (a free of older memory, which a copy would free twice) is NotRepeating.
 probe.sim.shortcut checks an extension against a traced journal before it trusts its structure.
+
+`joined` continues a decode with the steps of the same job decoding from a longer prompt, from
+where both are as long (a sliding window's crossing, traced without the steps before it): what
+the later steps free of the earlier ones is found by role, as a copy's is.
 """
 
 from __future__ import annotations
