@@ -45,7 +45,9 @@ def combination(rng: random.Random, presets: bool = False, architectures: bool =
           f"gpu={rng.choice(['a100-80gb', 't4', 'h100-80gb', 'rtx4060', 'mi300x', 'l4'])}"]
     if rng.random() < 0.25:
         o.append("workload=infer")
-        if rng.random() < 0.5:
+        if architectures and rng.random() < 0.3:  # a sliding window crossed far past the prompt
+            o += ["workload.new_tokens=48", "++model.hf.sliding_window=40"]
+        elif rng.random() < 0.5:
             o.append(f"workload.new_tokens={rng.choice([1, 4])}")
         if rng.random() < 0.4:  # serving over tensor parallel (on the nodes the card needs)
             o += [f"parallel.tp={rng.choice([2, 4] if presets else [2])}", "parallel.nodes=auto"]
