@@ -152,8 +152,10 @@ def synthesized(point: Point, a: int = SHALLOW, p: int = 1) -> Traced:
         shallow, checked_on = point.replace(workload=dataclasses.replace(point.workload, steps=few)), point
         steps_said = f", steps {few} -> {steps}" if few < steps else ""
 
-    def traced_at(at: Point):  # the shallow point's journal and findings (a tracker's or two joined)
-        return run_point(at)[1] if crossed_from is None else _across_window(at, crossed_from, grow)
+    def traced_at(at: Point, check: bool = False):  # the journal and findings (a tracker's or two joined)
+        # (the check's first steps one more, as a decode's check is: what grew from 3 is checked at 4)
+        return run_point(at)[1] if crossed_from is None else \
+            _across_window(at, crossed_from, grow, DECODE_TRACED + check)
 
     cache = Path(point.trace_cache) if point.trace_cache else None
     runs: dict[int, StorageTracker | Joined] = {}
@@ -189,7 +191,7 @@ def synthesized(point: Point, a: int = SHALLOW, p: int = 1) -> Traced:
     structure += f":blocks of {p}" if p > 1 else ""
     checked = trace_store.read_note(cache, trace_store.CHECKED, structure)
     if checked is None:
-        runs[checked_at] = traced_at(at_depth(checked_on, checked_at))
+        runs[checked_at] = traced_at(at_depth(checked_on, checked_at), check=True)
         check = repeat.canonical(full(blocks(2), few + 1 if grow else steps))
         traced = repeat.canonical(ddp_setup.cut(runs[checked_at].journal()))
         if check != traced:
@@ -341,14 +343,14 @@ class Joined:
         return self.entries
 
 
-def _across_window(at: Point, crossed_from: int, grow: Callable[[str], int | None] | None) -> Joined:
-    """`at` (a serving point at a shallow depth) as if traced whole: its prefill and first
-    DECODE_TRACED steps, grown (probe.sim.steps) to where a trace of the same job decoding from a
+def _across_window(at: Point, crossed_from: int, grow: Callable[[str], int | None] | None, first: int) -> Joined:
+    """`at` (a serving point at a shallow depth) as if traced whole: its prefill and `first`
+    steps, grown (probe.sim.steps) to where a trace of the same job decoding from a
     `crossed_from`-token prompt is one step in, joined to that trace's later steps, which cross the
     window (steps.joined). The two trace the same calls but at lengths, so their figures must agree
     but for the attention calls each made (both sets kept, for the cards' kernels)."""
     prompt = at.seq_len - at.workload.new_tokens
-    head = run_point(decoding(at, DECODE_TRACED))[1]
+    head = run_point(decoding(at, first))[1]
     tail = run_point(at.replace(workload=dataclasses.replace(at.workload, new_tokens=at.seq_len - crossed_from)))[1]
     join = crossed_from - prompt + 1  # the head's step as long as the tail's step 1
     entries = stepwise.joined(stepwise.extend(head.journal(), join + 1, grow), tail.journal(), join)
