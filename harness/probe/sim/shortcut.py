@@ -319,11 +319,11 @@ def _decode_traced(config, prompt: int, end: int) -> int | None:
 
 
 def _crossed_from(point: Point, decoded: int) -> int | None:
-    """The prompt from which a serving point's shallow depths trace the steps across a sliding
-    window, where `decoded` steps (_decode_traced: 3 past the window) would take more than 3 steps
-    to reach it from the point's own: 2 + DECODE_TRACED tokens short of the window, so that its
-    first steps are a cache's growing ones (the crossing a token either side of the window). The
-    steps before grow from the point's own first 3 (_across_window). None: traced as they are."""
+    """The prompt, 2 + DECODE_TRACED tokens short of a sliding window (its first steps a cache's
+    growing ones: the crossing lies a token either side of the window), from which a serving
+    point's shallow depths trace their steps across the window (_across_window), where `decoded`
+    (_decode_traced's 3 past the window) would trace more than DECODE_TRACED steps before that
+    prompt's length; else None (no window crossed, or one that near: every step traced)."""
     config = hf_config(point.model)
     window = getattr(config, "sliding_window", None)
     prompt = point.seq_len - point.workload.new_tokens
@@ -347,8 +347,8 @@ def _across_window(at: Point, crossed_from: int, grow: Callable[[str], int | Non
     """`at` (a serving point at a shallow depth) as if traced whole: its prefill and `first`
     steps, grown (probe.sim.steps) to where a trace of the same job decoding from a
     `crossed_from`-token prompt is one step in, joined to that trace's later steps, which cross the
-    window (steps.joined). The two trace the same calls but at lengths, so their figures must agree
-    but for the attention calls each made (both sets kept, for the cards' kernels)."""
+    window (steps.joined). The two traces' figures must agree (parameters and state, not lengths);
+    the attention calls of both are kept (the cards' kernels are chosen by them)."""
     prompt = at.seq_len - at.workload.new_tokens
     head = run_point(decoding(at, first))[1]
     tail = run_point(at.replace(workload=dataclasses.replace(at.workload, new_tokens=at.seq_len - crossed_from)))[1]
