@@ -39,14 +39,15 @@ def combination(rng: random.Random, presets: bool = False, architectures: bool =
         o = ["model=hf", f"model.config_json={rng.choice(ARCHITECTURES).relative_to(REPO)}"]
         if rng.random() < 0.5:  # deep enough to be synthesized (blocks of layers: 14)
             o.append(f"+model.hf.num_hidden_layers={rng.choice([6, 14])}")
-    o += [f"seq_len={rng.choice(lengths)}", f"batch_size={rng.choice([1, 2, 4])}",
+    seq_len = rng.choice(lengths)
+    o += [f"seq_len={seq_len}", f"batch_size={rng.choice([1, 2, 4])}",
           f"precision={rng.choice(['fp32', 'bf16', 'fp16', 'amp_bf16', 'amp_fp16'])}",
           f"allocator={rng.choice(['default', 'expandable', 'max_split_512', 'roundup4', 'gc80'])}",
           f"gpu={rng.choice(['a100-80gb', 't4', 'h100-80gb', 'rtx4060', 'mi300x', 'l4'])}"]
     if rng.random() < 0.25:
         o.append("workload=infer")
-        if architectures and rng.random() < 0.3:  # a sliding window crossed far past the prompt
-            o += ["workload.new_tokens=48", "++model.hf.sliding_window=40"]
+        if architectures and rng.random() < 0.3:  # a sliding window crossed 24 steps past the prompt
+            o += ["workload.new_tokens=48", f"++model.hf.sliding_window={seq_len - 24}"]
         elif rng.random() < 0.5:
             o.append(f"workload.new_tokens={rng.choice([1, 4])}")
         if rng.random() < 0.4:  # serving over tensor parallel (on the nodes the card needs)
