@@ -13,22 +13,11 @@ import sys
 import time
 from pathlib import Path
 
+from harness.errors import Interrupted
 from harness.record.row import RESULT_FILE
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 GRACE_S = 2.0  # SIGTERM first; what still runs after this gets SIGKILL
-
-
-class Interrupted(BaseException):
-    """Raised in the main thread by SIGINT or SIGTERM (a BaseException: nothing on the way catches it)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ from omegaconf import OmegaConf, open_dict
 
 from harness.config.compose import as_dict
 from harness.config.point import Point
+from harness.errors import Interrupted
 from harness.launch.point import to_point
 from harness.record.results import find_done
 from harness.record.row import RESULT_FILE, base_record, run_id, write_row
@@ -159,7 +160,7 @@ class SlurmArrays(SlurmLauncher):
             # Ctrl-C (cli.interrupt's, SIGINT) is the user stopping the sweep: its jobs too (the resume
             # submits them again). Killed otherwise (SIGTERM: a launcher job's time limit, a kill), the
             # launcher loses nothing: the jobs run on and write their rows (README).
-            if getattr(e, "signum", None) == signal.SIGINT:
+            if isinstance(e, Interrupted) and e.signum == signal.SIGINT:
                 _cancel([job for p, job in jobs if p.idx not in rows])
             raise
         return [JobReturn(overrides=p.overrides, status=JobStatus.COMPLETED, _return_value=rows[p.idx]["status"],
