@@ -242,14 +242,13 @@ def test_decode_steps_past_a_chunks_end_or_a_sliding_window_are_the_full_trace(a
     ("gemma2", 2),  # every other layer's: the global ones' caches keep growing
 ])
 def test_a_decode_across_a_sliding_window_far_past_its_prompt_is_joined_from_two_short_traces(model, p):
-    """A 20-token prompt decoded to 80 over a window of 64: the steps across it are traced from a
-    59-token prompt and joined to the point's first 3, grown to 40 tokens; the joined trace is the
+    """A 48-token prompt decoded to 72 over a window of 64: the steps across it are traced from a
+    59-token prompt and joined to the point's first 3, grown to 60 tokens; the joined trace is the
     full one."""
     point = train_point(model=model, num_hidden_layers=DEPTH, sliding_window=64) if p == 1 else \
         _on_architecture(model, num_hidden_layers=4 * p)
-    point = point.replace(seq_len=80, workload=Workload(name="infer", new_tokens=60 if p == 1 else 30))
-    prompt = 80 - point.workload.new_tokens
-    assert shortcut.decodes_beyond(point) == 64 + 2 - prompt + 3
+    point = point.replace(seq_len=72, workload=Workload(name="infer", new_tokens=24))
+    assert shortcut.decodes_beyond(point) == 64 + 2 - 48 + 3
     m = _assert_same_as_full(point, traced=shortcut.synthesized(point, p, p))
     assert "the sliding window crossed from a 59-token prompt" in m["trace_method"]
 
