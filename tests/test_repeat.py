@@ -279,6 +279,10 @@ def test_a_decode_from_a_longer_prompt_joins_where_its_storages_are_the_points_i
     assert len({e.key for e in out if e.action == "alloc"}) == sum(e.action == "alloc" for e in out)
     with pytest.raises(NotRepeating, match="1280 B, at the same length from a longer prompt 1408 B"):
         steps.joined(head, [e._replace(size=1408) if e.key == 51 else e for e in tail], 2)
+    # a storage of the longer prompt's prefill, freed after the join: the head has none in its place
+    prefilled = tail[:1] + [ev("alloc", 40, 32, 0, "norm")] + tail[1:-1] + [ev("free", 40, 32, 3, "norm"), tail[-1]]
+    with pytest.raises(NotRepeating, match="refers to a storage of its step 0"):
+        steps.joined(head, prefilled, 2)
 
 
 def test_decode_steps_whose_flash_starts_splitting_the_keys_are_all_traced():
