@@ -253,6 +253,17 @@ def test_a_decode_across_a_sliding_window_far_past_its_prompt_is_joined_from_two
     assert "the sliding window crossed from a 59-token prompt" in m["trace_method"]
 
 
+@pytest.mark.parametrize("model, layers", [("tiny", 2), ("gemma2", 7)])
+def test_a_serving_point_traced_at_its_depth_grows_its_decode_steps_from_the_traced_ones(model, layers):
+    """Too few layers to copy (tiny's 2), or unlike to the top (Gemma 2's 7: sliding and global
+    attention alternate): the point is traced at its depth for 3 decode steps and a 4th, the 4th
+    the 3rd grown, and steps 5 to 16 grow from them; the full trace of 16."""
+    point = train_point() if model == "tiny" else _on_architecture(model, num_hidden_layers=layers)
+    point = point.replace(seq_len=200, workload=Workload(name="infer", new_tokens=16))
+    m = _assert_same_as_full(point, synthesized=False)
+    assert m["trace_method"].endswith("; decode steps 3 -> 16 (checked at 4)")
+
+
 def test_a_decode_from_a_longer_prompt_joins_where_its_storages_are_the_points_in_role_and_bytes():
     """The head's cache after step 2 is the tail's after its step 1 (1280 B): the tail's steps 2
     and 3 (a mask from step 2 on) follow as steps 3 and 4, freeing the head's cache. A cache of

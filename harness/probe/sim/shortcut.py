@@ -69,9 +69,32 @@ def _trace(point: Point) -> Traced:
             return synthesized(point, a, p)
         except NotRepeating as e:
             reason = f"its layers did not repeat ({e})"
+    decoded = decodes_beyond(point)
+    if decoded is not None:
+        try:
+            return _grown_at_depth(point, decoded, reason)
+        except NotRepeating as e:
+            reason += f"; its decode steps did not grow ({e})"
     m, tracker = run_point(point)
     m["trace_method"] = f"full: {reason}"
     return Traced(m, tracker.events, tracker.findings)
+
+
+def _grown_at_depth(point: Point, decoded: int, reason: str) -> Traced:
+    """A serving point whose layers are traced in full (`reason`) traced for `decoded` steps and one
+    more, its later steps grown from them (probe.sim.steps) where the `decoded` grow to the one
+    more, as a synthesized point's are checked."""
+    _, tracker = run_point(decoding(point, decoded + 1))
+    journal, grow = tracker.journal(), _sized_on(point.gpu)
+    end = next(i for i, e in enumerate(journal) if e.action == "end" and e.step == decoded)
+    if repeat.canonical(stepwise.extend(journal[:end + 1], decoded + 2, grow)) != repeat.canonical(journal):
+        raise NotRepeating(f"decode step {decoded + 1} is not step {decoded} grown")
+    journal = stepwise.extend(journal, point.workload.new_tokens + 1, grow)
+    findings = tracker.findings
+    m = measurements(journal, holder=findings.get("retained_holder"), **findings["scalars"])
+    m[ATTENTION_CALLS] = attention.to_column(tracker.attention_calls, point.gpu.capability)
+    m["trace_method"] = f"full: {reason}; decode steps {decoded} -> {point.workload.new_tokens} (checked at {decoded + 1})"
+    return Traced(m, [e for e in journal if e.action in ("alloc", "free")], findings)
 
 
 def depth(point: Point) -> int:
