@@ -8,10 +8,13 @@ retag refers to) is the point's depth synthesized. a is 1 past the layers built 
 rest (probe.sim.layers: DeepSeek-V3's dense ones); a block of p layers that repeats (Gemma's
 sliding-window and global attention) is copied as one layer, from depths a and a+p, checked at
 a+2p. Otherwise, and for jobs of the user's own (whose depth the harness does not know), the point
-is traced in full; the row's trace_method says which.
+is traced in full; the row's trace_method says which. A serving point traced in full still grows
+its later decode steps from its first few, checked at one step more (_grown_at_depth).
 
 Training steps repeat too: the shallow depths are traced for two steps and the rest are copies of
-the second (probe.sim.steps), checked with the layers (the a+2 trace has every step). A template
+the second (probe.sim.steps), checked with the layers (the a+2 trace has every step); a decode's
+steps grow from its first three, and where they cross a sliding window far past the prompt the
+steps across it come from a trace decoding from just short of it (_across_window). A template
 whose structure (repeat.structure: all but its sizes) was checked on another point of the sweep,
 another batch or length, is not checked again: nothing in its synthesis depends on its sizes. And a
 point whose depth-a journal has the skeleton (all but the sizes) of one a point of the sweep learned
@@ -70,7 +73,7 @@ def _trace(point: Point) -> Traced:
         except NotRepeating as e:
             reason = f"its layers did not repeat ({e})"
     decoded = decodes_beyond(point)
-    if decoded is not None:
+    if decoded is not None and point.workload.new_tokens > decoded + 1:  # (the check traces decoded + 1)
         try:
             return _grown_at_depth(point, decoded, reason)
         except NotRepeating as e:
