@@ -253,15 +253,22 @@ def test_a_decode_across_a_sliding_window_far_past_its_prompt_is_joined_from_two
     assert "the sliding window crossed from a 59-token prompt" in m["trace_method"]
 
 
-@pytest.mark.parametrize("model, layers", [("tiny", 2), ("gemma2", 7)])
-def test_a_serving_point_traced_at_its_depth_grows_its_decode_steps_from_the_traced_ones(model, layers):
+@pytest.mark.parametrize("model, seq_len, new_tokens, said", [
+    ("tiny", 200, 16, "decode steps 3 -> 16 (checked at 4)"),
+    ("gemma2", 200, 16, "decode steps 3 -> 16 (checked at 4)"),
+    # a 48-token prompt decoded to 72 over a window of 64: its steps across it joined (_across_window)
+    ("gemma2", 72, 24, "decode steps 3 -> 24, the sliding window crossed from a 59-token prompt (each checked a step "
+                       "further)"),
+])
+def test_a_serving_point_traced_at_its_depth_grows_its_decode_steps_from_the_traced_ones(model, seq_len, new_tokens,
+                                                                                          said):
     """Too few layers to copy (tiny's 2), or unlike to the top (Gemma 2's 7: sliding and global
     attention alternate): the point is traced at its depth for 3 decode steps and a 4th, the 4th
-    the 3rd grown, and steps 5 to 16 grow from them; the full trace of 16."""
-    point = train_point() if model == "tiny" else _on_architecture(model, num_hidden_layers=layers)
-    point = point.replace(seq_len=200, workload=Workload(name="infer", new_tokens=16))
+    the 3rd grown, and the later steps grow from them; the full trace."""
+    point = train_point() if model == "tiny" else _on_architecture(model, num_hidden_layers=7)
+    point = point.replace(seq_len=seq_len, workload=Workload(name="infer", new_tokens=new_tokens))
     m = _assert_same_as_full(point, synthesized=False)
-    assert m["trace_method"].endswith("; decode steps 3 -> 16 (checked at 4)")
+    assert m["trace_method"].endswith("; " + said)
 
 
 def test_a_decode_from_a_longer_prompt_joins_where_its_storages_are_the_points_in_role_and_bytes():

@@ -85,19 +85,29 @@ def _trace(point: Point) -> Traced:
 
 def _grown_at_depth(point: Point, decoded: int, reason: str) -> Traced:
     """A serving point whose layers are traced in full (`reason`) traced for `decoded` steps and one
-    more, its later steps grown from them (probe.sim.steps) where the `decoded` grow to the one
-    more, as a synthesized point's are checked."""
-    _, tracker = run_point(decoding(point, decoded + 1))
-    journal, grow = tracker.journal(), _sized_on(point.gpu)
+    more (its steps across a sliding window far past its prompt joined from a second trace:
+    _across_window), its later steps grown from them where the `decoded` grow to the one more, as a
+    synthesized point's are checked."""
+    grow, crossed_from = _sized_on(point.gpu), _crossed_from(point, decoded)
+    at = decoding(point, decoded + 1)
+    traced = run_point(at)[1] if crossed_from is None else _across_window(at, crossed_from, grow, DECODE_TRACED + 1)
+    journal, findings = traced.journal(), traced.findings
+    _grows_to_next(journal, decoded, grow)
+    journal = stepwise.extend(journal, point.workload.new_tokens + 1, grow)
+    m = measurements(journal, holder=findings.get("retained_holder"), **findings["scalars"])
+    m[ATTENTION_CALLS] = attention.to_column(attention.from_dicts(findings[ATTENTION_CALLS]), point.gpu.capability)
+    n = point.workload.new_tokens
+    m["trace_method"] = f"full: {reason}; " + (f"decode steps {decoded} -> {n} (checked at {decoded + 1})" if crossed_from
+                                                is None else f"decode steps {DECODE_TRACED} -> {n}, the sliding window "
+                                                f"crossed from a {crossed_from}-token prompt (each checked a step further)")
+    return Traced(m, [e for e in journal if e.action in ("alloc", "free")], findings)
+
+
+def _grows_to_next(journal: list[TraceEvent], decoded: int, grow: Callable[[str], int | None] | None) -> None:
+    """NotRepeating unless the journal's last decode step (`decoded` + 1) is its step before grown."""
     end = next(i for i, e in enumerate(journal) if e.action == "end" and e.step == decoded)
     if repeat.canonical(stepwise.extend(journal[:end + 1], decoded + 2, grow)) != repeat.canonical(journal):
         raise NotRepeating(f"decode step {decoded + 1} is not step {decoded} grown")
-    journal = stepwise.extend(journal, point.workload.new_tokens + 1, grow)
-    findings = tracker.findings
-    m = measurements(journal, holder=findings.get("retained_holder"), **findings["scalars"])
-    m[ATTENTION_CALLS] = attention.to_column(tracker.attention_calls, point.gpu.capability)
-    m["trace_method"] = f"full: {reason}; decode steps {decoded} -> {point.workload.new_tokens} (checked at {decoded + 1})"
-    return Traced(m, [e for e in journal if e.action in ("alloc", "free")], findings)
 
 
 def depth(point: Point) -> int:
@@ -377,6 +387,8 @@ def _across_window(at: Point, crossed_from: int, grow: Callable[[str], int | Non
     the attention calls of both are kept (the cards' kernels are chosen by them)."""
     prompt = at.seq_len - at.workload.new_tokens
     head = run_point(decoding(at, first))[1]
+    if first > DECODE_TRACED:  # (a check's: what grows from the first 3 is checked at the 4th)
+        _grows_to_next(head.journal(), first - 1, grow)
     tail = run_point(at.replace(workload=dataclasses.replace(at.workload, new_tokens=at.seq_len - crossed_from)))[1]
     join = crossed_from - prompt + 1  # the head's step as long as the tail's step 1
     entries = stepwise.joined(stepwise.extend(head.journal(), join + 1, grow), tail.journal(), join)
