@@ -88,18 +88,15 @@ def _grown_at_depth(point: Point, decoded: int, reason: str) -> Traced:
     more (its steps across a sliding window far past its prompt joined from a second trace:
     _across_window), its later steps grown from them where the `decoded` grow to the one more, as a
     synthesized point's are checked."""
-    grow, crossed_from = _sized_on(point.gpu), _crossed_from(point, decoded)
-    at = decoding(point, decoded + 1)
-    traced = run_point(at)[1] if crossed_from is None else _across_window(at, crossed_from, grow, DECODE_TRACED + 1)
+    grow, crossed_from = _sized_on(point.gpu), _crossed_from(point)
+    traced = _shallow_trace(decoding(point, decoded + 1), crossed_from, grow, DECODE_TRACED + 1)
     journal, findings = traced.journal(), traced.findings
     _grows_to_next(journal, decoded, grow)
     journal = stepwise.extend(journal, point.workload.new_tokens + 1, grow)
     m = measurements(journal, holder=findings.get("retained_holder"), **findings["scalars"])
     m[ATTENTION_CALLS] = attention.to_column(attention.from_dicts(findings[ATTENTION_CALLS]), point.gpu.capability)
-    n = point.workload.new_tokens
-    m["trace_method"] = f"full: {reason}; " + (f"decode steps {decoded} -> {n} (checked at {decoded + 1})" if crossed_from
-                                                is None else f"decode steps {DECODE_TRACED} -> {n}, the sliding window "
-                                                f"crossed from a {crossed_from}-token prompt (each checked a step further)")
+    checked = f"checked at {decoded + 1}" if crossed_from is None else "each checked a step further"
+    m["trace_method"] = f"full: {reason}; {_decode_said(decoded, point.workload.new_tokens, crossed_from)} ({checked})"
     return Traced(m, [e for e in journal if e.action in ("alloc", "free")], findings)
 
 
@@ -180,18 +177,12 @@ def synthesized(point: Point, a: int = SHALLOW, p: int = 1) -> Traced:
         few, steps = decoded + 1, point.workload.new_tokens + 1
         shallow, checked_on = decoding(point, decoded), decoding(point, decoded + 1)
         grow: Callable[[str], int | None] | None = _sized_on(point.gpu)
-        crossed_from = _crossed_from(point, decoded)
-        steps_said = f", decode steps {few - 1} -> {steps - 1}" if crossed_from is None else \
-            f", decode steps {DECODE_TRACED} -> {steps - 1}, the sliding window crossed from a {crossed_from}-token prompt"
+        crossed_from = _crossed_from(point)
+        steps_said = f", {_decode_said(decoded, steps - 1, crossed_from)}"
     else:
         steps, few, grow, crossed_from = point.workload.steps, traced_steps(point), None, None
         shallow, checked_on = point.replace(workload=dataclasses.replace(point.workload, steps=few)), point
         steps_said = f", steps {few} -> {steps}" if few < steps else ""
-
-    def traced_at(at: Point, check: bool = False):  # the journal and findings (a tracker's or two joined)
-        # (the check's first steps one more, as a decode's check is: what grew from 3 is checked at 4)
-        return run_point(at)[1] if crossed_from is None else \
-            _across_window(at, crossed_from, grow, DECODE_TRACED + check)
 
     cache = Path(point.trace_cache) if point.trace_cache else None
     runs: dict[int, StorageTracker | Joined] = {}
@@ -201,14 +192,14 @@ def synthesized(point: Point, a: int = SHALLOW, p: int = 1) -> Traced:
     if other_count is not None:
         (shallower, deeper), findings, counted = other_count
     else:
-        runs[a] = traced_at(at_depth(shallow, a))
+        runs[a] = _shallow_trace(at_depth(shallow, a), crossed_from, grow)
         shallower = ddp_setup.cut(runs[a].journal())
         skeleton = repeat.skeleton(shallower)
         reused = _placed_as_before(cache, skeleton, shallower, runs[a].findings) if p == 1 else None
         if reused is not None:
             template, deeper_findings, placed_on = reused
         else:
-            runs[deeper_at] = traced_at(at_depth(shallow, deeper_at))
+            runs[deeper_at] = _shallow_trace(at_depth(shallow, deeper_at), crossed_from, grow)
             deeper, deeper_findings = ddp_setup.cut(runs[deeper_at].journal()), runs[deeper_at].findings
         findings = [runs[a].findings, deeper_findings]
     prefix = _layer_prefix(deeper, a) if reused is None else template.layer_prefix
@@ -227,7 +218,8 @@ def synthesized(point: Point, a: int = SHALLOW, p: int = 1) -> Traced:
     structure += f":blocks of {p}" if p > 1 else ""
     checked = trace_store.read_note(cache, trace_store.CHECKED, structure)
     if checked is None:
-        runs[checked_at] = traced_at(at_depth(checked_on, checked_at), check=True)
+        # (a decode's check traces its first steps one more: what grew from 3 is checked at 4)
+        runs[checked_at] = _shallow_trace(at_depth(checked_on, checked_at), crossed_from, grow, DECODE_TRACED + 1)
         check = repeat.canonical(full(blocks(2), few + 1 if grow else steps))
         traced = repeat.canonical(ddp_setup.cut(runs[checked_at].journal()))
         if check != traced:
@@ -348,25 +340,42 @@ def _decode_traced(config, prompt: int, end: int) -> int | None:
     chunk = getattr(config, "attention_chunk_size", None)
     if isinstance(chunk, int) and chunk > 0 and (end + 1) // chunk * chunk >= prompt - 1:
         return None
+    window = _window_reached(config, prompt, end)
+    return DECODE_TRACED if window is None else window + 2 - prompt + DECODE_TRACED
+
+
+def _window_reached(config, prompt: int, end: int) -> int | None:
+    """The sliding window a decode from `prompt` tokens to `end` reaches (a token either side), else None."""
     window = getattr(config, "sliding_window", None)
-    if isinstance(window, int) and window > 0 and prompt - 1 <= window <= end + 1:
-        return window + 2 - prompt + DECODE_TRACED
-    return DECODE_TRACED
+    return window if isinstance(window, int) and window > 0 and prompt - 1 <= window <= end + 1 else None
 
 
-def _crossed_from(point: Point, decoded: int) -> int | None:
+def _crossed_from(point: Point) -> int | None:
     """The prompt, 2 + DECODE_TRACED tokens short of a sliding window (its first steps a cache's
     growing ones: the crossing lies a token either side of the window), from which a serving
-    point's shallow depths trace their steps across the window (_across_window), where `decoded`
-    (_decode_traced's 3 past the window) would trace more than DECODE_TRACED steps before that
-    prompt's length; else None (no window crossed, or one that near: every step traced)."""
-    config = hf_config(point.model)
-    window = getattr(config, "sliding_window", None)
+    point's steps across the window are traced (_across_window), where its own prompt lies more
+    than DECODE_TRACED steps before that; else None (no window reached, or one that near: its steps
+    to 3 past the window are traced)."""
     prompt = point.seq_len - point.workload.new_tokens
-    if not isinstance(window, int) or decoded != window + 2 - prompt + DECODE_TRACED:  # (_decode_traced's window)
+    window = _window_reached(hf_config(point.model), prompt, point.seq_len)
+    if window is None:
         return None
     crossed_from = window - 2 - DECODE_TRACED
     return crossed_from if crossed_from - prompt > DECODE_TRACED else None
+
+
+def _decode_said(decoded: int, tokens: int, crossed_from: int | None) -> str:
+    """How a serving point's decode steps were made, for its trace_method."""
+    if crossed_from is None:
+        return f"decode steps {decoded} -> {tokens}"
+    return f"decode steps {DECODE_TRACED} -> {tokens}, the sliding window crossed from a {crossed_from}-token prompt"
+
+
+def _shallow_trace(at: Point, crossed_from: int | None, grow: Callable[[str], int | None] | None,
+                   first: int = DECODE_TRACED):
+    """`at`'s journal and findings: a tracker's, or two traces joined across a sliding window
+    (_across_window, its first `first` decode steps traced)."""
+    return run_point(at)[1] if crossed_from is None else _across_window(at, crossed_from, grow, first)
 
 
 @dataclass
@@ -387,11 +396,12 @@ def _across_window(at: Point, crossed_from: int, grow: Callable[[str], int | Non
     the attention calls of both are kept (the cards' kernels are chosen by them)."""
     prompt = at.seq_len - at.workload.new_tokens
     head = run_point(decoding(at, first))[1]
+    head_journal = head.journal()  # (a tracker's journal is sorted anew at each call)
     if first > DECODE_TRACED:  # (a check's: what grows from the first 3 is checked at the 4th)
-        _grows_to_next(head.journal(), first - 1, grow)
+        _grows_to_next(head_journal, first - 1, grow)
     tail = run_point(at.replace(workload=dataclasses.replace(at.workload, new_tokens=at.seq_len - crossed_from)))[1]
     join = crossed_from - prompt + 1  # the head's step as long as the tail's step 1
-    entries = stepwise.joined(stepwise.extend(head.journal(), join + 1, grow), tail.journal(), join)
+    entries = stepwise.joined(stepwise.extend(head_journal, join + 1, grow), tail.journal(), join)
     findings = {**head.findings, **tail.findings}
     if _as_json(head.findings.get("scalars")) != _as_json(tail.findings.get("scalars")):
         raise NotRepeating("the figures of decodes from two prompts differ")

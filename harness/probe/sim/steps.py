@@ -68,7 +68,7 @@ def _stamped(journal: list[TraceEvent], s: int, steps: int,
         keyed.append(how)
     out = list(journal)
     keys_before = [journal[i].key for i in rows]
-    next_key = max((abs(e.key) for e in journal), default=0) + 1
+    next_key = _next_key(journal)
     resized_to: dict[int, int] = {}  # a copy's storage `grow` sized -> its bytes (its free's too)
     for k in range(1, steps - s):
         keys: list[int] = []
@@ -93,6 +93,11 @@ def _stamped(journal: list[TraceEvent], s: int, steps: int,
             out.append(TraceEvent(e.seq, e.action, key, size, e.kind, e.phase, s + k, e.module, e.stream, code))
         keys_before = keys
     return out
+
+
+def _next_key(journal: list[TraceEvent]) -> int:
+    """A key no entry of `journal` has (synthetic keys are negative: probe.sim.tracker)."""
+    return max((abs(e.key) for e in journal), default=0) + 1
 
 
 def _growth(journal: list[TraceEvent], rows: list[int], s: int) -> list[tuple[int, list[int] | None]]:
@@ -167,7 +172,7 @@ def joined(head: list[TraceEvent], tail: list[TraceEvent], at: int) -> list[Trac
                                    f"{head[y].size} B, at the same length from a longer prompt {tail[x].size} B")
             alias[x] = head[y].key
     out = [e for e in head if e.step <= at]
-    next_key = max((abs(e.key) for e in head), default=0) + 1
+    next_key = _next_key(head)
     shift = at - 1
     for i, e in enumerate(tail):
         if e.step < 2:
