@@ -211,7 +211,6 @@ def test_decode_steps_over_which_only_the_traced_card_starts_splitting_grow_thro
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_a_model_without_attention_serves_more_decode_steps_than_are_traced():
     """Mamba decoding 8 tokens, its state of one size (no keys to split): it was an error row,
     asked for its attention heads."""

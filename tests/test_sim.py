@@ -91,6 +91,26 @@ def test_the_optimizers_allocations_are_charged_to_their_parameters_modules():
     assert state == {name: 2 * nbytes for name, nbytes in owns.items()}
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_backwards_allocations_are_charged_to_the_module_whose_forward_made_them(checkpointing):
+    """Backward names the module whose forward made the autograd node running (a checkpoint's
+    recompute: the module recomputed): each Linear's weight gradient is charged to that Linear,
+    and the layers' allocations come top layer first."""
+    from harness.config.models import hf_config, on_meta
+
+    point = train_point(model="tiny", precision="bf16", checkpointing=checkpointing)
+    _, tr = run_point(point)
+    linears = {name: mod.weight.numel() * 2 for name, mod in on_meta(hf_config(point.model)).named_modules()
+               if isinstance(mod, torch.nn.Linear)}
+    backward = [e for e in tr.events if e.phase == "backward" and e.action == "alloc" and e.step == 1]
+    assert backward and all(e.module for e in backward[1:])  # (the first: the loss's seed gradient, made by none)
+    for name, nbytes in linears.items():
+        assert any(e.module == name and e.size == nbytes for e in backward), name
+    # backward runs the top layer first: each of its allocations before any of the one below
+    layer = [int(e.module.split(".")[2]) for e in backward if e.module.startswith("model.layers.")]
+    assert layer == sorted(layer, reverse=True) and set(layer) == {0, 1}
+
+
 def test_optimizer_impl_auto_is_what_torch_picks_on_cuda():
     """foreach for AdamW and SGD (torch's _default_to_fused_or_foreach); Adafactor's for-loop."""
     import torch

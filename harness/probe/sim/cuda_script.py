@@ -252,10 +252,16 @@ def backward_inside(mode: TorchFunctionMode):
     original = torch.autograd.graph._engine_run_backward
 
     def run_backward(*args, **kwargs):
-        if mode in _get_current_function_mode_stack():
-            return original(*args, **kwargs)
-        with mode:
-            return original(*args, **kwargs)
+        # one run from inside another's node (a reentrant checkpoint's) is nested (tracker._backward_module)
+        nested = torch._C._current_graph_task_id() != -1
+        mode.tracker.nested_backward += nested
+        try:
+            if mode in _get_current_function_mode_stack():
+                return original(*args, **kwargs)
+            with mode:
+                return original(*args, **kwargs)
+        finally:
+            mode.tracker.nested_backward -= nested
 
     torch.autograd.graph._engine_run_backward = run_backward
     torch.autograd._engine_run_backward = run_backward  # type: ignore[attr-defined]

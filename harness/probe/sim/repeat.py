@@ -363,6 +363,10 @@ def _junctions(b: list[TraceEvent], blocks: list[_Block], refs: dict[int, int]) 
         if len(hosts) != 1 or (m := hosts.pop()) in (-1, n):
             continue
         host = blocks[m]
+        if host.reverse and all(b[k].action != "alloc" and b[k][5:7] == b[host.start][5:7] for k in entries):
+            # only frees and retags (naming no module) of what a block run top-down allocated, in
+            # its phase and step: its copies run as the host's, whatever the entries around it name
+            blk.reverse = True
         # Reversed: the layer run after the new one is an old layer (forward, it is what follows
         # the layers)
         if not (host.reverse and blk.reverse) or blk.start < host.start + host.length:
@@ -547,8 +551,10 @@ def _counterparts(t: Template, blk: _Block, allocs: list[int], old: list[int]) -
     below = f"{t.layer_prefix}{t.depth - 1}"
 
     def role(k: int) -> tuple:
+        # backward's by kind and order alone: FSDP2's prefetch of the layer below is the prefetching
+        # layer's, and the lowest layer's counterpart the root's
         e = t.entries[k]
-        return (e.kind, e.phase, e.step, t.layer_names.sub(below, e.module), e.stream)
+        return (e.kind, e.phase, e.step, "" if e.phase == "backward" else t.layer_names.sub(below, e.module), e.stream)
 
     at = bisect.bisect_left(old, blk.start)
     window = 2 * len(allocs)

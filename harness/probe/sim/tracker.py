@@ -8,6 +8,7 @@ the side effect that makes MemTracker over-count forward loops run with gradient
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import sys
@@ -31,6 +32,7 @@ from harness.probe.sim.cuda_emulation import grouped_mm_output
 # cuBLAS workspace PyTorch allocates through its own allocator on a thread's first GEMM
 # (at::cuda::getNewWorkspace): 8,519,680 B per handle in real traces (fidelity.md, C.5).
 CUBLAS_WORKSPACE_BYTES = cublas.DEFAULT_BYTES  # below Hopper; a card's own: config.cublas
+_OPEN = 1 << 64  # the end of a module call's span while it runs (past any sequence number)
 
 KINDS = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "workspace")
 
@@ -217,6 +219,13 @@ class StorageTracker(TorchDispatchMode):
         self.phase = "setup"
         self.step = -1
         self.module_stack: list[str] = []
+        # Backward names the module whose forward made the autograd node running (_backward_module):
+        # each module call's span of autograd sequence numbers, [start, end, name, enclosing span],
+        # in the order the calls began (the starts sorted), and the spans still open
+        self._spans: list[list] = []
+        self._span_starts: list[int] = []
+        self._open_spans: list[int] = []
+        self.nested_backward = 0  # > 0 inside a backward a node of the running one started (reentrant checkpoints)
         # The optimizer's step charges each allocation to the module of the parameter it is for
         # (_owner): storage key -> module, for the parameters and what the step made of them
         self._parameters: list[tuple[str, torch.Tensor]] = []
@@ -278,10 +287,10 @@ class StorageTracker(TorchDispatchMode):
         self.allocated += alloc
         self.requested += nbytes
         self.kind_bytes[kind] += alloc
-        if module is None:
-            module = self.module_stack[-1] if self.module_stack else ""
         if not self.recording:
             return
+        if module is None:
+            module = self.module_stack[-1] if self.module_stack else self._backward_module()
         self.events.append(TraceEvent(self._seq, "alloc", key, nbytes, kind, self._phase(), self.step, module,
                                       self.stream, kernel))
         self._seq += 1
@@ -525,19 +534,57 @@ class StorageTracker(TorchDispatchMode):
         return list(keys.values())
 
     # ---- module attribution ----------------------------------------------------------
+    def _backward_module(self) -> str:
+        """In backward, the innermost module whose forward call made the autograd node running
+        (its sequence number within that call's span); "" outside backward, for a node made
+        outside every module (or by none: a leaf's AccumulateGrad), and inside a nested backward
+        (a reentrant checkpoint's: its nodes were numbered on another thread)."""
+        if not self._spans or self.nested_backward or torch._C._current_graph_task_id() == -1:
+            return ""
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return ""
+        seq = node._sequence_nr()
+        i = bisect.bisect_right(self._span_starts, seq) - 1
+        while i >= 0:
+            start, end, name, enclosing = self._spans[i]
+            if seq < end:
+                return name
+            i = enclosing
+        return ""
+
+    def _span_begins(self, name: str) -> None:
+        # none where the call makes no node that backward runs: without grad, or a checkpoint's
+        # recompute (-1 kept open, as the hooks pair)
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            self._open_spans.append(-1)
+            return
+        enclosing = next((i for i in reversed(self._open_spans) if i >= 0), -1)
+        start = torch._C._autograd._get_sequence_nr()
+        self._open_spans.append(len(self._spans))
+        self._spans.append([start, _OPEN, name, enclosing])
+        self._span_starts.append(start)
+
+    def _span_ends(self) -> None:
+        if self._open_spans and (i := self._open_spans.pop()) >= 0:
+            self._spans[i][1] = torch._C._autograd._get_sequence_nr()
+
     def attach_modules(self, model: torch.nn.Module) -> list:
         """Forward hooks that keep the current module's name for each event (and the modules of
-        the parameters, which the optimizer's step charges its allocations to)."""
+        the parameters, which the optimizer's step charges its allocations to), and each call's
+        span of autograd nodes, which backward's events are charged by."""
         handles = []
         self._parameters = [(name or "<root>", p) for name, mod in model.named_modules()
                             for p in mod.parameters(recurse=False)]
         for name, mod in model.named_modules():
             def pre(_m, _inp, name=name or "<root>"):
                 self.module_stack.append(name)
+                self._span_begins(name)
 
             def post(_m, _inp, _out):
                 if self.module_stack:
                     self.module_stack.pop()
+                self._span_ends()
 
             handles.append(mod.register_forward_pre_hook(pre))
             # always_call: a checkpoint's recompute stops part-way through a forward (by raising);
