@@ -111,6 +111,22 @@ def test_backwards_allocations_are_charged_to_the_module_whose_forward_made_them
     assert layer == sorted(layer, reverse=True) and set(layer) == {0, 1}
 
 
+def test_a_reentrant_checkpoints_inner_backward_is_charged_to_no_module_and_its_recompute_to_its_own(monkeypatch):
+    """A reentrant checkpoint's backward runs the nodes its recompute made (numbered on autograd's
+    thread, not in the forward's spans): charged to none, even where their numbers fall in a
+    forward call's span (here every span left open: each number in the root's); the recompute
+    itself to the modules it runs."""
+    from tests.test_exactness import _custom
+
+    monkeypatch.setattr(StorageTracker, "_span_ends", lambda self: None)
+    _, tr = run_point(_custom("tests.jobs.reentrant_checkpoint:build", batch_size=4))
+    backward = [e for e in tr.events if e.phase == "backward" and e.action == "alloc" and e.step == 1]
+    recomputed = [e.module for e in backward if e.module]
+    assert recomputed and set(recomputed) <= {"b.0", "b.1", "b.2", "a.0", "a.1", "a.2"}
+    assert recomputed.index("a.0") > max(i for i, m in enumerate(recomputed) if m.startswith("b."))  # b first
+    assert any(e.module == "" and e.size == 64 * 256 * 4 for e in backward)  # a weight's gradient, charged to none
+
+
 def test_optimizer_impl_auto_is_what_torch_picks_on_cuda():
     """foreach for AdamW and SGD (torch's _default_to_fused_or_foreach); Adafactor's for-loop."""
     import torch
