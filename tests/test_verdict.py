@@ -94,12 +94,14 @@ def test_a_job_whose_remedy_never_ran_is_undecided_not_a_card_problem():
 
 def test_a_verdict_in_words():
     """The one test that reads the words: report/words.py's sentences from the verdict's data."""
-    df = pd.DataFrame([_row(run_id="job", leak="graph", retained_holder="a list holding Tensor()"),
+    df = pd.DataFrame([_row(run_id="job", leak="graph", retained_holder="a list holding Tensor()",
+                            oom_phase="backward", oom_step=1, oom_module="model.layers.3.mlp"),
                        _row(run_id="fixed", status="ok", fits_cards=["t4"], batch_size=2,
                             allocator_conf="expandable_segments:True")])
     judged = words.worded_verdicts(verdicts(df), df)
     v = judged.set_index("run_id").loc["job"]
     assert v["job"] == "m train b8 s2048 bf16 ckpt=no leak=graph"
+    assert v["runs_out"] == "backward of step 2 at model.layers.3.mlp"
     assert v["detail"] == ("fits with fix the graph leak (a list holding Tensor()) (no cost once the holder is fixed)"
                            " + PYTORCH_ALLOC_CONF=expandable_segments:True (no compute cost)"
                            " + micro-batch 2 x 4 accumulation steps (same effective batch; more, smaller steps)")
@@ -107,6 +109,23 @@ def test_a_verdict_in_words():
     detail = words.worded_verdicts(verdicts(card), card).set_index("run_id").loc["big", "detail"]
     assert detail.startswith("no remedy in the sweep fits; the smallest card that fits it as it is: h200 (")
     assert detail.endswith("% of the card)") and " GiB headroom, " in detail
+
+
+def test_the_verdict_table_says_where_each_point_runs_out():
+    """Each verdict's row says where its point runs out (words.runs_out: its first OOM's phase, step
+    and module; the module left out where none is named, as a real run's; nothing for a row without
+    an OOM's phase)."""
+    from harness.report import tables
+
+    df = pd.DataFrame([_row(run_id="sim", oom_phase="backward", oom_step=0, oom_module="model.layers.0.self_attn"),
+                       _row(run_id="cuda", seq_len=1024, oom_phase="optimizer", oom_step=2, oom_module=None),
+                       _row(run_id="none", seq_len=256)])
+    judged = words.worded_verdicts(verdicts(df), df)
+    header, rows = tables.verdict_table(judged)
+    where = dict(zip(judged["run_id"], (r[header.index("runs out in")] for r in rows), strict=True))
+    assert "model.layers.0.self_attn" in where["sim"] and "backward" in where["sim"]
+    assert "optimizer" in where["cuda"] and " at " not in where["cuda"]
+    assert where["none"] == ""
 
 
 def test_a_remedy_never_introduces_a_leak():

@@ -92,7 +92,7 @@ def render_verdicts(judged: pd.DataFrame, more_gpus: str | None = None) -> None:
     the sweep cannot say how many GPUs (words.more_gpus)."""
     if not judged.empty:
         _print(tables.verdict_table(judged), "Code problem or card problem? (each point that OOMs on its card)",
-               wrap=("job", "what fits"))
+               wrap=("job", "runs out in", "what fits"))
     if more_gpus:
         from rich.markup import escape
 

@@ -192,12 +192,25 @@ def _per_gpu(r: dict) -> str:
     return f": per-GPU reserved {gib(r['peak_reserved_bytes'])}, headroom {gib(r['headroom_bytes'])}"
 
 
+def runs_out(r: dict) -> str:
+    """Where a run runs out of memory on its card: the phase and step of its first OOM, and the
+    module running where the trace names one (backward's too: the module whose forward made the
+    op); "" where the row has none."""
+    phase, step, module = r.get("oom_phase"), r.get("oom_step"), r.get("oom_module")
+    if not isinstance(phase, str) or not phase:
+        return ""
+    at = phase if step is None or pd.isna(step) or int(step) < 0 else f"{phase} of step {int(step) + 1}"
+    return f"{at} at {module}" if isinstance(module, str) and module else at
+
+
 def worded_verdicts(judged: pd.DataFrame, rows: pd.DataFrame) -> pd.DataFrame:
-    """The verdicts with their words: `job` (the run's label) and `detail`."""
+    """The verdicts with their words: `job` (the run's label), where it runs out (`runs_out`) and
+    `detail`."""
     by_id = {r["run_id"]: r for r in rows.to_dict("records")}
     labels = job_labels(rows)
     out = judged.copy()
     out["job"] = [labels[i] for i in judged["run_id"]]
+    out["runs_out"] = [runs_out(by_id[i]) for i in judged["run_id"]]
     out["detail"] = [verdict_detail(v, by_id[v["run_id"]].get("torch_version"))
                      for v in judged.to_dict("records")]
     return out
