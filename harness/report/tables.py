@@ -132,7 +132,7 @@ def math_path_table(df: pd.DataFrame) -> Table:
 
 def verdict_table(judged: pd.DataFrame) -> Table:
     header = ["job", "card", "kind", "runs out in", "verdict", "what fits"]
-    return header, [[str(r.job), str(r.card), str(r.kind), str(getattr(r, "runs_out", "")), str(r.verdict), str(r.detail)]
+    return header, [[str(r.job), str(r.card), str(r.kind), str(r.runs_out), str(r.verdict), str(r.detail)]
                     for r in judged.itertuples(index=False)]
 
 

@@ -363,7 +363,9 @@ def _junctions(b: list[TraceEvent], blocks: list[_Block], refs: dict[int, int]) 
         if len(hosts) != 1 or (m := hosts.pop()) in (-1, n):
             continue
         host = blocks[m]
-        if host.reverse and all(b[k].action != "alloc" and b[k][5:7] == b[host.start][5:7] for k in entries):
+        first = b[host.start]
+        if host.reverse and all(b[k].action != "alloc" and (b[k].phase, b[k].step) == (first.phase, first.step)
+                                for k in entries):
             # only frees and retags (naming no module) of what a block run top-down allocated, in
             # its phase and step: its copies run as the host's, whatever the entries around it name
             blk.reverse = True
