@@ -409,13 +409,15 @@ def test_blocks_of_layers_that_repeat_synthesize_their_full_trace(name, n, how, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2", "opt", "bloom"])
-def test_layers_whose_parameters_end_the_optimizers_lists_synthesize_their_full_training_trace(name):
+@pytest.mark.parametrize("name, shards", [("gpt2", 1), ("opt", 1), ("bloom", 1), ("gpt2", 2), ("bloom", 2)])
+def test_layers_whose_parameters_end_the_optimizers_lists_synthesize_their_full_training_trace(name, shards):
     """AdamW's foreach ops make an output per parameter, layer by layer, and free them last first.
     A final norm's outputs after the layers' (GPT-2, BLOOM) look like a layer's first, and OPT has
     none: unnamed, the new layer's allocations and frees made one insertion, copied whole, and these
-    were traced in full. Named by their parameters' modules, the frees run the other way."""
-    point = _on_architecture(name, num_hidden_layers=5)
+    were traced in full. Named by their parameters' modules, the frees run the other way. Under FSDP2
+    the layer's last retags (its state's, ending the optimizer's step) and zero_grad's free of its
+    gradients' shard met as one insertion, four entries off: one a phase (repeat._by_phase)."""
+    point = _on_architecture(name, num_hidden_layers=5).replace(parallel=Parallel(dp_shard=shards))
     assert _assert_same_as_full(point)["trace_method"].startswith("synthesized: layers 1, 2 -> 5")
 
 

@@ -143,7 +143,7 @@ def _align(a: list[TraceEvent], b: list[TraceEvent], refs: dict[int, int],
         j += found
     if j < len(sb):
         spans.append([j, len(sb) - j])
-    spans = [half for span in spans for half in _turned(span, b, refs)]
+    spans = [half for span in spans for part in _by_phase(span, b) for half in _turned(part, b, refs)]
     # the old layers' names (not the new one's, `depth`): which side of the new layer they run on
     old = re.compile(rf"^{re.escape(layer_prefix)}(?!{depth}(\.|$))\d+(\.|$)")
     blocks = _place(sb, spans, refs, b, old, referents(a))
@@ -154,6 +154,17 @@ def _align(a: list[TraceEvent], b: list[TraceEvent], refs: dict[int, int],
     if len(common) != len(sa) or any(sa[n] != sb[k] and scaled.get(k) != n for n, k in enumerate(common)):
         raise NotRepeating("the deeper journal is not the shallower one with insertions")
     return blocks, common, scaled
+
+
+def _by_phase(span: list[int], b: list[TraceEvent]) -> list[list[int]]:
+    """An insertion that runs across the end of a phase (or step) as one for each: the new layer's
+    entries of each are placed in that phase's run (FSDP2: the optimizer's last retags, of the
+    layer's state, then zero_grad freeing its gradients' shard, which the greedy alignment met as
+    one insertion, four entries off where the final norm's retags look like the layer's first)."""
+    start, length = span
+    cuts = [k for k in range(start + 1, start + length) if (b[k].phase, b[k].step) != (b[k - 1].phase, b[k - 1].step)]
+    ends = [start, *cuts, start + length]
+    return [[x, y - x] for x, y in zip(ends, ends[1:])]
 
 
 def _turned(span: list[int], b: list[TraceEvent], refs: dict[int, int]) -> list[list[int]]:
