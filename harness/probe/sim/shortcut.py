@@ -93,11 +93,27 @@ def _grown_at_depth(point: Point, decoded: int, reason: str) -> Traced:
     journal, findings = traced.journal(), traced.findings
     _grows_to_next(journal, decoded, grow)
     journal = stepwise.extend(journal, point.workload.new_tokens + 1, grow)
-    m = measurements(journal, holder=findings.get("retained_holder"), **findings["scalars"])
-    m[ATTENTION_CALLS] = attention.to_column(attention.from_dicts(findings[ATTENTION_CALLS]), point.gpu.capability)
+    m, events = _measured(point, journal, findings["scalars"], findings.get("retained_holder"), findings[ATTENTION_CALLS])
     checked = f"checked at {decoded + 1}" if crossed_from is None else "each checked a step further"
     m["trace_method"] = f"full: {reason}; {_decode_said(decoded, point.workload.new_tokens, crossed_from)} ({checked})"
-    return Traced(m, [e for e in journal if e.action in ("alloc", "free")], findings)
+    return Traced(m, events, findings)
+
+
+def _measured(point: Point, journal: list[TraceEvent], scalars: dict, holder, calls: list[dict]
+              ) -> tuple[dict, list[TraceEvent]]:
+    """A made journal's measurements (its attention `calls` as the point's card takes them) and
+    its trace (the allocs and frees)."""
+    m = measurements(journal, holder=holder, **scalars)
+    m[ATTENTION_CALLS] = attention.to_column(attention.from_dicts(calls), point.gpu.capability)
+    return m, [e for e in journal if e.action in ("alloc", "free")]
+
+
+def _distinct_calls(findings: list[dict]) -> list[dict]:
+    """The attention calls of several traces' findings, each once, in order."""
+    calls: list[dict] = []
+    for f in findings:
+        calls += [c for c in f.get(ATTENTION_CALLS, []) if c not in calls]
+    return calls
 
 
 def _grows_to_next(journal: list[TraceEvent], decoded: int, grow: Callable[[str], int | None] | None) -> None:
@@ -247,16 +263,12 @@ def synthesized(point: Point, a: int = SHALLOW, p: int = 1) -> Traced:
     if ddp_setup.section(shallower) is not None:  # DDP's own, traced at the point's depth
         journal = ddp_setup.splice(journal, run_point(at_depth(point, n), setup_only=True)[1].journal())
         setup = f", DDP's setup traced at {n}"
-    m = measurements(journal, holder=holder, **scalars)
-    calls: list[dict] = []  # each depth's attention calls (the same layers: the same calls)
-    for f in findings:
-        calls += [c for c in f.get(ATTENTION_CALLS, []) if c not in calls]
-    m[ATTENTION_CALLS] = attention.to_column(attention.from_dicts(calls), point.gpu.capability)
+    calls = _distinct_calls(findings)  # each depth's attention calls (the same layers: the same calls)
+    m, events = _measured(point, journal, scalars, holder, calls)
     traced_layers = (f"layer {a}, layer {a + 1} placed as on {placed_on}" if placed_on
                      else f"layers {a}, {deeper_at} as traced over {counted} GPUs" if other_count is not None
                      else f"layers {a}, {deeper_at}") + (f" (blocks of {p} layers)" if p > 1 else "")
     m["trace_method"] = f"synthesized: {traced_layers} -> {n}{steps_said}{setup} ({how})"
-    events = [e for e in journal if e.action in ("alloc", "free")]
     return Traced(m, events, {"scalars": scalars, "retained_holder": holder, ATTENTION_CALLS: calls})
 
 
@@ -405,8 +417,7 @@ def _across_window(at: Point, crossed_from: int, grow: Callable[[str], int | Non
     findings = {**head.findings, **tail.findings}
     if _as_json(head.findings.get("scalars")) != _as_json(tail.findings.get("scalars")):
         raise NotRepeating("the figures of decodes from two prompts differ")
-    calls = list(head.findings.get(ATTENTION_CALLS, []))
-    findings[ATTENTION_CALLS] = calls + [c for c in tail.findings.get(ATTENTION_CALLS, []) if c not in calls]
+    findings[ATTENTION_CALLS] = _distinct_calls([head.findings, tail.findings])
     return Joined(entries, findings)
 
 
