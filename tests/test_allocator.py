@@ -501,3 +501,52 @@ def test_the_models_own_addresses_replay_an_h200s_requests_to_its_reserved_peak(
             rows.append(ReplayRow("free", addr, size, None))
     result, _ = replay_events(rows, AllocSettings())
     assert result.peak_reserved_bytes == peak
+
+
+@pytest.mark.parametrize("conf", ["", "max_split_size_mb:64", "roundup_power2_divisions:4",
+                                  "expandable_segments:True", "garbage_collection_threshold:0.5"])
+def test_a_replay_without_a_listener_reports_what_the_allocators_whole_statistics_say(conf):
+    """A replay that reports no events keeps only the statistics its result reads (Stats.peaks) and
+    serves most requests inline (CachingAllocator.run_rows); one with a listener runs every request
+    through malloc and free with every statistic. Three steps of churn on two streams, on no limit
+    and on devices that retry and OOM (on and past the OOMs), with checkpoints and watched requests:
+    the same result, field for field, OOM rows, checkpoints and cached blocks included."""
+    from harness.allocator.model import Device
+    from harness.allocator.replay import Kept, ReplayRow, replay_events
+
+    rng = random.Random(11)
+    rows, live, key = [], [], 0
+    for step in range(3):
+        tag = ("forward", step, "m", "activation")
+        for _ in range(3000):
+            if live and rng.random() < 0.47:
+                rows.append(ReplayRow("free", live.pop(rng.randrange(len(live))), 0, tag, 0))
+            else:
+                size = rng.choice([rng.randint(1, 8192), rng.randint(MiB, 48 * MiB), rng.randint(2 * MiB, 9 * MiB)])
+                rows.append(ReplayRow("alloc", key, size, tag, rng.random() < 0.1))
+                live.append(key)
+                key += 1
+    settings = AllocSettings.from_conf(conf)
+    unlimited = replay_events(rows, settings)[0]
+    low, high, total = unlimited.peak_allocated_bytes, unlimited.peak_reserved_bytes, 8 * 1024**3
+    # between the peaks and under allocated's; the collector runs under a memory fraction only
+    limits = [int(low + (high - low) * f) for f in (0.99, 0.9, 0.5, 0.1, -0.2)]
+    devices = [Device(total=total)] + [Device(total=total, fraction=c / total) if "garbage" in conf
+                                       else Device(capacity=c, total=total) for c in limits]
+    keep = [int(unlimited.peak_reserved_bytes * f) for f in (0.5, 0.8, 0.9)]
+
+    def seen(device, stop_at_oom, listener):
+        kept = Kept(watch=frozenset(range(0, len(rows), 7)))
+        r = replay_events(rows, settings, device, on_event=listener, stop_at_oom=stop_at_oom, keep_below=keep,
+                          kept=kept)[0]
+        return r.as_dict(), sorted(kept.cached.items()), [(c.event, c.granted) for c in kept.checkpoints]
+
+    outcomes = set()
+    for device in devices:
+        for stop_at_oom in (True, False):
+            inline = seen(device, stop_at_oom, None)
+            assert inline == seen(device, stop_at_oom, lambda *_: None), (device.capacity, stop_at_oom)
+            outcomes.add((bool(inline[0]["ooms"]), inline[0]["num_alloc_retries"] > 0))
+    assert unlimited.steady_peak_reserved_bytes is not None
+    assert (unlimited.peak_inactive_split_bytes > 0) != settings.expandable_segments  # (counted on regular ones)
+    assert {oom for oom, _ in outcomes} == {True, False} and (True, True) in outcomes  # an OOM past a retry

@@ -13,6 +13,7 @@ from bisect import bisect_left, insort
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import Protocol
 
 from harness.allocator.settings import K_LARGE_BUFFER, SIZE_MAX, AllocSettings
 from harness.units import MiB
@@ -213,6 +214,14 @@ class Stats:
         and how often it retries, which no other statistic decides."""
         return cls(**{name: _UNTRACKED for name in _UNTRACKED_WHEN_LEAN})  # type: ignore[arg-type]
 
+    @classmethod
+    def peaks(cls) -> Stats:
+        """Reserved bytes kept whole; allocated, requested and inactive split bytes over both pools,
+        current and peak only (_Totals); the rest not at all: what a replay's result reports
+        (replay.ReplayResult), at a fraction of the time."""
+        return cls(allocated_bytes=_Totals(), requested_bytes=_Totals(), inactive_split_bytes=_Totals(),
+                   **{name: _UNTRACKED for name in _UNTRACKED_FOR_PEAKS})  # type: ignore[arg-type]
+
     def reset_peaks(self) -> None:
         """reset_peak_memory_stats: every peak back to its current value."""
         for name in _POOLED:
@@ -274,9 +283,37 @@ def _copied(ps: PoolStat) -> PoolStat:
     return out
 
 
+class _Totals(PoolStat):
+    """A statistic over both pools, its current value and peak only (Stats.peaks): neither pool's
+    own nor the totals ever added and taken away are kept."""
+
+    __slots__ = ()
+
+    def __init__(self):
+        self.all, self.large, self.small = Stat(), _UNTRACKED, _UNTRACKED
+
+    def add(self, n: int, small: bool) -> None:
+        a = self.all
+        a.current += n
+        if a.current > a.peak:
+            a.peak = a.current
+
+
 _UNTRACKED = _Untracked()
-_UNTRACKED_WHEN_LEAN = ("allocated_bytes", "requested_bytes", "inactive_split_bytes", "allocation", "segment",
-                        "inactive_split", "oversize_allocations", "oversize_segments")
+_UNTRACKED_FOR_PEAKS = ("allocation", "segment", "inactive_split", "oversize_allocations", "oversize_segments")
+_UNTRACKED_WHEN_LEAN = ("allocated_bytes", "requested_bytes", "inactive_split_bytes", *_UNTRACKED_FOR_PEAKS)
+
+
+class Observer(Protocol):
+    """What a replay's loop reports its peaks to (CachingAllocator.run_rows)."""
+
+    def window_from(self, rows, start: int) -> int | None:
+        """The row before which the window opens (None: no row of `rows[start:]` opens it)."""
+
+    def open_window(self) -> None: ...
+
+    def observe(self) -> None:
+        """After each request served."""
 
 
 class OutOfMemory(Exception):
@@ -309,14 +346,16 @@ class CachingAllocator:
     """Per-device caching allocator. `new_segment_addr(size)` chooses cudaMalloc's addresses."""
 
     def __init__(self, settings: AllocSettings | None = None, device: Device | None = None,
-                 new_segment_addr=None, lean: bool = False):
+                 new_segment_addr=None, lean: bool = False, peaks_only: bool = False):
+        """`lean`: reserved bytes its only statistic (Stats.lean); `peaks_only`: the statistics a
+        replay's result reports (Stats.peaks)."""
         self.settings = settings or AllocSettings()
         self.device = device or Device()
         self.small, self.large = Pool(True), Pool(False)
         self.blocks: dict[int, Block] = {}  # every block by address (free, allocated, unmapped)
         self.segments: dict[int, Block] = {}  # regular segments: base address -> first block
         self.expandable: dict[tuple[bool, int], ExpandableSegment] = {}
-        self.stats = Stats.lean() if lean else Stats()
+        self.stats = Stats.lean() if lean else Stats.peaks() if peaks_only else Stats()
         self.lean = lean
         # round_size without roundup_power2_divisions: round_plain (the common case, inlined in malloc)
         self._plain_rounding = not any(d > 1 for d in self.settings.roundup_power2_divisions)
@@ -331,7 +370,7 @@ class CachingAllocator:
         # callback(bytes reserved after it) before each cudaMalloc asks the device (the state then is
         # the state before the request that asks: nothing has changed yet)
         self.on_device_ask: Callable[[int], None] | None = None
-        self.requesting = 0  # the request a lean replay's malloc serves (run_lean: its checkpoints')
+        self.requesting = 0  # the request a lean replay's malloc serves (run_rows: its checkpoints')
 
     # ---- addresses -------------------------------------------------------------------------
     def _bump(self, size: int) -> int:
@@ -741,29 +780,43 @@ class CachingAllocator:
         i = bisect_left(pool.free, (stream + 1, 0, 0)) - 1
         return pool.free[i][1] if i >= 0 and pool.free[i][0] == stream else 0
 
-    # ---- a lean replay's loop ------------------------------------------------------------------
-    def run_lean(self, rows, start: int, live: dict, on_oom: Callable[[int, OutOfMemory, int, object], bool],
-                 watch: frozenset[int] = frozenset(), cached: dict[int, int] | None = None) -> int:
-        """Requests `rows[start:]` ((action, key, size, tag, stream) each) on this lean allocator,
-        `live` mapping each key to its block; `on_oom(index, error, size, tag)` says whether to stop. Returns
-        how many requests were made. malloc and free as the calls make them, inline where a cached
-        block takes the request (most do: a 70B rank's ~90k requests, ~30% faster than the calls).
-        Before each request of `watch`, into `cached`, the largest block its stream's pool had cached
-        (largest_cached); `requesting` names the request a device ask comes from."""
+    # ---- a replay's loop ----------------------------------------------------------------------
+    def run_rows(self, rows, start: int, live: dict, on_oom: Callable[[int, OutOfMemory, int, object], bool],
+                 watch: frozenset[int] = frozenset(), cached: dict[int, int] | None = None,
+                 peaks: Observer | None = None) -> int:
+        """Requests `rows[start:]` ((action, key, size, tag, stream) each) on this allocator,
+        `live` mapping each key to its block; `on_oom(index, error, size, tag)` says whether to stop.
+        Returns how many requests were made. malloc and free as the calls make them, inline where a
+        cached block takes the request (most do: a 70B rank's ~90k requests, ~30% faster than the
+        calls; with the statistics of Stats.peaks, 3x). Before each request of `watch`, into
+        `cached`, the largest block its stream's pool had cached (largest_cached); `requesting`
+        names the request a device ask comes from. `peaks` (a lean allocator's: none) sees each
+        request served and the first row of its window (Observer)."""
         s = self.settings
-        inline = (self.lean and self.on_event is None and self._plain_rounding and not s.expandable_segments
-                  and not self._gc_active())  # (what the inline path leaves out)
+        counting = not self.lean
+        inline = (self.on_event is None and not s.expandable_segments and not self._gc_active()
+                  and (self.lean or isinstance(self.stats.allocated_bytes, _Totals)))
+        plain, divisions = self._plain_rounding, s.roundup_power2_divisions
         msz, mnsr = s.max_split_size, s.max_non_split_rounding
         malloc, free_call, pop = self.malloc, self.free, live.pop
         blocks, segments, pools = self.blocks, self.segments, (self.large, self.small)
+        st = self.stats
+        allocated, requested, inactive = st.allocated_bytes.all, st.requested_bytes.all, st.inactive_split_bytes.all
+        observe = peaks.observe if peaks is not None else None
+        window_at = peaks.window_from(rows, start) if peaks is not None else None
         i = start - 1
         for i, (action, key, orig, tag, stream) in enumerate(islice(rows, start, None), start):
+            if i == window_at:
+                peaks.open_window()  # type: ignore[union-attr]
             if action == "alloc":
                 if i in watch:
                     cached[i] = self.largest_cached(orig, stream)  # type: ignore[index]
                 b = None
                 if inline:  # malloc with _get_free_block's hit, _should_split and _alloc_found_block
-                    size = -(-orig // K_MIN_BLOCK) * K_MIN_BLOCK if orig > K_MIN_BLOCK else K_MIN_BLOCK
+                    if plain:  # round_plain's
+                        size = -(-orig // K_MIN_BLOCK) * K_MIN_BLOCK if orig > K_MIN_BLOCK else K_MIN_BLOCK
+                    else:
+                        size = round_size(orig, divisions)
                     small = size <= K_SMALL_SIZE
                     pool = pools[small]
                     free = pool.free
@@ -773,6 +826,7 @@ class CachingAllocator:
                         if not (found >= msz > size or size >= msz and found >= size + mnsr):  # oversize rules
                             b = blocks[free[j][2]]
                             del free[j]
+                            was_split = b.prev is not None or b.next is not None
                             rest_size = found - size
                             if rest_size >= K_MIN_BLOCK if small else size < msz and rest_size > K_SMALL_SIZE:
                                 rest = Block(b.addr + size, rest_size, stream, small)
@@ -783,7 +837,20 @@ class CachingAllocator:
                                 blocks[rest.addr] = rest
                                 insort(free, (stream, rest_size, rest.addr))
                                 rest.gc_base = pool.get_free_blocks_calls
+                                if counting:  # the remainder is inactive split now, or still
+                                    inactive.current += -size if was_split else rest_size
+                                    if inactive.current > inactive.peak:
+                                        inactive.peak = inactive.current
+                            elif counting and was_split:
+                                inactive.current -= found
                             b.allocated, b.requested = True, orig
+                            if counting:  # count_allocated's
+                                allocated.current += b.size
+                                if allocated.current > allocated.peak:
+                                    allocated.peak = allocated.current
+                                requested.current += orig
+                                if requested.current > requested.peak:
+                                    requested.peak = requested.current
                 if b is None:
                     self.requesting = i
                     try:
@@ -794,6 +861,8 @@ class CachingAllocator:
                         continue
                 b.tag = tag
                 live[key] = b
+                if observe is not None:
+                    observe()
                 continue
             b = pop(key, None)
             if b is None:
@@ -805,9 +874,15 @@ class CachingAllocator:
             small = b.small
             free = (pool := pools[small]).free
             prev, nxt = b.prev, b.next
+            if counting:
+                allocated.current -= b.size
+                requested.current -= b.requested
+                merged = 0
             if prev is not None and not prev.allocated:
                 del free[bisect_left(free, (prev.stream, prev.size, prev.addr))]
                 del blocks[b.addr]
+                if counting:
+                    merged += prev.size
                 b.addr, b.prev, b.size = prev.addr, prev.prev, b.size + prev.size
                 blocks[b.addr] = b
                 if b.prev is None:
@@ -817,12 +892,18 @@ class CachingAllocator:
             if nxt is not None and not nxt.allocated:
                 del free[bisect_left(free, (nxt.stream, nxt.size, nxt.addr))]
                 del blocks[nxt.addr]
+                if counting:
+                    merged += nxt.size
                 b.next, b.size = nxt.next, b.size + nxt.size
                 if b.next is not None:
                     b.next.prev = b
             b.allocated = False
             insort(free, (b.stream, b.size, b.addr))
             b.gc_base = pool.get_free_blocks_calls
+            if counting:  # the free neighbours are in it now; the block inactive split if it is one
+                inactive.current += (b.size if b.prev is not None or b.next is not None else 0) - merged
+                if inactive.current > inactive.peak:
+                    inactive.peak = inactive.current
         return i + 1
 
     # ---- a copy to go on from ------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from itertools import islice
 from typing import NamedTuple
 
 from harness.allocator import snapshot as snap
@@ -76,6 +77,12 @@ class _Peaks:
         self.best = -1
         self.frag = 0
         self.window: list[int] | None = None  # allocated, requested, reserved
+
+    @staticmethod
+    def window_from(rows, start: int) -> int | None:
+        """The first of `rows` from `start` on in step STEADY_FROM_STEP or later (EventTag.step)."""
+        return next((i for i, row in enumerate(islice(rows, start, None), start)
+                     if (tag := row[3]) is not None and tag[1] >= STEADY_FROM_STEP), None)
 
     def open_window(self) -> None:
         self.window = [self.allocated.current, self.requested.current, self.reserved.current]
@@ -323,7 +330,8 @@ def replay_events(events, settings: AllocSettings, device: Device | None = None,
     peak so far, which no replay of its own needs: probe.sim.reserved.fits_by_numbers); and into
     `kept.cached`, for each request of `kept.watch`, the largest block its stream's pool had cached
     before it."""
-    alloc = CachingAllocator(settings, device or Device(), lean=lean)
+    # Without a listener only the statistics the result reports are kept (Stats.peaks)
+    alloc = CachingAllocator(settings, device or Device(), lean=lean, peaks_only=on_event is None)
     result = ReplayResult(settings=settings.conf, lean=lean)
     peaks = _Peaks(alloc)
     live: dict = {}
@@ -336,17 +344,16 @@ def replay_events(events, settings: AllocSettings, device: Device | None = None,
             crossed = False
             while pending and need > pending[-1]:
                 crossed |= pending.pop() >= alloc.stats.allocated_bytes.peak
-            if crossed:  # the request being made (result.requests counts from 1; a lean loop names it)
-                kept.checkpoints.append(Checkpoint(alloc.requesting if lean else result.requests - 1,
+            if crossed:  # the request being made (result.requests counts from 1; a loop without a listener names it)
+                kept.checkpoints.append(Checkpoint(alloc.requesting if on_event is None else result.requests - 1,
                                                    alloc.largest_granted,
                                                    *alloc.lean_copy(Device(total=alloc.device.total), live)))
         alloc.on_device_ask = ask
-    if on_event is not None:
-        alloc.on_event = lambda action, addr, size, stream: on_event(action, addr, size, stream, tag)
-    elif lean:
-        _replay_lean(events, alloc, result, stop_at_oom, live=live, kept=kept)
+    if on_event is None:
+        _replay_rows(events, alloc, result, stop_at_oom, live=live, kept=kept, peaks=None if lean else peaks)
         _finish(result, alloc, peaks)
         return result, alloc
+    alloc.on_event = lambda action, addr, size, stream: on_event(action, addr, size, stream, tag)
     watch, cached = (kept.watch, kept.cached) if kept is not None else (frozenset(), {})
     for i, (action, key, size, tag, stream) in enumerate(events):
         result.requests = i + 1
@@ -374,17 +381,18 @@ def replay_events(events, settings: AllocSettings, device: Device | None = None,
     return result, alloc
 
 
-def _replay_lean(events, alloc: CachingAllocator, result: ReplayResult, stop_at_oom: bool, start: int = 0,
-                 live: dict | None = None, kept: Kept | None = None) -> None:
-    """replay_events' loop for a lean replay that reports no events: no window, no peaks to observe
-    (the allocator's own statistic keeps reserved's; CachingAllocator.run_lean). From request `start` on
-    with `live` (key -> block) where it goes on from a Checkpoint; what `kept` watches into it."""
+def _replay_rows(events, alloc: CachingAllocator, result: ReplayResult, stop_at_oom: bool, start: int = 0,
+                 live: dict | None = None, kept: Kept | None = None, peaks: _Peaks | None = None) -> None:
+    """replay_events' loop for a replay that reports no events (CachingAllocator.run_rows), its
+    `peaks` observed (a lean one's: none; the allocator's own statistic keeps reserved's). From
+    request `start` on with `live` (key -> block) where it goes on from a Checkpoint; what `kept`
+    watches into it."""
     def on_oom(i: int, oom: OutOfMemory, size: int, tag) -> bool:
         result.ooms.append(_oom_row(oom, i, size, tag))
         return stop_at_oom
 
     watch, cached = (kept.watch, kept.cached) if kept is not None else (frozenset(), None)
-    result.requests = alloc.run_lean(events, start, {} if live is None else live, on_oom, watch, cached)
+    result.requests = alloc.run_rows(events, start, {} if live is None else live, on_oom, watch, cached, peaks)
 
 
 class Replays:
@@ -435,7 +443,7 @@ class Replays:
             return self.add(device, replay_events(events, self.settings, device, lean=True)[0])
         alloc, live = start.alloc.lean_copy(device, start.live)  # the checkpoint kept for others
         result = ReplayResult(settings=self.settings.conf, lean=True)
-        _replay_lean(events, alloc, result, stop_at_oom=True, start=start.event, live=live)
+        _replay_rows(events, alloc, result, stop_at_oom=True, start=start.event, live=live)
         _finish(result, alloc, _Peaks(alloc))
         return self.add(device, result)
 
