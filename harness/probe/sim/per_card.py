@@ -25,7 +25,7 @@ class Sized:
         self._framed: list[ReplayRow] | None = None  # the frame's rows, placeholders too
         self._marked: list[tuple[int, str]] | None = None  # (row of the frame's, its launch's code)
         self._scratch: dict | None = None  # each scratch key's launch code (trace_store.scratch_keys)
-        self._workspaces: dict[tuple[int, ...], tuple[int | None, int]] = {}
+        self._workspaces: tuple[int | None, int] | None = None
 
     def sizes(self, card: Card) -> tuple[int, ...]:
         """The trace's card-dependent scratch on `card`, in the order of `codes`."""
@@ -92,11 +92,13 @@ class Sized:
         return self._scratch
 
     def workspaces(self, card: Card) -> tuple[int | None, int]:
-        """The trace's cuBLAS workspaces on `card` (trace_store.workspaces: the bytes of one, how many)."""
-        sizes = self.sizes(card)
-        if sizes not in self._workspaces:
-            self._workspaces[sizes] = trace_store.workspaces(self.rows(card))
-        return self._workspaces[sizes]
+        """The trace's cuBLAS workspaces on `card` (trace_store.workspaces: the bytes of one, how many):
+        the frame's, on every card (a card's own rows resize and drop kernel scratch only)."""
+        if self._workspaces is None:
+            framed = self._framed_rows()
+            sizes = [framed[i].size for i in self._workspace_rows()]
+            self._workspaces = (sizes[0] if sizes else None), len(sizes)
+        return self._workspaces
 
     def scratch_allocs(self, card: Card) -> frozenset[int]:
         """The rows of `rows(card)` that allocate a kernel's scratch (what Kept.watch watches)."""
