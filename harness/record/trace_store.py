@@ -155,13 +155,6 @@ def _is_workspace(r: ReplayRow) -> bool:
     return r.action == "alloc" and r.tag is not None and r.tag.kind == "workspace"
 
 
-def workspaces(rows: list[ReplayRow]) -> tuple[int | None, int]:
-    """A trace's cuBLAS workspaces (config.cublas: the card's): the bytes of one (None: it has
-    none) and how many it allocates (one per handle and stream)."""
-    sizes = [r.size for r in rows if _is_workspace(r)]
-    return (sizes[0] if sizes else None), len(sizes)
-
-
 def with_workspaces(rows: list[ReplayRow], nbytes: int) -> list[ReplayRow]:
     """The trace's rows with each cuBLAS workspace `nbytes` (another card's: config.cublas)."""
     return [r._replace(size=nbytes) if _is_workspace(r) else r for r in rows]

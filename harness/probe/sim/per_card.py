@@ -92,8 +92,9 @@ class Sized:
         return self._scratch
 
     def workspaces(self, card: Card) -> tuple[int | None, int]:
-        """The trace's cuBLAS workspaces on `card` (trace_store.workspaces: the bytes of one, how many):
-        the frame's, on every card (a card's own rows resize and drop kernel scratch only)."""
+        """The trace's cuBLAS workspaces (config.cublas: the card's): the bytes of one (None: it has
+        none) and how many it allocates (one per handle and stream). The frame's, on every `card`:
+        a card's own rows resize and drop kernel scratch only."""
         if self._workspaces is None:
             framed = self._framed_rows()
             sizes = [framed[i].size for i in self._workspace_rows()]
