@@ -445,21 +445,26 @@ class CachingAllocator:
             return None
         b = self.blocks[free[i][2]]
         if b.es is not None:
-            # Best fit counts an expandable block as big as it can grow (next unmapped).
-            def grow(x: Block) -> int:
-                return x.size + (x.next.size if x.next is not None and not x.next.mapped else 0)
-            j = i + 1
-            while b.es is not None and j < len(free) and free[j][0] == stream:
-                nb = self.blocks[free[j][2]]
-                if grow(nb) >= grow(b):
-                    break
-                b, i, j = nb, j, j + 1
+            i, b = self._grown_fit(free, i, b, stream)
         if size < s.max_split_size and b.size >= s.max_split_size:
             return None  # never hand an oversize block to a normal request
         if size >= s.max_split_size and b.size >= size + s.max_non_split_rounding:
             return None  # oversize reuse only within max_non_split_rounding
         del free[i]  # (pool.remove, its place known)
         return b
+
+    def _grown_fit(self, free: list[tuple], i: int, b: Block, stream: int) -> tuple[int, Block]:
+        """From `free[i]` (block `b`, expandable), the best fit counting each expandable block as
+        big as it can grow (its next block unmapped): its place in `free` and the block."""
+        def grow(x: Block) -> int:
+            return x.size + (x.next.size if x.next is not None and not x.next.mapped else 0)
+        blocks, grown, j = self.blocks, grow(b), i + 1
+        while b.es is not None and j < len(free) and free[j][0] == stream:
+            nb = blocks[free[j][2]]
+            if (nb_grown := grow(nb)) >= grown:
+                break
+            b, grown, i, j = nb, nb_grown, j, j + 1
+        return i, b
 
     def _should_split(self, b: Block, size: int) -> bool:
         remaining = b.size - size
@@ -794,9 +799,9 @@ class CachingAllocator:
         request served and the first row of its window (Observer)."""
         s = self.settings
         counting = not self.lean
-        inline = (self.on_event is None and not s.expandable_segments and not self._gc_active()
+        inline = (self.on_event is None and not self._gc_active()
                   and (self.lean or isinstance(self.stats.allocated_bytes, _Totals)))
-        plain, divisions = self._plain_rounding, s.roundup_power2_divisions
+        plain, divisions, expandable = self._plain_rounding, s.roundup_power2_divisions, s.expandable_segments
         msz, mnsr = s.max_split_size, s.max_non_split_rounding
         malloc, free_call, pop = self.malloc, self.free, live.pop
         blocks, segments, pools = self.blocks, self.segments, (self.large, self.small)
@@ -822,14 +827,19 @@ class CachingAllocator:
                     free = pool.free
                     j = bisect_left(free, (stream, size, 0))
                     if j < len(free) and free[j][0] == stream:
-                        found = free[j][1]
+                        found, es = free[j][1], None
+                        if expandable and (es := blocks[free[j][2]].es) is not None:
+                            j, fit = self._grown_fit(free, j, blocks[free[j][2]], stream)
+                            found = fit.size
                         if not (found >= msz > size or size >= msz and found >= size + mnsr):  # oversize rules
                             b = blocks[free[j][2]]
                             del free[j]
-                            was_split = b.prev is not None or b.next is not None
+                            # (an expandable segment's blocks count no inactive split bytes)
+                            was_split = es is None and (b.prev is not None or b.next is not None)
                             rest_size = found - size
-                            if rest_size >= K_MIN_BLOCK if small else size < msz and rest_size > K_SMALL_SIZE:
-                                rest = Block(b.addr + size, rest_size, stream, small)
+                            if (rest_size >= K_MIN_BLOCK if small or expandable
+                                    else size < msz and rest_size > K_SMALL_SIZE):
+                                rest = Block(b.addr + size, rest_size, stream, small, b.es)
                                 rest.prev, rest.next = b, b.next
                                 if b.next is not None:
                                     b.next.prev = rest
@@ -837,7 +847,7 @@ class CachingAllocator:
                                 blocks[rest.addr] = rest
                                 insort(free, (stream, rest_size, rest.addr))
                                 rest.gc_base = pool.get_free_blocks_calls
-                                if counting:  # the remainder is inactive split now, or still
+                                if counting and es is None:  # the remainder is inactive split now, or still
                                     inactive.current += -size if was_split else rest_size
                                     if inactive.current > inactive.peak:
                                         inactive.peak = inactive.current
@@ -878,18 +888,18 @@ class CachingAllocator:
                 allocated.current -= b.size
                 requested.current -= b.requested
                 merged = 0
-            if prev is not None and not prev.allocated:
+            if prev is not None and not prev.allocated and prev.mapped:  # (an unmapped block stays apart)
                 del free[bisect_left(free, (prev.stream, prev.size, prev.addr))]
                 del blocks[b.addr]
                 if counting:
                     merged += prev.size
                 b.addr, b.prev, b.size = prev.addr, prev.prev, b.size + prev.size
                 blocks[b.addr] = b
-                if b.prev is None:
-                    segments[b.addr] = b
-                else:
+                if b.prev is not None:
                     b.prev.next = b
-            if nxt is not None and not nxt.allocated:
+                elif b.es is None:
+                    segments[b.addr] = b
+            if nxt is not None and not nxt.allocated and nxt.mapped:
                 del free[bisect_left(free, (nxt.stream, nxt.size, nxt.addr))]
                 del blocks[nxt.addr]
                 if counting:
@@ -900,7 +910,7 @@ class CachingAllocator:
             b.allocated = False
             insort(free, (b.stream, b.size, b.addr))
             b.gc_base = pool.get_free_blocks_calls
-            if counting:  # the free neighbours are in it now; the block inactive split if it is one
+            if counting and b.es is None:  # the free neighbours are in it now; the block inactive split if it is one
                 inactive.current += (b.size if b.prev is not None or b.next is not None else 0) - merged
                 if inactive.current > inactive.peak:
                     inactive.peak = inactive.current

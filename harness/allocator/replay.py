@@ -93,10 +93,13 @@ class _Peaks:
             self.best = reserved
             self.frag = reserved - self.allocated.current
         w = self.window
-        if w is not None:
-            w[0] = max(w[0], self.allocated.current)
-            w[1] = max(w[1], self.requested.current)
-            w[2] = max(w[2], reserved)
+        if w is not None:  # (comparisons, not max(): a replay observes every request)
+            if self.allocated.current > w[0]:
+                w[0] = self.allocated.current
+            if self.requested.current > w[1]:
+                w[1] = self.requested.current
+            if reserved > w[2]:
+                w[2] = reserved
 
 
 def seed(alloc: CachingAllocator, state: snap.StartState) -> dict[int, Block]:
