@@ -793,7 +793,7 @@ class CachingAllocator:
         `live` mapping each key to its block; `on_oom(index, error, size, tag)` says whether to stop.
         Returns how many requests were made. malloc and free as the calls make them, inline where a
         cached block takes the request (most do: a 70B rank's ~90k requests, ~30% faster than the
-        calls; keeping the statistics of Stats.peaks, 2-2.5x). Before each request of `watch`, into
+        calls; keeping the statistics of Stats.peaks, 2-3x; expandable segments' too). Before each request of `watch`, into
         `cached`, the largest block its stream's pool had cached (largest_cached); `requesting`
         names the request a device ask comes from. `peaks` (a lean allocator's: none) sees each
         request served and the first row of its window (Observer)."""
