@@ -320,7 +320,7 @@ def test_cards_that_only_take_flash_for_cudnn_are_judged_by_the_rewritten_trace_
                                        non_pytorch_bytes=512 * mib, non_pytorch_spread_bytes=32 * mib,
                                        memory_spread_bytes=0)
                    for room in range(row["peak_allocated_bytes"] // mib - 60, row["peak_reserved_bytes"] // mib + 90, 10)]
-    n = sized.workspaces(h100)[1]
+    n = sized.workspaces()[1]
     rewritten: dict[str, tuple] = {}
     ways = worker._edges_apart(point, row, AllocSettings(), flash_cards, tmp_path / "rewritten", n, rewritten, sized)
     assert ways == ([], [c.key for c in flash_cards])

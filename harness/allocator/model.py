@@ -827,12 +827,12 @@ class CachingAllocator:
                     free = pool.free
                     j = bisect_left(free, (stream, size, 0))
                     if j < len(free) and free[j][0] == stream:
-                        found, es = free[j][1], None
-                        if expandable and (es := blocks[free[j][2]].es) is not None:
-                            j, fit = self._grown_fit(free, j, blocks[free[j][2]], stream)
-                            found = fit.size
+                        fit = blocks[free[j][2]]
+                        if (es := fit.es) is not None:  # (expandable segments)
+                            j, fit = self._grown_fit(free, j, fit, stream)
+                        found = fit.size
                         if not (found >= msz > size or size >= msz and found >= size + mnsr):  # oversize rules
-                            b = blocks[free[j][2]]
+                            b = fit
                             del free[j]
                             # (an expandable segment's blocks count no inactive split bytes)
                             was_split = es is None and (b.prev is not None or b.next is not None)

@@ -358,9 +358,10 @@ def replay_events(events, settings: AllocSettings, device: Device | None = None,
         return result, alloc
     alloc.on_event = lambda action, addr, size, stream: on_event(action, addr, size, stream, tag)
     watch, cached = (kept.watch, kept.cached) if kept is not None else (frozenset(), {})
+    window_at = None if lean else peaks.window_from(events, 0)
     for i, (action, key, size, tag, stream) in enumerate(events):
         result.requests = i + 1
-        if not lean and peaks.window is None and tag is not None and tag[1] >= STEADY_FROM_STEP:  # EventTag.step
+        if i == window_at:
             peaks.open_window()
         if action == "alloc":
             if watch and i in watch:

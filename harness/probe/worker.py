@@ -138,7 +138,7 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
     rec["peak_tensor_bytes"] = rec["peak_allocated_bytes"] - sized.shift(point.gpu)[1]
     # The catalog's cards whose attention kernels this trace's calls would not take are judged
     # apart, and those of another cuBLAS workspace or kernel scratch by the trace with theirs
-    workspace, n_workspaces = sized.workspaces(point.gpu)
+    workspace, n_workspaces = sized.workspaces()
     rec[WORKSPACE] = workspace
     apart = [c for c in cards if not attention.takes_alike(c.capability, rec.get(ATTENTION_CALLS))]
     here = [c for c in cards if c not in apart and workspace in (None, cublas.workspace_bytes(c.capability))]
@@ -375,7 +375,7 @@ def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: 
     allocates there. Of the cards of one workspace, one kernel sizing takes a replay without a
     limit, the others go on from it where they can (_own_sized_edges)."""
     ref = point.gpu
-    traced_with, n = sized.workspaces(ref)
+    traced_with, n = sized.workspaces()
     by_workspace: dict[int | None, list] = {}
     out: dict[str, Judged] = {}
     for c in cards:  # a trace without workspaces (real CPU tensors): theirs ignored

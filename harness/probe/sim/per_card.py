@@ -91,10 +91,10 @@ class Sized:
             self._scratch = trace_store.scratch_keys(self.df)
         return self._scratch
 
-    def workspaces(self, card: Card) -> tuple[int | None, int]:
-        """The trace's cuBLAS workspaces (config.cublas: the card's): the bytes of one (None: it has
-        none) and how many it allocates (one per handle and stream). The frame's, on every `card`:
-        a card's own rows resize and drop kernel scratch only."""
+    def workspaces(self) -> tuple[int | None, int]:
+        """The trace's cuBLAS workspaces (config.cublas: the traced card's): the bytes of one (None:
+        it has none) and how many it allocates (one per handle and stream). The same in every card's
+        rows, which resize and drop kernel scratch only."""
         if self._workspaces is None:
             framed = self._framed_rows()
             sizes = [framed[i].size for i in self._workspace_rows()]

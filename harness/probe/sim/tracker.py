@@ -223,7 +223,6 @@ class StorageTracker(TorchDispatchMode):
         # each module call's span of autograd sequence numbers, [start, end, name, enclosing span],
         # in the order the calls began (the starts sorted), and the spans still open
         self._spans: list[list] = []
-        self._span_starts: list[int] = []
         self._open_spans: list[int] = []
         self.nested_backward = 0  # > 0 inside a backward a node of the running one started (reentrant checkpoints)
         # The optimizer's step charges each allocation to the module of the parameter it is for
@@ -545,9 +544,9 @@ class StorageTracker(TorchDispatchMode):
         if node is None:
             return ""
         seq = node._sequence_nr()
-        i = bisect.bisect_right(self._span_starts, seq) - 1
+        i = bisect.bisect_right(self._spans, seq, key=lambda span: span[0]) - 1
         while i >= 0:
-            start, end, name, enclosing = self._spans[i]
+            _start, end, name, enclosing = self._spans[i]
             if seq < end:
                 return name
             i = enclosing
@@ -563,7 +562,6 @@ class StorageTracker(TorchDispatchMode):
         start = torch._C._autograd._get_sequence_nr()
         self._open_spans.append(len(self._spans))
         self._spans.append([start, _OPEN, name, enclosing])
-        self._span_starts.append(start)
 
     def _span_ends(self) -> None:
         if self._open_spans and (i := self._open_spans.pop()) >= 0:
