@@ -353,6 +353,34 @@ def test_a_ddp_point_is_synthesized_with_its_setup_traced_at_its_depth_and_is_it
         "synthesized: layers 1, 2 as traced over 4 GPUs -> 4")
 
 
+@pytest.mark.slow
+def test_an_fsdp2_count_made_from_two_traced_counts_is_its_full_trace(tmp_path):
+    """Over 2 and 8 GPUs traced, over 64 the shallow journals are made from theirs (each shard
+    1/64 of the whole, FSDP2's copy tables from their rewritten codes, the parameter and state
+    figures as the allocator holds them: a norm's 128 B shard takes a 512 B block) and the point is
+    its full trace, entry for entry and figure for figure; over 512 7B's 32,000-row embedding
+    would be padded (62.5 rows a GPU): traced."""
+    from tests.test_repeat import _assert_same_as_full, _point
+
+    def point(n):
+        return _point(batch_size=2, seq_len=32, precision="bf16").replace(
+            parallel=Parallel(dp_shard=n, nodes="auto"), trace_cache=str(tmp_path))
+    for n in (2, 8):
+        assert "scaled" not in _assert_same_as_full(point(n))["trace_method"]
+    assert _assert_same_as_full(point(64))["trace_method"].startswith(
+        "synthesized: layers 1, 2 scaled from those over 2, 8 GPUs -> 4")
+    assert "scaled" not in _assert_same_as_full(point(512))["trace_method"]
+
+
+def test_an_fsdp2_copys_code_names_its_chunks_at_another_count():
+    """Its chunk count is the count; each chunk's bytes a shard's, whole at the new count or none."""
+    from harness.probe.sim.shard_counts import _scaled_code
+    codes = ["split_copy:0:2:4096,512,4096", "split_copy:0:4:2048,256,2048"]
+    assert _scaled_code(codes, [2, 4], 16) == "split_copy:0:16:512,64,512"
+    assert _scaled_code(codes, [2, 4], 3) is None  # 8192 B over 3: no whole shard
+    assert _scaled_code(["reduce:0:4,2", "reduce:0:4,1"], [2, 4], 8) is None  # not one of FSDP2's copies
+
+
 def test_a_ranks_trace_is_one_on_any_count_of_nodes_and_a_ddp_jobs_journals_pass_between_counts(tmp_path):
     """Nodes change neither a rank's trace nor its replay, NCCL's memory its replay only (but where
     the job read the card): one trace identity. A DDP job on a card of one GPU a node (RTX 4060)
@@ -369,7 +397,7 @@ def test_a_ranks_trace_is_one_on_any_count_of_nodes_and_a_ddp_jobs_journals_pass
     assert trace_id(over(8, 1, "a100-80gb"), reads_card=True) != trace_id(over(8, 1, "a100-80gb", 2**30), reads_card=True)
     assert replicas.read(tmp_path, over(4, 4), (1, 2)) is None
     replicas.write(tmp_path, over(4, 4), (1, 2), [[], []], [{}])
-    assert replicas.read(tmp_path, over(2, 2), (1, 2)) == ([[], []], [{}], 4)
+    assert replicas.read(tmp_path, over(2, 2), (1, 2)) == ([[], []], [{}], "as traced over 4 GPUs")
 
 
 def test_the_capacity_table_gives_each_job_and_card_the_fewest_gpus_that_fit():

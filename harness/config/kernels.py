@@ -329,6 +329,8 @@ def scratch_bytes(code: str, g: Geometry) -> int:
     if kind == "split_copy":
         num_chunks, _, sizes = args.partition(":")
         return split_copy_table([int(v) for v in sizes.split(",")], int(num_chunks), g)
+    if kind == "chunk_cat":
+        return chunk_cat_table([int(v) for v in args.split(",")])
     raise ValueError(f"a trace's kernel scratch {code!r} is none this harness sizes")
 
 
@@ -339,3 +341,12 @@ def reduce_code(r: Reduction, part: int) -> str:
 
 def split_copy_code(chunk_bytes: list[int], num_chunks: int) -> str:
     return f"split_copy:0:{num_chunks}:" + ",".join(str(int(c)) for c in chunk_bytes)
+
+
+# _chunk_cat's table is the same on every card (no card sizes it: record.trace_store leaves it as
+# traced); its code names its chunks, which the shard count sizes (probe.sim.shard_counts)
+CHUNK_CAT_PREFIX = "chunk_cat:"
+
+
+def chunk_cat_code(pad_chunk_bytes: list[int]) -> str:
+    return f"{CHUNK_CAT_PREFIX}0:" + ",".join(str(int(c)) for c in pad_chunk_bytes)

@@ -98,10 +98,11 @@ def kernel_codes(df: pd.DataFrame) -> dict[str, int]:
 
 def _sized_by_card(df: pd.DataFrame) -> pd.DataFrame:
     """The rows of kernel scratch whose bytes follow the card's SMs (a fused attention kernel's rows
-    carry codes too: config.attention.FUSED_PREFIX)."""
+    carry codes too: config.attention.FUSED_PREFIX; and FSDP2's copy-in table, the same on every
+    card: config.kernels.CHUNK_CAT_PREFIX)."""
     if "kernel" not in df:
         return df.iloc[:0]
-    return df[(df["kernel"] != "") & ~df["kernel"].str.startswith(FUSED_PREFIX)]
+    return df[(df["kernel"] != "") & ~df["kernel"].str.startswith((FUSED_PREFIX, kernels.CHUNK_CAT_PREFIX))]
 
 
 def scratch_keys(df: pd.DataFrame) -> dict:
@@ -213,9 +214,10 @@ def save_cached(cache_dir: Path | None, tid: str, trace_path: Path, measurements
 # (by the shallowest journal's skeleton) holds where the new layer sits and how the deeper journal
 # is made of the shallower (repeat.recipe), for a point of the same skeleton to skip tracing the
 # deeper depth; "replicas" (by a DDP job's trace identity at any count) its shallow journals and
-# their findings, for its other replica counts (probe.sim.replicas). One JSON file per key (a layout:
-# an entry per journal entry, ~100-150 KB for 7B).
-CHECKED, LAYOUTS, REPLICAS = "checked", "layouts", "replicas"
+# their findings, for its other replica counts (probe.sim.replicas); "shard_counts" (by an FSDP2
+# job's) those of each count traced, for its other shard counts (probe.sim.shard_counts). One JSON
+# file per key (a layout: an entry per journal entry, ~100-150 KB for 7B).
+CHECKED, LAYOUTS, REPLICAS, SHARD_COUNTS = "checked", "layouts", "replicas", "shard_counts"
 
 
 def _note_file(cache_dir: Path, kind: str, key: str) -> Path:

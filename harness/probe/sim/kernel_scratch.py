@@ -2,7 +2,8 @@
 meta kernel does not make: fused attention's scratch (config.attention), a reduction's staging
 buffer and semaphores, FSDP2's copy kernels' launch tables (config.kernels). From an aten call's
 arguments to (bytes on the traced card, code): a code ("" for none) names a launch whose bytes
-depend on the card, for record.trace_store.sized_for to size on another.
+depend on the card, for record.trace_store.sized_for to size on another, or (FSDP2's launch
+tables) on the shard count, for probe.sim.shard_counts to size at another.
 
 A reduction splits across blocks on some cards and not on others only where its output grid lies
 between what their SMs fill (an output wider than ~2,000 x 128 columns), and flash splits the keys
@@ -165,7 +166,7 @@ def _chunk_cat(args, g, out) -> list[tuple[int, str]]:
         for s in t.shape[dim + 1:]:
             trailing *= s
         pads.append(-(-t.shape[dim] // num_chunks) * num_chunks * trailing * out.element_size() // num_chunks)
-    return [(kernels.chunk_cat_table(pads), "")]
+    return [(kernels.chunk_cat_table(pads), kernels.chunk_cat_code(pads))]
 
 
 def _split_copy(args, g, outs) -> list[tuple[int, str]]:

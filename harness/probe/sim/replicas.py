@@ -30,16 +30,16 @@ def _key(point: Point) -> str | None:
     return trace_store.trace_id(point.replace(parallel=dataclasses.replace(p, dp_replicate=2, nodes=AUTO_NODES)))
 
 
-def read(cache: Path | None, point: Point, depths: tuple[int, ...]) -> tuple[list[list[TraceEvent]], list, int] | None:
+def read(cache: Path | None, point: Point, depths: tuple[int, ...]) -> tuple[list[list[TraceEvent]], list, str] | None:
     """The journals (cut) and findings at `depths` of `point` as another count traced them, and
-    that count; None where none did (or `point` is not DDP)."""
+    which (for trace_method); None where none did (or `point` is not DDP)."""
     key = _key(point)
     note = trace_store.read_note(cache, trace_store.REPLICAS, f"{key}:{depths}") if key else None
     try:
         if note is None:
             return None
         journals = [[TraceEvent._make(e) for e in j] for j in note["journals"]]
-        return journals, list(note["findings"]), int(note["replicas"])
+        return journals, list(note["findings"]), f"as traced over {int(note['replicas'])} GPUs"
     except (KeyError, TypeError, ValueError):  # not a note of ours: traced anew
         return None
 

@@ -23,7 +23,8 @@ from does not trace depth a+1: it makes it of its own entries as that point's wa
 the layer there again and the figures traced at a are that point's. DDP's setup, sized by all the
 layers at once, is traced at the point's depth and spliced in (probe.sim.ddp_setup); the rest of a
 DDP rank's shallow journals is the same at any replica count, and taken from another count's where
-the sweep traced one (probe.sim.replicas).
+the sweep traced one (probe.sim.replicas); an FSDP2 rank's are made from two or more other shard
+counts' where its shards scale with the count (probe.sim.shard_counts).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from harness.config import attention, kernels
 from harness.config.attention import ATTENTION_CALLS, FUSED_PREFIX, FusedShape
 from harness.config.models import attention_shape, hf_config, model_key
 from harness.config.point import Leak, Point, Precision, WorkloadName
-from harness.probe.sim import ddp_setup, layers, repeat, replicas
+from harness.probe.sim import ddp_setup, layers, repeat, replicas, shard_counts
 from harness.probe.sim import steps as stepwise
 from harness.probe.sim.kernel_scratch import recorded
 from harness.probe.sim.measure import measurements
@@ -203,8 +204,9 @@ def synthesized(point: Point, a: int = SHALLOW, p: int = 1) -> Traced:
     cache = Path(point.trace_cache) if point.trace_cache else None
     runs: dict[int, StorageTracker | Joined] = {}
     reused = placed_on = None
-    # DDP: the shallow depths as another replica count of the job traced them (probe.sim.replicas)
-    other_count = replicas.read(cache, shallow, (a, deeper_at))
+    # DDP: the shallow depths as another replica count of the job traced them (probe.sim.replicas);
+    # FSDP2: made from those of two or more other shard counts (probe.sim.shard_counts)
+    other_count = replicas.read(cache, shallow, (a, deeper_at)) or shard_counts.read(cache, shallow, (a, deeper_at))
     if other_count is not None:
         (shallower, deeper), findings, counted = other_count
     else:
@@ -251,8 +253,9 @@ def synthesized(point: Point, a: int = SHALLOW, p: int = 1) -> Traced:
     # Both held at a+2p (the journal and the figures beside it), or were held on a point of this structure
     if checked is None:
         trace_store.write_note(cache, trace_store.CHECKED, structure, {"point": describe(point)})
-    if deeper_at in runs:  # traced here: for the job's other replica counts (DDP only)
+    if deeper_at in runs:  # traced here: for the job's other replica (DDP) or shard (FSDP2) counts
         replicas.write(cache, shallow, (a, deeper_at), [shallower, deeper], findings[:2])
+        shard_counts.write(cache, shallow, (a, deeper_at), [shallower, deeper], findings[:2])
     recipe = repeat.recipe(template) if reused is None and other_count is None and p == 1 else None
     if recipe is not None:
         trace_store.write_note(cache, trace_store.LAYOUTS, skeleton, {
@@ -266,7 +269,7 @@ def synthesized(point: Point, a: int = SHALLOW, p: int = 1) -> Traced:
     calls = _distinct_calls(findings)  # each depth's attention calls (the same layers: the same calls)
     m, events = _measured(point, journal, scalars, holder, calls)
     traced_layers = (f"layer {a}, layer {a + 1} placed as on {placed_on}" if placed_on
-                     else f"layers {a}, {deeper_at} as traced over {counted} GPUs" if other_count is not None
+                     else f"layers {a}, {deeper_at} {counted}" if other_count is not None
                      else f"layers {a}, {deeper_at}") + (f" (blocks of {p} layers)" if p > 1 else "")
     m["trace_method"] = f"synthesized: {traced_layers} -> {n}{steps_said}{setup} ({how})"
     return Traced(m, events, {"scalars": scalars, "retained_holder": holder, ATTENTION_CALLS: calls})

@@ -1,0 +1,215 @@
+"""FSDP2's shallow journals at one shard count, made from those traced at others.
+
+An FSDP2 rank's journal at a few layers is the same over N GPUs as over M but for its sizes: a
+shard (a parameter's, its gradient's, AdamW's state, the all-gather input) is 1/N of the whole
+where N divides the first dimension of every parameter (FSDP2 shards dim 0 and pads it to a
+multiple of N: no padding then), while what is gathered, the activations and the rest are whole at
+any count; and FSDP2's copy kernels' launch tables are sized by their chunks, whose codes name them
+(config.kernels: split_copy, chunk_cat). So where a job's shallow journals were traced over two or
+more counts (each kept in the trace cache), another count takes them from those instead of
+tracing: each entry's bytes the same at every count (kept) or its bytes times the count the same
+at every count (scaled to the count); each copy's code rewritten field by field the same way (its
+chunk count the count) and sized from it on the point's card; a free's or retag's bytes its
+alloc's. The figures beside (parameter and optimizer bytes, traffic) scale alike. Anything else
+(an entry of another form, journals that differ otherwise, a count that some parameter's first
+dimension does not divide, other figures) leaves the count to be traced. Its synthesis is then
+checked as any other's (a structure not checked yet is traced at a+2 on the point's own count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from harness.config import kernels
+from harness.config.models import hf_config, model_key, on_meta
+from harness.config.point import AUTO_NODES, Point, WorkloadName
+from harness.probe.sim import repeat
+from harness.probe.sim.tracker import TraceEvent, counted
+from harness.probe.sim.virtual_cuda import READS_CARD
+from harness.record import trace_store
+
+_SCALED_CODES = ("split_copy", "chunk_cat")  # FSDP2's copies: tables of each chunk, made at any count
+_NUMBER = re.compile(r"\d+")
+
+
+def _key(point: Point) -> str | None:
+    """The job as any shard count of it, on cards of the point's kernel geometry (its launch
+    tables are sized there); None: not FSDP2 alone, or not training."""
+    p = point.parallel
+    if p.dp_shard == 1 or p.dp_replicate > 1 or p.tp > 1 or point.workload.name != WorkloadName.train:
+        return None
+    at_two = point.replace(parallel=dataclasses.replace(p, dp_shard=2, nodes=AUTO_NODES))
+    return f"{trace_store.trace_id(at_two)}:{tuple(kernels.geometry(point.gpu))}"
+
+
+def write(cache: Path | None, point: Point, depths: tuple[int, ...], journals: list[list[TraceEvent]],
+          findings: list[dict]) -> None:
+    """Keep the journals and findings at `depths` traced over the point's count beside the job's
+    other counts' (a trace that read the card is kept for its own point only). Points written at
+    once may keep one count of theirs: the other is traced again where needed."""
+    key = _key(point)
+    if key is None or any(f.get(READS_CARD) for f in findings):
+        return
+    note = trace_store.read_note(cache, trace_store.SHARD_COUNTS, f"{key}:{depths}") or {}
+    counts = note.get("counts") if isinstance(note.get("counts"), dict) else {}
+    counts[str(point.parallel.dp_shard)] = {"journals": [[list(e) for e in j] for j in journals], "findings": findings}
+    trace_store.write_note(cache, trace_store.SHARD_COUNTS, f"{key}:{depths}", {"counts": counts})
+
+
+def read(cache: Path | None, point: Point, depths: tuple[int, ...]
+         ) -> tuple[list[list[TraceEvent]], list, str] | None:
+    """The journals and findings at `depths` of `point` made from two or more other counts' (and
+    how, for trace_method); None where they cannot be (see the module's docstring)."""
+    key = _key(point)
+    note = trace_store.read_note(cache, trace_store.SHARD_COUNTS, f"{key}:{depths}") if key else None
+    if note is None:
+        return None
+    m, dims = point.parallel.dp_shard, _first_dims(point)
+    try:
+        traced = {int(n): ([[TraceEvent._make(e) for e in j] for j in c["journals"]], list(c["findings"]))
+                  for n, c in note["counts"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError):  # not a note of ours: traced anew
+        return None
+    # the counts whose shards are whole rows, as the point's must be
+    counts = sorted(n for n in traced if n != m and dims is not None and all(d % n == 0 for d in dims))
+    if len(counts) < 2 or dims is None or any(d % m for d in dims):
+        return None
+    g = kernels.geometry(point.gpu)
+    journals, findings = [], []
+    for i in range(len(depths)):
+        at = {n: traced[n][0][i] for n in counts}
+        journal = _scaled(at, m, g)
+        found = None if journal is None else _scaled_findings([traced[n][1][i] for n in counts], at, journal, m)
+        if journal is None or found is None:
+            return None
+        journals.append(journal)
+        findings.append(found)
+    return journals, findings, f"scaled from those over {', '.join(map(str, counts))} GPUs"
+
+
+# The figures that sum storages as the allocator holds them (tracker.allocated_bytes_of: 512 B
+# blocks, so a shard's bytes do not scale below that) -> the kind of those storages in a journal
+_HELD = {"params_bytes": "parameter", "state_bytes": "optimizer_state"}
+
+
+def _scaled_findings(found: list[dict], journals: dict[int, list[TraceEvent]], journal: list[TraceEvent],
+                     m: int) -> dict | None:
+    """The findings over `m` GPUs (its `journal`) from those over other counts (`journals`): the
+    figures of _HELD what the journal holds of their kind at its end, less what every other count's
+    holds beyond them (the same at each, else None); the rest _scaled_value's."""
+    counts = sorted(journals)
+    scalars = [dict(f.get("scalars") or {}) for f in found]
+    held = {}
+    for name, kind in _HELD.items():
+        if all(name in s for s in scalars):
+            beyond = {_held(journals[n], kind) - s.pop(name) for n, s in zip(counts, scalars, strict=True)}
+            if len(beyond) != 1:
+                return None
+            held[name] = _held(journal, kind) - beyond.pop()
+    made = _scaled_value([{**f, "scalars": s} for f, s in zip(found, scalars, strict=True)], counts, m)
+    return None if made is _NO else {**made, "scalars": {**made["scalars"], **held}}
+
+
+def _held(journal: list[TraceEvent], kind: str) -> int:
+    """The bytes the allocator holds for the storages of `kind` alive at the journal's end."""
+    live: dict[int, list] = {}
+    for e in journal:
+        if e.action == "alloc":
+            live[e.key] = [e.size, e.kind]
+        elif e.action == "free":
+            live.pop(e.key, None)
+        elif e.action == "retag" and e.key in live:
+            live[e.key][1] = e.kind
+    return sum(counted(size) for size, k in live.values() if k == kind)
+
+
+_dims: dict[str, tuple[int, ...] | None] = {}  # model_key -> _first_dims
+
+
+def _first_dims(point: Point) -> tuple[int, ...] | None:
+    """The first dimensions of the model's parameters, each once (None: one has none, a scalar
+    FSDP2 cannot shard)."""
+    key = model_key(point.model)
+    if key not in _dims:
+        shapes = [tuple(p.shape) for p in on_meta(hf_config(point.model)).parameters()]
+        _dims[key] = None if any(not s for s in shapes) else tuple(sorted({int(s[0]) for s in shapes}))
+    return _dims[key]
+
+
+def _scaled(journals: dict[int, list[TraceEvent]], m: int, g: kernels.Geometry) -> list[TraceEvent] | None:
+    """The journal over `m` GPUs made of the same depth's journals over other counts, or None."""
+    counts = sorted(journals)
+    canon = [repeat.canonical(journals[n]) for n in counts]
+    first = journals[counts[0]]
+    if any(len(c) != len(canon[0]) for c in canon):
+        return None
+    out: list[TraceEvent] = []
+    for i, e in enumerate(first):
+        at = [c[i] for c in canon]
+        if any(c[:2] + c[3:8] != at[0][:2] + at[0][3:8] for c in at):
+            return None
+        sizes, codes = [c[2] for c in at], [c[8] for c in at]
+        ref = at[0][1]
+        if e.action != "alloc" and 0 <= ref < len(out) and all(c[2] == cn[ref][2] for c, cn in zip(at, canon, strict=True)):
+            out.append(e._replace(size=out[ref].size))  # a free's or retag's bytes: its alloc's
+            continue
+        if codes[0] and len(set(codes)) == 1 and len(set(sizes)) > 1:
+            return None  # a launch of the same code sized otherwise: not a copy's table
+        if len(set(codes)) > 1:
+            code = _scaled_code(codes, counts, m)
+            if code is None or any(kernels.scratch_bytes(c, g) != s for c, s in zip(codes, sizes, strict=True)):
+                return None
+            out.append(e._replace(size=kernels.scratch_bytes(code, g), kernel=code))
+            continue
+        size = _scaled_value(sizes, counts, m)
+        if size is _NO:
+            return None
+        out.append(e._replace(size=size))
+    return out
+
+
+def _scaled_code(codes: list[str], counts: list[int], m: int) -> str | None:
+    """A copy's code over `m` GPUs from its codes over `counts`: each number kept, the count, or
+    scaled as a shard (_scaled_value); None for a kernel FSDP2 does not launch at every count."""
+    kind = codes[0].partition(":")[0]
+    numbers = [[int(v) for v in _NUMBER.findall(c)] for c in codes]
+    if kind not in _SCALED_CODES or any(c.partition(":")[0] != kind or len(n) != len(numbers[0])
+                                        for c, n in zip(codes, numbers, strict=True)):
+        return None
+    made = []
+    for values in zip(*numbers, strict=True):
+        v = m if list(values) == counts else _scaled_value(list(values), counts, m)
+        if v is _NO:
+            return None
+        made.append(str(v))
+    pieces = _NUMBER.split(codes[0])
+    return "".join(p + (made[k] if k < len(made) else "") for k, p in enumerate(pieces))
+
+
+class _No:
+    """No value scales so (a sentinel: None is a finding's value)."""
+
+
+_NO = _No()
+
+
+def _scaled_value(values: list, counts: list[int], m: int):
+    """The value over `m` GPUs of one taking `values` over `counts`: the same at each, kept; an int
+    whose product with the count is the same at each, that product over `m` where whole; a dict or
+    list, each of its items so. Else _NO."""
+    first = values[0]
+    if all(v == first and type(v) is type(first) for v in values):
+        return first
+    if all(type(v) is int for v in values):
+        whole = {v * n for v, n in zip(values, counts, strict=True)}
+        (total,) = whole if len(whole) == 1 else (None,)
+        return total // m if total is not None and total % m == 0 else _NO
+    if all(isinstance(v, dict) for v in values) and all(v.keys() == first.keys() for v in values):
+        made = {k: _scaled_value([v[k] for v in values], counts, m) for k in first}
+        return _NO if any(x is _NO for x in made.values()) else made
+    if all(isinstance(v, list) for v in values) and all(len(v) == len(first) for v in values):
+        items = [_scaled_value([v[k] for v in values], counts, m) for k in range(len(first))]
+        return _NO if any(x is _NO for x in items) else items
+    return _NO
