@@ -360,16 +360,19 @@ def test_an_fsdp2_count_made_from_two_traced_counts_is_its_full_trace(tmp_path):
     figures as the allocator holds them: a norm's 128 B shard takes a 512 B block) and the point is
     its full trace, entry for entry and figure for figure; over 512 7B's 32,000-row embedding
     would be padded (62.5 rows a GPU): traced."""
+    from harness.probe.sim import shard_counts, shortcut
     from tests.test_repeat import _assert_same_as_full, _point
 
     def point(n):
-        return _point(batch_size=2, seq_len=32, precision="bf16").replace(
+        p = _point(batch_size=2, seq_len=32, precision="bf16").replace(
             parallel=Parallel(dp_shard=n, nodes="auto"), trace_cache=str(tmp_path))
+        return p.replace(workload=dataclasses.replace(p.workload, steps=shortcut.traced_steps(p)))
     for n in (2, 8):
-        assert "scaled" not in _assert_same_as_full(point(n))["trace_method"]
+        assert "scaled" not in shortcut.trace(point(n)).measurements["trace_method"]
     assert _assert_same_as_full(point(64))["trace_method"].startswith(
         "synthesized: layers 1, 2 scaled from those over 2, 8 GPUs -> 4")
-    assert "scaled" not in _assert_same_as_full(point(512))["trace_method"]
+    assert shard_counts.read(tmp_path, point(32), (1, 2)) is not None
+    assert shard_counts.read(tmp_path, point(512), (1, 2)) is None
 
 
 def test_an_fsdp2_copys_code_names_its_chunks_at_another_count():
