@@ -1,19 +1,23 @@
 """FSDP2's shallow journals at one shard count, made from those traced at others.
 
-An FSDP2 rank's journal at a few layers is the same over N GPUs as over M but for its sizes: a
+An FSDP2 rank's journal at a few layers is the same over N shards as over M but for its sizes: a
 shard (a parameter's, its gradient's, AdamW's state, the all-gather input) is 1/N of the whole
 where N divides the first dimension of every parameter (FSDP2 shards dim 0 and pads it to a
-multiple of N: no padding then), while what is gathered, the activations and the rest are whole at
-any count; and FSDP2's copy kernels' launch tables are sized by their chunks, whose codes name them
-(config.kernels: split_copy, chunk_cat). So where a job's shallow journals were traced over two or
-more counts (each kept in the trace cache), another count takes them from those instead of
-tracing: each entry's bytes the same at every count (kept) or its bytes times the count the same
-at every count (scaled to the count); each copy's code rewritten field by field the same way (its
-chunk count the count) and sized from it on the point's card; a free's or retag's bytes its
-alloc's. The figures beside (parameter and optimizer bytes, traffic) scale alike. Anything else
-(an entry of another form, journals that differ otherwise, a count that some parameter's first
-dimension does not divide, other figures) leaves the count to be traced. Its synthesis is then
-checked as any other's (a structure not checked yet is traced at a+2 on the point's own count).
+multiple of N: no padding then; of a tensor-parallel rank's slice, so N x tp), while what is
+gathered, the activations and the rest are whole at any count; a device mesh's rank tensors
+(HSDP's, tensor parallel's) hold one entry per GPU; and FSDP2's copy kernels' launch tables are
+sized by their chunks, whose codes name them (config.kernels: split_copy, chunk_cat). So where a
+job's shallow journals were traced over two or more shard counts (each kept in the trace cache),
+another count takes them from those instead of tracing: each entry's bytes the same at every count
+(kept), its bytes times the count the same at every count (a shard, scaled to the count) or its
+bytes the count times the same (a mesh's); each copy's code rewritten field by field the same way
+(its chunk count the count) and sized from it on the point's card; a free's or retag's bytes its
+alloc's. The figures beside scale alike, but the parameter and state bytes, which count each
+storage as the allocator holds it (512 B blocks): what the made journal holds of those kinds, less
+what every traced count's holds beyond its figure. Anything else (an entry of another form,
+journals that differ otherwise, a count that some parameter's first dimension does not divide)
+leaves the count to be traced. Its synthesis is then checked as any other's (a structure not
+checked yet is traced at a+2 on the point's own count).
 """
 
 from __future__ import annotations
@@ -35,10 +39,11 @@ _NUMBER = re.compile(r"\d+")
 
 
 def _key(point: Point) -> str | None:
-    """The job as any shard count of it, on cards of the point's kernel geometry (its launch
-    tables are sized there); None: not FSDP2 alone, or not training."""
+    """The job as any shard count of it (its replicas and tensor parallel as they are), on cards of
+    the point's kernel geometry (its launch tables are sized there); None: not FSDP2, or not
+    training."""
     p = point.parallel
-    if p.dp_shard == 1 or p.dp_replicate > 1 or p.tp > 1 or point.workload.name != WorkloadName.train:
+    if p.dp_shard == 1 or point.workload.name != WorkloadName.train:
         return None
     at_two = point.replace(parallel=dataclasses.replace(p, dp_shard=2, nodes=AUTO_NODES))
     return f"{trace_store.trace_id(at_two)}:{tuple(kernels.geometry(point.gpu))}"
@@ -73,8 +78,9 @@ def read(cache: Path | None, point: Point, depths: tuple[int, ...]
     except (KeyError, TypeError, ValueError, AttributeError):  # not a note of ours: traced anew
         return None
     # the counts whose shards are whole rows, as the point's must be
-    counts = sorted(n for n in traced if n != m and dims is not None and all(d % n == 0 for d in dims))
-    if len(counts) < 2 or dims is None or any(d % m for d in dims):
+    tp = point.parallel.tp
+    counts = sorted(n for n in traced if n != m and dims is not None and all(d % (n * tp) == 0 for d in dims))
+    if len(counts) < 2 or dims is None or any(d % (m * tp) for d in dims):
         return None
     g = kernels.geometry(point.gpu)
     journals, findings = [], []
@@ -86,7 +92,8 @@ def read(cache: Path | None, point: Point, depths: tuple[int, ...]
             return None
         journals.append(journal)
         findings.append(found)
-    return journals, findings, f"scaled from those over {', '.join(map(str, counts))} GPUs"
+    gpus = point.parallel.world_size // m  # (each shard count's job: its replicas and tensor-parallel ranks too)
+    return journals, findings, f"scaled from those over {', '.join(str(n * gpus) for n in counts)} GPUs"
 
 
 # The figures that sum storages as the allocator holds them (tracker.allocated_bytes_of: 512 B
@@ -197,15 +204,22 @@ _NO = _No()
 
 def _scaled_value(values: list, counts: list[int], m: int):
     """The value over `m` GPUs of one taking `values` over `counts`: the same at each, kept; an int
-    whose product with the count is the same at each, that product over `m` where whole; a dict or
-    list, each of its items so. Else _NO."""
+    whose product with the count is the same at each, that product over `m` where whole (a
+    shard's bytes); an int the count times the same at each, `m` times that (a device mesh's rank
+    tensors, HSDP's and tensor parallel's: one entry per GPU); a dict or list, each of its items
+    so. Else _NO."""
     first = values[0]
     if all(v == first and type(v) is type(first) for v in values):
         return first
     if all(type(v) is int for v in values):
-        whole = {v * n for v, n in zip(values, counts, strict=True)}
-        (total,) = whole if len(whole) == 1 else (None,)
-        return total // m if total is not None and total % m == 0 else _NO
+        whole = {v * n for v, n in zip(values, counts, strict=True)}  # a shard: 1/n of a whole
+        if len(whole) == 1:
+            (total,) = whole
+            return total // m if total % m == 0 else _NO
+        each = {v // n for v, n in zip(values, counts, strict=True) if v % n == 0}  # one per GPU: a mesh's ranks
+        if len(each) == 1 and all(v % n == 0 for v, n in zip(values, counts, strict=True)):
+            return each.pop() * m
+        return _NO
     if all(isinstance(v, dict) for v in values) and all(v.keys() == first.keys() for v in values):
         made = {k: _scaled_value([v[k] for v in values], counts, m) for k in first}
         return _NO if any(x is _NO for x in made.values()) else made
