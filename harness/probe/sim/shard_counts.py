@@ -105,8 +105,12 @@ def _scaled_findings(found: list[dict], journals: dict[int, list[TraceEvent]], j
                      m: int) -> dict | None:
     """The findings over `m` GPUs (its `journal`) from those over other counts (`journals`): the
     figures of _HELD what the journal holds of their kind at its end, less what every other count's
-    holds beyond them (the same at each, else None); the rest _scaled_value's."""
+    holds beyond them (the same at each); the other figures _scaled_value's; the rest (what holds
+    a leak, the attention calls) the same at each count. None where they are not."""
     counts = sorted(journals)
+    rest = [{k: v for k, v in f.items() if k != "scalars"} for f in found]
+    if any(r != rest[0] for r in rest):
+        return None  # (a holder's bytes, for one, count blocks: not scaled)
     scalars = [dict(f.get("scalars") or {}) for f in found]
     held = {}
     for name, kind in _HELD.items():
@@ -115,8 +119,8 @@ def _scaled_findings(found: list[dict], journals: dict[int, list[TraceEvent]], j
             if len(beyond) != 1:
                 return None
             held[name] = _held(journal, kind) - beyond.pop()
-    made = _scaled_value([{**f, "scalars": s} for f, s in zip(found, scalars, strict=True)], counts, m)
-    return None if made is _NO else {**made, "scalars": {**made["scalars"], **held}}
+    made = _scaled_value(scalars, counts, m)
+    return None if made is _NO else {**rest[0], "scalars": {**made, **held}}
 
 
 def _held(journal: list[TraceEvent], kind: str) -> int:
