@@ -77,10 +77,12 @@ def read(cache: Path | None, point: Point, depths: tuple[int, ...]
                   for n, c in note["counts"].items()}
     except (KeyError, TypeError, ValueError, AttributeError):  # not a note of ours: traced anew
         return None
-    # the counts whose shards are whole rows, as the point's must be
+    # the counts whose shards are whole rows (of a tensor-parallel rank's slice), as the point's must be
     tp = point.parallel.tp
-    counts = sorted(n for n in traced if n != m and dims is not None and all(d % (n * tp) == 0 for d in dims))
-    if len(counts) < 2 or dims is None or any(d % (m * tp) for d in dims):
+    if dims is None or any(d % (m * tp) for d in dims):
+        return None
+    counts = sorted(n for n in traced if n != m and all(d % (n * tp) == 0 for d in dims))
+    if len(counts) < 2:
         return None
     g = kernels.geometry(point.gpu)
     journals, findings = [], []
