@@ -59,6 +59,22 @@ def step_stats(journal: list[TraceEvent]) -> tuple[StepStats, list[StepStats]]:
     return setup, [steps[k] for k in sorted(steps)]
 
 
+def held_at_end(journal: list[TraceEvent]) -> dict[str, int]:
+    """Per kind (the one each storage was last retagged to), the bytes the allocator holds at the
+    journal's end for the storages alive then."""
+    final = _final_kinds(journal)
+    live: dict[int, tuple[int, str]] = {}  # key -> (allocated, kind)
+    for i, (_seq, action, key, size, kind, *_rest) in enumerate(journal):
+        if action == "alloc":
+            live[key] = (counted(size), final.get(i, kind))
+        elif action == "free":
+            live.pop(key, None)
+    held = dict.fromkeys(KINDS, 0)
+    for n, kind in live.values():
+        held[kind] += n
+    return held
+
+
 def _final_kinds(journal: list[TraceEvent]) -> dict[int, str]:
     """The kind each retagged storage was last retagged to, by its alloc's place in the journal (a
     key names a storage only while it lives)."""

@@ -29,8 +29,8 @@ from pathlib import Path
 from harness.config import kernels
 from harness.config.models import hf_config, model_key, on_meta
 from harness.config.point import AUTO_NODES, Point, WorkloadName
-from harness.probe.sim import repeat
-from harness.probe.sim.tracker import TraceEvent, counted
+from harness.probe.sim import ledger, repeat
+from harness.probe.sim.tracker import TraceEvent
 from harness.probe.sim.virtual_cuda import READS_CARD
 from harness.record import trace_store
 
@@ -114,28 +114,16 @@ def _scaled_findings(found: list[dict], journals: dict[int, list[TraceEvent]], j
     if any(r != rest[0] for r in rest):
         return None  # (a holder's bytes, for one, count blocks: not scaled)
     scalars = [dict(f.get("scalars") or {}) for f in found]
-    held = {}
+    held_by = [ledger.held_at_end(journals[n]) for n in counts]
+    at_end, held = ledger.held_at_end(journal), {}
     for name, kind in _HELD.items():
         if all(name in s for s in scalars):
-            beyond = {_held(journals[n], kind) - s.pop(name) for n, s in zip(counts, scalars, strict=True)}
+            beyond = {h[kind] - s.pop(name) for h, s in zip(held_by, scalars, strict=True)}
             if len(beyond) != 1:
                 return None
-            held[name] = _held(journal, kind) - beyond.pop()
+            held[name] = at_end[kind] - beyond.pop()
     made = _scaled_value(scalars, counts, m)
     return None if made is _NO else {**rest[0], "scalars": {**made, **held}}
-
-
-def _held(journal: list[TraceEvent], kind: str) -> int:
-    """The bytes the allocator holds for the storages of `kind` alive at the journal's end."""
-    live: dict[int, list] = {}
-    for e in journal:
-        if e.action == "alloc":
-            live[e.key] = [e.size, e.kind]
-        elif e.action == "free":
-            live.pop(e.key, None)
-        elif e.action == "retag" and e.key in live:
-            live[e.key][1] = e.kind
-    return sum(counted(size) for size, k in live.values() if k == kind)
 
 
 _dims: dict[str, tuple[int, ...] | None] = {}  # model_key -> _first_dims
@@ -212,8 +200,8 @@ def _scaled_value(values: list, counts: list[int], m: int):
     """The value over `m` GPUs of one taking `values` over `counts`: the same at each, kept; an int
     whose product with the count is the same at each, that product over `m` where whole (a
     shard's bytes); an int the count times the same at each, `m` times that (a device mesh's rank
-    tensors, HSDP's and tensor parallel's: one entry per GPU); a dict or list, each of its items
-    so. Else _NO."""
+    tensors, HSDP's and tensor parallel's: one entry per GPU); a dict (the figures), each of its
+    values so. Else _NO."""
     first = values[0]
     if all(v == first and type(v) is type(first) for v in values):
         return first
@@ -222,14 +210,12 @@ def _scaled_value(values: list, counts: list[int], m: int):
         if len(whole) == 1:
             (total,) = whole
             return total // m if total % m == 0 else _NO
-        each = {v // n for v, n in zip(values, counts, strict=True) if v % n == 0}  # one per GPU: a mesh's ranks
-        if len(each) == 1 and all(v % n == 0 for v, n in zip(values, counts, strict=True)):
-            return each.pop() * m
+        if all(v % n == 0 for v, n in zip(values, counts, strict=True)):  # one per GPU: a mesh's ranks
+            each = {v // n for v, n in zip(values, counts, strict=True)}
+            if len(each) == 1:
+                return each.pop() * m
         return _NO
     if all(isinstance(v, dict) for v in values) and all(v.keys() == first.keys() for v in values):
         made = {k: _scaled_value([v[k] for v in values], counts, m) for k in first}
         return _NO if any(x is _NO for x in made.values()) else made
-    if all(isinstance(v, list) for v in values) and all(len(v) == len(first) for v in values):
-        items = [_scaled_value([v[k] for v in values], counts, m) for k in range(len(first))]
-        return _NO if any(x is _NO for x in items) else items
     return _NO
