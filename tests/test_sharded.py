@@ -354,20 +354,22 @@ def test_a_ddp_point_is_synthesized_with_its_setup_traced_at_its_depth_and_is_it
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,said,padded", [(1, "2, 8", 512), (2, "4, 16", 256)], ids=["fsdp2", "fsdp2-tp"])
-def test_an_fsdp2_count_made_from_two_traced_counts_is_its_full_trace(tmp_path, tp, said, padded):
+@pytest.mark.parametrize("replicas,tp,said,padded", [(1, 1, "2, 8", 512), (1, 2, "4, 16", 256), (2, 2, "8, 32", 256)],
+                         ids=["fsdp2", "fsdp2-tp", "hsdp-tp"])
+def test_an_fsdp2_count_made_from_two_traced_counts_is_its_full_trace(tmp_path, replicas, tp, said, padded):
     """Sharded 2 and 8 ways traced, 64 ways the shallow journals are made from theirs (each shard
     1/64 of the whole, FSDP2's copy tables from their rewritten codes, the parameter and state
     figures as the allocator holds them: a norm's 128 B shard takes a 512 B block; under tensor
-    parallel the mesh's rank tensors, one entry a GPU) and the point is its full trace, entry for
-    entry and figure for figure; where 7B's 32,000-row embedding would be padded (62.5 rows a GPU
-    over 512, of a tensor-parallel rank's 16,000 over 256), traced."""
+    parallel the mesh's rank tensors, one entry a GPU; beside HSDP's replicas too, its all-reduce
+    across them a shard, tensor parallel's the same at any count) and the point is its full trace,
+    entry for entry and figure for figure; where 7B's 32,000-row embedding would be padded (62.5
+    rows a GPU over 512, of a tensor-parallel rank's 16,000 over 256), traced."""
     from harness.probe.sim import shard_counts, shortcut
     from tests.test_repeat import _assert_same_as_full, _point
 
     def point(n):
         p = _point(batch_size=2, seq_len=32, precision="bf16").replace(
-            parallel=Parallel(dp_shard=n, tp=tp, nodes="auto"), trace_cache=str(tmp_path))
+            parallel=Parallel(dp_shard=n, dp_replicate=replicas, tp=tp, nodes="auto"), trace_cache=str(tmp_path))
         return p.replace(workload=dataclasses.replace(p.workload, steps=shortcut.traced_steps(p)))
     for n in (2, 8):
         assert "scaled" not in shortcut.trace(point(n)).measurements["trace_method"]

@@ -59,20 +59,17 @@ def step_stats(journal: list[TraceEvent]) -> tuple[StepStats, list[StepStats]]:
     return setup, [steps[k] for k in sorted(steps)]
 
 
-def held_at_end(journal: list[TraceEvent]) -> dict[str, int]:
-    """Per kind (the one each storage was last retagged to), the bytes the allocator holds at the
-    journal's end for the storages alive then."""
+def alive_at_end(journal: list[TraceEvent]) -> dict[int, str]:
+    """The storages alive at the journal's end: each one's alloc's place in it -> its kind (the
+    one it was last retagged to)."""
     final = _final_kinds(journal)
-    live: dict[int, tuple[int, str]] = {}  # key -> (allocated, kind)
-    for i, (_seq, action, key, size, kind, *_rest) in enumerate(journal):
+    live: dict[int, int] = {}  # key -> its alloc's place
+    for i, (_seq, action, key, *_rest) in enumerate(journal):
         if action == "alloc":
-            live[key] = (counted(size), final.get(i, kind))
+            live[key] = i
         elif action == "free":
             live.pop(key, None)
-    held = dict.fromkeys(KINDS, 0)
-    for n, kind in live.values():
-        held[kind] += n
-    return held
+    return {i: final.get(i, journal[i].kind) for i in sorted(live.values())}
 
 
 def _final_kinds(journal: list[TraceEvent]) -> dict[int, str]:

@@ -13,8 +13,10 @@ another count takes them from those instead of tracing: each entry's bytes the s
 bytes the count times the same (a mesh's); each copy's code rewritten field by field the same way
 (its chunk count the count) and sized from it on the point's card; a free's or retag's bytes its
 alloc's. The figures beside scale alike, but the parameter and state bytes, which count each
-storage as the allocator holds it (512 B blocks): what the made journal holds of those kinds, less
-what every traced count's holds beyond its figure. Anything else (an entry of another form,
+storage as the allocator holds it (512 B blocks): the made journal's shards of those kinds alive at
+its end, each so, and what else each traced count's figure holds (the same at each); and tensor
+parallel's traffic, the same at every count, is kept apart from the data-parallel traffic (HSDP's
+all-reduce across replicas: a shard). Anything else (an entry of another form,
 journals that differ otherwise, a count that some parameter's first dimension does not divide)
 leaves the count to be traced. Its synthesis is then checked as any other's (a structure not
 checked yet is traced at a+2 on the point's own count).
@@ -30,7 +32,8 @@ from harness.config import kernels
 from harness.config.models import hf_config, model_key, on_meta
 from harness.config.point import AUTO_NODES, Point, WorkloadName
 from harness.probe.sim import ledger, repeat
-from harness.probe.sim.tracker import TraceEvent
+from harness.probe.sim.sharded import TENSOR_PARALLEL_TRAFFIC
+from harness.probe.sim.tracker import TraceEvent, counted
 from harness.probe.sim.virtual_cuda import READS_CARD
 from harness.record import trace_store
 
@@ -106,24 +109,34 @@ _HELD = {"params_bytes": "parameter", "state_bytes": "optimizer_state"}
 def _scaled_findings(found: list[dict], journals: dict[int, list[TraceEvent]], journal: list[TraceEvent],
                      m: int) -> dict | None:
     """The findings over `m` GPUs (its `journal`) from those over other counts (`journals`): the
-    figures of _HELD what the journal holds of their kind at its end, less what every other count's
-    holds beyond them (the same at each); the other figures _scaled_value's; the rest (what holds
-    a leak, the attention calls) the same at each count. None where they are not."""
+    figures of _HELD the shards of their kind alive at the journal's end, each as the allocator
+    holds it, and what else every other count's figure holds (the same at each); the other figures
+    _scaled_value's; the rest (what holds a leak, the attention calls) the same at each count. None
+    where they are not."""
     counts = sorted(journals)
     rest = [{k: v for k, v in f.items() if k != "scalars"} for f in found]
     if any(r != rest[0] for r in rest):
         return None  # (a holder's bytes, for one, count blocks: not scaled)
     scalars = [dict(f.get("scalars") or {}) for f in found]
-    held_by = [ledger.held_at_end(journals[n]) for n in counts]
-    at_end, held = ledger.held_at_end(journal), {}
+    # (the journals differ in their sizes only: the same storages alive at each one's end, of one kind)
+    alive, held = ledger.alive_at_end(journal), {}
     for name, kind in _HELD.items():
         if all(name in s for s in scalars):
-            beyond = {h[kind] - s.pop(name) for h, s in zip(held_by, scalars, strict=True)}
-            if len(beyond) != 1:
+            # a shard's bytes times the count the same at every count (a device mesh's rank tensor,
+            # which grows with it, or a rotary buffer, the same at each: not a shard)
+            shards = [i for i, k in alive.items() if k == kind and len({journals[n][i].size * n for n in counts}) == 1]
+            other = {s.pop(name) - sum(counted(journals[n][i].size) for i in shards)
+                     for n, s in zip(counts, scalars, strict=True)}
+            if len(other) != 1:
                 return None
-            held[name] = at_end[kind] - beyond.pop()
-    made = _scaled_value(scalars, counts, m)
-    return None if made is _NO else {**rest[0], "scalars": {**made, **held}}
+            held[name] = sum(counted(journal[i].size) for i in shards) + other.pop()
+    # tensor parallel's traffic (the same at every count, as the rest is) apart from the data
+    # parallel one's, which may be a shard (HSDP's all-reduce across replicas)
+    over_tp = rest[0].get(TENSOR_PARALLEL_TRAFFIC) or {}
+    made = _scaled_value([{**s, **{k: s[k] - v for k, v in over_tp.items()}} for s in scalars], counts, m)
+    if made is _NO:
+        return None
+    return {**rest[0], "scalars": {**made, **{k: made[k] + v for k, v in over_tp.items()}, **held}}
 
 
 _dims: dict[str, tuple[int, ...] | None] = {}  # model_key -> _first_dims

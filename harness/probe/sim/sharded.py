@@ -259,6 +259,10 @@ _TRAFFIC = {"all_gather_into_tensor": ("all_gather", "output_tensor", 0),
             "reduce_scatter_single": ("reduce_scatter", "input", 1),
             "all_reduce": ("all_reduce", "tensor", 0)}
 
+# The tracker's finding (a trace's): what of its traffic figures is over tensor parallel's mesh (its
+# activations' collectives, the same over any count of data-parallel GPUs), where it has any
+TENSOR_PARALLEL_TRAFFIC = "tensor_parallel_traffic"
+
 # DTensor's collectives (tensor parallel: a partial sum made whole, a shard gathered or scattered)
 _FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter"}
 
@@ -268,14 +272,15 @@ def collectives_own_buffers(tracker):
     """What a collective allocates inside itself is the communication backend's: NCCL's buffers are
     not the caching allocator's (gloo's copies, on real CPU ranks, are counted nowhere either). The
     tracker counts them as it counts host memory: not at all. The bytes each collective moves are
-    added up per step in `tracker.traffic` ({(all_gather | reduce_scatter | all_reduce, step): bytes}),
-    tensor parallel's functional collectives (DTensor's) among them."""
+    added up per step in `tracker.traffic` ({(all_gather | reduce_scatter | all_reduce, step, over
+    tensor parallel's mesh): bytes}): tensor parallel's are DTensor's functional collectives, the data
+    parallel ones' (FSDP2's, DDP's, HSDP's) torch.distributed's."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    def count(what: str, t: torch.Tensor) -> None:
+    def count(what: str, t: torch.Tensor, tensor_parallel: bool = False) -> None:
         if tracker.recording:
-            key = (what, tracker.step)
+            key = (what, tracker.step, tensor_parallel)
             tracker.traffic[key] = tracker.traffic.get(key, 0) + t.numel() * t.element_size()
 
     def inside(name, fn):
@@ -294,7 +299,7 @@ def collectives_own_buffers(tracker):
     def functional(what, fn):  # its output is a tensor of the caching allocator's, tracked as any
         def call(tensor, *args, **kwargs):
             out = fn(tensor, *args, **kwargs)
-            count(what, out if what == "all_gather" else tensor)  # as _TRAFFIC counts
+            count(what, out if what == "all_gather" else tensor, tensor_parallel=True)  # as _TRAFFIC counts
             return out
         return call
 
@@ -328,8 +333,10 @@ def ddp_buckets_are_gradients(tracker):
         yield
 
 
-def traffic_per_step(tracker) -> dict[str, int]:
+def traffic_per_step(tracker, tensor_parallel: bool | None = None) -> dict[str, int]:
     """The bytes one step all-gathers, reduce-scatters and all-reduces on this rank: its last step's
-    (the steps after the first are alike)."""
-    last = max((step for _what, step in tracker.traffic), default=None)
-    return {f"{what}_bytes": tracker.traffic.get((what, last), 0) for what in TRAFFIC}
+    (the steps after the first are alike); over tensor parallel's mesh only, or over the others
+    only, where `tensor_parallel` says which."""
+    last = max((step for _what, step, _tp in tracker.traffic), default=None)
+    return {f"{what}_bytes": sum(tracker.traffic.get((what, last, tp), 0) for tp in (False, True)
+                                 if tensor_parallel in (None, tp)) for what in TRAFFIC}

@@ -160,6 +160,9 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh,
             "params_bytes": sum(tracker.allocated_bytes_of(p) for p in params),
             "state_bytes": optimizer_state_bytes(tracker, opt) if opt is not None else 0,
             **sharded.traffic_per_step(tracker)}
+        over_tp = sharded.traffic_per_step(tracker, tensor_parallel=True)
+        if any(over_tp.values()):
+            tracker.findings[sharded.TENSOR_PARALLEL_TRAFFIC] = over_tp
         m = measurements(tracker.journal(), holder=tracker.findings.get("retained_holder"),
                          **tracker.findings["scalars"])
         # the attention calls, for the cards whose kernels they would not take (config.attention)

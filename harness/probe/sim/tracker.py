@@ -240,7 +240,8 @@ class StorageTracker(TorchDispatchMode):
         self._resized_away: set[int] = set()  # keys of tracked storages resized to nothing (resized)
         self.inside_collective = 0  # > 0 while a torch.distributed collective runs
         self.kind_override: str | None = None  # the kind of what is made meanwhile, whatever the phase
-        self.traffic: dict[tuple[str, int], int] = {}  # (collective, step) -> bytes (sharded.collectives_own_buffers)
+        # (collective, step, over tensor parallel's mesh) -> bytes (sharded.collectives_own_buffers)
+        self.traffic: dict[tuple[str, int, bool], int] = {}
         self.real_is_host = False  # a plain script on fake tensors: its real tensors are host tensors
         self.placement: str | None = None  # where the running call's outputs live (cuda_script)
         # A user's step has no phase marks: count what runs inside autograd's engine as backward.
