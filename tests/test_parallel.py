@@ -336,16 +336,19 @@ def test_a_plan_over_tensor_parallel_tries_only_degrees_that_divide_every_head_c
 @pytest.mark.parametrize("over, knob, degrees", [
     ("tp", "sequence_parallel=true", [2, 4, 8]), ("tp", "loss_parallel=true", [2, 4, 8]),
     ("dp_shard", "param_dtype=bf16", [2, 4, 8, 16, 32, 64]),
-    ("dp_shard", "reshard_after_forward=false", [2, 4, 8, 16, 32, 64])])
+    ("dp_shard", "reshard_after_forward=false", [2, 4, 8, 16, 32, 64]),
+    ("dp_shard", "dp_replicate=2 tp=2", [2, 4, 8, 16, 32, 64])])
 def test_a_plan_over_counts_with_a_knob_that_needs_the_degree_searches_from_two(over, knob, degrees, tmp_path):
     """Sequence and loss parallel need tp > 1, FSDP2's mixed precision and ZeRO-2-like keeping need
-    dp_shard > 1: a plan over that degree with one searches 2 up (not refused at 1), and its group
+    dp_shard > 1, and so do replicas of a tensor-parallel job (HSDP's: DDP does not take DTensor
+    parameters): a plan over that degree with one searches 2 up (not refused at 1), and its group
     says it keeps the knob."""
     from harness.config.compose import compose
     from harness.launch.point import to_point
     from harness.plan.frontier import Planner, _group_columns, axis_values
 
-    overrides = ["model=13b", "precision=fp32", "plan.axis=world_size", f"plan.over={over}", f"parallel.{knob}"]
+    overrides = ["model=13b", "precision=fp32", "plan.axis=world_size", f"plan.over={over}",
+                 *(f"parallel.{k}" for k in knob.split())]
     assert axis_values(compose(overrides)) == degrees
     (group,) = Planner(tmp_path, tmp_path, compose, to_point).groups([overrides])
     assert group.values == degrees and getattr(group.point.parallel, over) == 2

@@ -254,8 +254,11 @@ TP_SWITCHES = {"sequence_parallel": ("the sequence", "SP"), "loss_parallel": ("t
 def needs_a_degree(parallel) -> dict[str, str]:
     """The parallel knobs set away from their defaults that mean something only over more than one
     GPU of a degree: knob -> that degree (tensor parallel's switches: tp; FSDP2's mixed precision
-    and its keeping of gathered layers: dp_shard). `parallel`: a Parallel or its config node."""
+    and its keeping of gathered layers: dp_shard; replicas of a tensor-parallel job, HSDP's only:
+    dp_shard). `parallel`: a Parallel or its config node."""
     out = {}
+    if parallel.dp_replicate > 1 and parallel.tp > 1:  # DDP does not take DTensor parameters (torchtitan refuses it)
+        out["dp_replicate"] = "dp_shard"
     if parallel.param_dtype is not None:
         out["param_dtype"] = "dp_shard"
     if not parallel.reshard_after_forward:
@@ -270,6 +273,8 @@ _NEEDS_WHY = {
                              "(or leave it true)",
     **{s: f"splits {what} over tensor-parallel ranks: set parallel.tp > 1 (or leave it false)"
        for s, (what, _short) in TP_SWITCHES.items()},
+    "dp_replicate": "DDP does not take tensor-parallel (DTensor) parameters: replicate a tensor-parallel job with "
+                    "HSDP (parallel.dp_shard > 1)",
 }
 
 
@@ -347,9 +352,6 @@ class Parallel:
         for knob, degree in needs_a_degree(self).items():
             if getattr(self, degree) == 1:
                 raise ConfigError(f"parallel.{knob}", _NEEDS_WHY[knob])
-        if self.dp_replicate > 1 and self.tp > 1 and self.dp_shard == 1:  # as torchtitan refuses it
-            raise ConfigError("parallel.dp_replicate", "DDP does not take tensor-parallel (DTensor) parameters: "
-                              "replicate a tensor-parallel job with HSDP (parallel.dp_shard > 1)")
 
     @property
     def world_size(self) -> int:

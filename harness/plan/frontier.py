@@ -266,7 +266,8 @@ def _group_columns(cfg, point: Point, axis: str) -> dict:
             "over": point.plan.over if axis == "world_size" else None,
             "kept": " ".join([*(f"{k}={getattr(point.parallel, k)}" for k in PARALLEL_KNOBS
                                 if k != point.plan.over and getattr(point.parallel, k) > 1),
-                              *(f"{k}={str(getattr(point.parallel, k)).lower()}" for k in needs_a_degree(point.parallel))])
+                              *(f"{k}={str(getattr(point.parallel, k)).lower()}" for k in needs_a_degree(point.parallel)
+                                if k not in PARALLEL_KNOBS)])
             if axis == "world_size" else None,
             "seq_len": cfg.seq_len if axis != "seq_len" else None, "margin": float(cfg.plan.margin),
             # a batch or length searched over several GPUs: how (the groups of one job apart)
