@@ -448,7 +448,7 @@ class Point:
         per_node = self.parallel.world_size // self.parallel.nodes
         if per_node > self.gpu.gpus_per_node:
             raise ConfigError("parallel.nodes", f"the job's {self.parallel.world_size} GPUs on {self.parallel.nodes} "
-                              f"node(s) are {per_node} a node, and a {self.gpu.name} node holds "
+                              f"node(s) are {per_node} a node, and the {self.gpu.name}'s nodes hold "
                               f"{self.gpu.gpus_per_node} (gpu.gpus_per_node): set parallel.nodes={need} "
                               f"(or parallel.nodes={AUTO_NODES}: the fewest for each point's card and GPUs)")
         if self.parallel.param_dtype is not None and self.precision != Precision.fp32:
