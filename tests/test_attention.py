@@ -298,10 +298,17 @@ def test_a_trace_with_its_flash_rows_rewritten_for_cudnn_is_the_cudnn_trace_and_
     assert repeat.canonical(fused_swap.swapped(cudnn, FLASH)) == repeat.canonical(flash)
 
 
-def test_cards_that_only_take_flash_for_cudnn_are_judged_by_the_rewritten_trace_as_by_their_own(tmp_path, monkeypatch):
-    """An H100's row (cuDNN) judges cards of flash attention near its peaks by its own trace with the
-    fused calls' rows rewritten: each card's edge is the one a trace on it gives (cards every 10 MiB
-    of room around the tiny model's 16 x 1024 tokens)."""
+@pytest.mark.parametrize("traced_on, like, source, way", [
+    ("h100-80gb", "a100-80gb", [], "this trace"),  # cuDNN's rows as flash makes them
+    ("t4", "h100-80gb", ["a100-80gb"], "a100-80gb's trace"),  # (math on the T4) the flash card's, as cuDNN makes them
+], ids=["own trace", "another card's trace"])
+def test_cards_judged_by_a_rewritten_trace_are_judged_as_by_a_trace_of_their_own(tmp_path, monkeypatch, traced_on, like,
+                                                                                source, way):
+    """A row judges cards whose attention differs from its card's only by flash for cuDNN (or back)
+    by its own trace with the fused calls' rows rewritten, and where its own calls took neither (a
+    T4's math) by a card's trace of flash so rewritten: each card's edge is the one a trace on it
+    gives, and its reserved peak too where that trace's replays found one (cards every 10 MiB of
+    room around the tiny model's 16 x 1024 tokens)."""
     import dataclasses
 
     import pandas as pd
@@ -310,25 +317,35 @@ def test_cards_that_only_take_flash_for_cudnn_are_judged_by_the_rewritten_trace_
     from harness.probe.sim import fused_swap
     from harness.probe.sim.per_card import Sized
 
-    h100, mib = cards.by_key()["h100-80gb"], 2**20
-    point = train_point(batch_size=16, seq_len=1024).replace(gpu=h100)
+    mib = 2**20
+    point = train_point(batch_size=16, seq_len=1024).replace(gpu=cards.by_key()[traced_on])
     for d in ("point", "rewritten", "traced"):
         (tmp_path / d).mkdir()
     row = worker.run_sim(point, tmp_path / "point")
     sized = Sized(pd.read_parquet(row["trace_path"]))
-    flash_cards = [dataclasses.replace(cards.by_key()["a100-80gb"], key=f"f{room}", memory_bytes=(room + 512) * mib,
-                                       non_pytorch_bytes=512 * mib, non_pytorch_spread_bytes=32 * mib,
-                                       memory_spread_bytes=0)
-                   for room in range(row["peak_allocated_bytes"] // mib - 60, row["peak_reserved_bytes"] // mib + 90, 10)]
+    peaks = [row["peak_allocated_bytes"], row["peak_reserved_bytes"]]
+    if source:  # (around the peaks of a trace of their kernels: the T4's math holds far more)
+        judged_by = worker.run_sim(point.replace(gpu=cards.by_key()[source[0]]), tmp_path / "traced")
+        peaks = [judged_by["peak_allocated_bytes"], judged_by["peak_reserved_bytes"]]
+    around = [dataclasses.replace(cards.by_key()[like], key=f"c{room}", memory_bytes=(room + 512) * mib,
+                                  non_pytorch_bytes=512 * mib, non_pytorch_spread_bytes=32 * mib, memory_spread_bytes=0)
+              for room in range(peaks[0] // mib - 60, peaks[1] // mib + 90, 10)]
+    apart = [cards.by_key()[k] for k in source] + around
     n = sized.workspaces()[1]
     rewritten: dict[str, tuple] = {}
-    ways = worker._edges_apart(point, row, AllocSettings(), flash_cards, tmp_path / "rewritten", n, rewritten, sized)
-    assert ways == ([], [c.key for c in flash_cards])
+    ways = worker._edges_apart(point, row, AllocSettings(), apart, tmp_path / "rewritten", n, rewritten, sized)
+    assert [(how.split(" with ")[0], keys) for how, keys in ways.items()] == \
+        [("a trace of their attention kernels", source)] * bool(source) + [(way, [c.key for c in around])]
     monkeypatch.setattr(fused_swap, "frame", lambda df, to: None)  # as for a trace from before the codes
     traced: dict[str, tuple] = {}
-    ways = worker._edges_apart(point, row, AllocSettings(), flash_cards, tmp_path / "traced", n, traced, sized)
-    assert ways == ([c.key for c in flash_cards], [])
-    assert rewritten == traced and {"room", "oom"} <= {e for e, _peak in traced.values()}
+    ways = worker._edges_apart(point, row, AllocSettings(), apart, tmp_path / "traced", n, traced, sized)
+    assert ways == {"a trace of their attention kernels": [c.key for c in apart]}
+    assert rewritten == traced or source  # (its own trace: each peak too)
+    assert {k: e for k, (e, _) in rewritten.items()} == {k: e for k, (e, _) in traced.items()}
+    assert {"room", "oom"} <= {e for e, _peak in traced.values()}
+    # each reserved peak a replay found on the card's trace, found so on the rewritten one (a trace of
+    # smaller cuBLAS workspaces than the card's rules fewer OOMs out by bounds: replays tell those)
+    assert all(rewritten[k][1] == peak or peak is None and e == "oom" for k, (e, peak) in traced.items())
 
 
 def test_a_trace_whose_fused_rows_lie_out_of_order_is_not_rewritten():

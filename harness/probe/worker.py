@@ -13,6 +13,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from harness.allocator.replay import Kept, ranges_alike
 from harness.allocator.settings import K_LARGE_BUFFER, AllocSettings
@@ -33,6 +34,9 @@ from harness.record import provenance, trace_store
 from harness.record.provenance import USER_CODE
 from harness.record.ranks import RANK_RESULT_FILE
 from harness.record.row import CARD_RESERVED, COLUMNS, POINT_FILE, RESULT_FILE, WORKSPACE, base_record, recorded_edge, write_row
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 _COLUMNS = frozenset(COLUMNS)  # what of a trace's measurements a row holds
 # How a card is judged: its edge (reserved.EDGES), and its reserved peak without a limit where a
@@ -170,11 +174,8 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
         judged.update(_edges_by_sizes(sized, settings, point, [c for c in cards if c not in apart and c not in here],
                                       rec))
         if apart:
-            traced, rewritten = _edges_apart(point, rec, settings, apart, run_dir, n_workspaces, judged, sized)
-            for keys, how in ((traced, "a trace of their attention kernels"),
-                              (rewritten, "this trace with its fused attention's rows as their kernel makes them")):
-                if keys:
-                    rec["trace_method"] = f"{rec.get('trace_method') or ''}; {', '.join(keys)} judged by {how}"
+            for how, keys in _edges_apart(point, rec, settings, apart, run_dir, n_workspaces, judged, sized).items():
+                rec["trace_method"] = f"{rec.get('trace_method') or ''}; {', '.join(keys)} judged by {how}"
         rec.update(reserved.edge_columns({c.key: judged[c.key][0] for c in cards}))
         replayed = {c.key: judged[c.key][1] for c in cards if judged[c.key][1] is not None}
         rec[CARD_RESERVED] = json.dumps(replayed) if replayed else None
@@ -183,12 +184,13 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
 
 
 def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, run_dir: Path,
-                 n_workspaces: int, edges: dict[str, Judged], sized: Sized) -> tuple[list[str], list[str]]:
+                 n_workspaces: int, edges: dict[str, Judged], sized: Sized) -> dict[str, list[str]]:
     """Into `edges`, how each card in `apart` is judged (Judged), whose attention kernels
     differ from the traced card's: cards whose kernels agree judged by a trace on the first of them,
     or, where they only take cuDNN for flash or back, by the point's trace (`sized`) with those
-    calls' rows rewritten (probe.sim.fused_swap); returns the keys of the cards judged each way.
-    Not traced where none of them holds the job's
+    calls' rows rewritten (probe.sim.fused_swap), else by another such group's trace so rewritten (a
+    T4's point: the flash cards' trace judges the cuDNN cards); returns how (words) each card was
+    judged, the keys in order. Not traced where none of them holds the job's
     parameters and optimizer state (taken whatever the kernels), nor where their kernels hold all
     the traced ones do (config.attention.holds_more; cuDNN's calls counted as the flash they
     rewrite to) and none of them holds the traced allocated peak (their workspaces' and kernel
@@ -198,8 +200,8 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
     alike: dict[tuple, list] = {}
     for c in apart:
         alike.setdefault(tuple(attention.kernel(c.capability, call) for call in calls), []).append(c)
-    traced: list[str] = []
-    rewritten: list[str] = []
+    ways: dict[str, list[str]] = {}
+    traced_by: dict[tuple, tuple] = {}  # a traced group's kernels -> its card's key, trace (frame) and measurements
     # cuDNN's calls as flash makes them: what a kernel that holds more than flash holds at least
     as_flash = tuple(FLASH if t == CUDNN else t for t in taken)
     rewrites: dict[str, tuple] = {}  # kernel -> the point's trace rewritten for it and its storages' peak
@@ -210,7 +212,22 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
             rewrites[to] = (df, None if df is None else trace_store.storages_peak(df))
         return rewrites[to]
 
-    for attending, group in alike.items():
+    def rewritten_for(attending: tuple) -> tuple[str, pd.DataFrame, dict] | None:
+        """(whose trace, it rewritten for the kernels `attending`, its measurements) where only flash
+        and cuDNN differ: the point's own, else a traced group's."""
+        to = attention.swapped_to(attending, taken)
+        df, peak = (None, None) if to is None else rewrite(to)
+        if df is not None:
+            return "this trace", df, {**rec, "peak_allocated_bytes": peak}
+        for kernels_there, (there, frame, measured) in traced_by.items():
+            to = attention.swapped_to(attending, kernels_there)
+            df = None if to is None else fused_swap.frame(frame, to)
+            if df is not None:
+                return f"{there}'s trace", df, {**measured, "peak_allocated_bytes": trace_store.storages_peak(df)}
+        return None
+
+    # (groups of cuDNN calls last: a flash group's trace, traced first, may judge them rewritten)
+    for attending, group in sorted(alike.items(), key=lambda kv: CUDNN in kv[0]):
         ranked = [nccl.on_rank(c, point.parallel) for c in group]
         # their allocations at every moment at least the traced ones', but for smaller workspaces
         # and kernel scratch
@@ -226,20 +243,21 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
             edges.update((c.key, ("oom", None)) for c in group)
             continue
         path = trace_store.apart_path(run_dir / trace_store.TRACE_FILE, group[0].key)
-        to = attention.swapped_to(attending, taken)
-        swapped, peak = (None, None) if to is None else rewrite(to)
-        if swapped is not None:  # only flash for cuDNN or back: the point's trace, its calls' rows rewritten
-            df, m = swapped, {**rec, "peak_allocated_bytes": peak}
+        found = rewritten_for(attending)
+        if found is not None:
+            whose, df, m = found
             df.to_parquet(path, index=False)
-            rewritten += [c.key for c in group]
+            how = f"{whose} with its fused attention's rows as their kernel makes them"
         else:
             df, m, _ = _traced(_on_card(point, group[0]), path)
-            traced += [c.key for c in group]
+            traced_by[attending] = (group[0].key, df, m)
+            how = "a trace of their attention kernels"
+        ways.setdefault(how, []).extend(c.key for c in group)
         for c in group[1:]:  # each card's trace where a plan with a margin looks for it (plan.fit)
             trace_store.apart_path(path, c.key).unlink(missing_ok=True)
             os.link(path, trace_store.apart_path(path, c.key))
         edges.update(_edges_by_sizes(Sized(df), settings, _on_card(point, group[0]), group, m))
-    return traced, rewritten
+    return ways
 
 
 def _on_card(point: Point, card: Card) -> Point:
@@ -369,19 +387,20 @@ def _by_own_replay(rows: list, settings: AllocSettings, cards: list, allocated: 
 
 
 def _edges_by_sizes(sized: Sized, settings: AllocSettings, point: Point, cards: list, rec: dict) -> dict[str, Judged]:
-    """Each of `cards` judged by the trace `sized` (of `point`'s card) with each card's cuBLAS
-    workspaces (config.cublas; one allocation each, made where they were) and its kernels' scratch
-    (config.kernels); an OOM without a replay where its room lies under what the traced run surely
-    allocates there. Of the cards of one workspace, one kernel sizing takes a replay without a
-    limit, the others go on from it where they can (_own_sized_edges)."""
-    ref = point.gpu
+    """Each of `cards` judged by the trace `sized` (of `point`'s job: taken on its card, or another
+    card's trace rewritten for theirs) with each card's cuBLAS workspaces (config.cublas; one
+    allocation each, made where they were) and its kernels' scratch (config.kernels); an OOM without
+    a replay where its room lies under what the traced run surely allocates there. Of the cards of
+    one workspace, one kernel sizing takes a replay without a limit, the others go on from it where
+    they can (_own_sized_edges)."""
     traced_with, n = sized.workspaces()
     by_workspace: dict[int | None, list] = {}
     out: dict[str, Judged] = {}
     for c in cards:  # a trace without workspaces (real CPU tensors): theirs ignored
         ws = None if traced_with is None else cublas.workspace_bytes(c.capability)
-        # the storages' peak at least: the traced one less smaller workspaces and scratch
-        less = n * max(0, (traced_with or 0) - (ws or 0)) + sized.shift(c, ref)[1]
+        # the storages' peak at least: the traced one less smaller workspaces and scratch (than the
+        # trace's own: a rewritten trace's are the card's it was taken on, not `point`'s)
+        less = n * max(0, (traced_with or 0) - (ws or 0)) + sized.shift(c)[1]
         if _surely_oom(point, rec["peak_allocated_bytes"] - less, c):
             out[c.key] = ("oom", None)
         else:
