@@ -201,29 +201,26 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
     for c in apart:
         alike.setdefault(tuple(attention.kernel(c.capability, call) for call in calls), []).append(c)
     ways: dict[str, list[str]] = {}
-    traced_by: dict[tuple, tuple] = {}  # a traced group's kernels -> its card's key, trace (frame) and measurements
+    # the traces at hand, by the kernels their calls took: whose, its frame and its measurements
+    at_hand: dict[tuple, tuple[str, pd.DataFrame, dict]] = {taken: ("this trace", sized.df, rec)}
     # cuDNN's calls as flash makes them: what a kernel that holds more than flash holds at least
     as_flash = tuple(FLASH if t == CUDNN else t for t in taken)
-    rewrites: dict[str, tuple] = {}  # kernel -> the point's trace rewritten for it and its storages' peak
+    rewrites: dict[tuple, tuple] = {}  # (a trace's kernels, kernel) -> it rewritten for that and its storages' peak
 
-    def rewrite(to: str) -> tuple:
-        if to not in rewrites:
-            df = fused_swap.frame(sized.df, to)
-            rewrites[to] = (df, None if df is None else trace_store.storages_peak(df))
-        return rewrites[to]
+    def rewrite(took: tuple, to: str) -> tuple:
+        if (took, to) not in rewrites:
+            df = fused_swap.frame(at_hand[took][1], to)
+            rewrites[took, to] = (df, None if df is None else trace_store.storages_peak(df))
+        return rewrites[took, to]
 
     def rewritten_for(attending: tuple) -> tuple[str, pd.DataFrame, dict] | None:
         """(whose trace, it rewritten for the kernels `attending`, its measurements) where only flash
         and cuDNN differ: the point's own, else a traced group's."""
-        to = attention.swapped_to(attending, taken)
-        df, peak = (None, None) if to is None else rewrite(to)
-        if df is not None:
-            return "this trace", df, {**rec, "peak_allocated_bytes": peak}
-        for kernels_there, (there, frame, measured) in traced_by.items():
-            to = attention.swapped_to(attending, kernels_there)
-            df = None if to is None else fused_swap.frame(frame, to)
+        for took, (whose, _frame, measured) in at_hand.items():
+            to = attention.swapped_to(attending, took)
+            df, peak = (None, None) if to is None else rewrite(took, to)
             if df is not None:
-                return f"{there}'s trace", df, {**measured, "peak_allocated_bytes": trace_store.storages_peak(df)}
+                return whose, df, {**measured, "peak_allocated_bytes": peak}
         return None
 
     # (groups of cuDNN calls last: a flash group's trace, traced first, may judge them rewritten)
@@ -237,7 +234,7 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
         heavier = attention.holds_more(attending, taken) and all(r.room() < rec["peak_allocated_bytes"] - less
                                                                   for r in ranked)
         if not heavier and attention.swapped_to(as_flash, taken) == FLASH and attention.holds_more(attending, as_flash):
-            flash_peak = rewrite(FLASH)[1]
+            flash_peak = rewrite(taken, FLASH)[1]
             heavier = flash_peak is not None and all(r.room() < flash_peak - less for r in ranked)
         if heavier or all(r.room() < floor for r in ranked):
             edges.update((c.key, ("oom", None)) for c in group)
@@ -250,7 +247,7 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
             how = f"{whose} with its fused attention's rows as their kernel makes them"
         else:
             df, m, _ = _traced(_on_card(point, group[0]), path)
-            traced_by[attending] = (group[0].key, df, m)
+            at_hand[attending] = (f"{group[0].key}'s trace", df, m)
             how = "a trace of their attention kernels"
         ways.setdefault(how, []).extend(c.key for c in group)
         for c in group[1:]:  # each card's trace where a plan with a margin looks for it (plan.fit)
