@@ -392,13 +392,15 @@ def test_layers_built_otherwise_at_the_bottom_stay_in_the_template_and_the_rest_
     ("gemma2", 8, "ddp", 2),  # over DDP: its setup traced at the model's depth
     ("gemma2", 8, "fsdp", 2),  # over FSDP2: a unit per layer, two to a block
     ("gemma2", 8, "fsdp-ckpt", 2),  # each layer's recompute gathering it again
-    ("gemma3_text", 24, "train", 6),  # five sliding-window layers and a global one
+    # sliding-window layers and a global one, in blocks of 3 (Gemma 3's 6 made 3: a block of more
+    # than two, whose full trace is half as deep)
+    ("gemma3_text", 12, "train", 3),
 ])
 def test_blocks_of_layers_that_repeat_synthesize_their_full_trace(name, n, how, p):
     """A block of p layers is copied as one layer is: depths a and a+p traced, checked at a+2p,
     the rest whole blocks named back as the layers they are (repeat.as_blocks). (Shallower than a
     model whose blocks template_depth copies, whose full trace would take longer.)"""
-    point = _on_architecture(name, num_hidden_layers=n)
+    point = _on_architecture(name, num_hidden_layers=n, **({"sliding_window_pattern": p} if name == "gemma3_text" else {}))
     if how == "serve":
         point = point.replace(workload=Workload(name="infer", new_tokens=8))
     if how in ("tp", "ddp", "fsdp", "fsdp-ckpt"):
