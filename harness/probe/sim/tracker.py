@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, _device_handler
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -53,7 +53,6 @@ _ZEROS_OPS = {_aten.zeros.default, _aten.new_zeros.default, _aten.zeros_like.def
 # `t.device` of a fake tensor, asked of the modes (two in three of a training step's dispatches,
 # mostly autograd's engine): it makes no storage, so nothing here applies to it.
 _DEVICE_QUERY = torch.ops.prim.device.default
-_META = torch.device("meta")
 # A functional collective's result (tensor parallel's all-reduces) is wrapped, in eager, in a
 # tensor that waits for it where it is first used, and the wait returns the tensor it waited for;
 # both ops' fake (meta) kernels make a new tensor instead. On fake tensors they do what eager does.
@@ -429,9 +428,9 @@ class StorageTracker(TorchDispatchMode):
     # ---- dispatch --------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE_QUERY and isinstance(args[0], FakeTensor):
-            # fake's own answer (fake_tensor._device_handler) without passing it down the mode stack
-            # (nor popping the function modes around it): two in three of a step's dispatches
-            return _META if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+            # fake's own answer, from its handler, without passing down the mode stack (nor popping
+            # the function modes around it): two in three of a step's dispatches
+            return _device_handler(args)
         if not _function_modes():
             return self._dispatch(func, types, args, kwargs)
         # an op the autograd engine runs inside a torch-function mode (cuda_script.backward_inside):
