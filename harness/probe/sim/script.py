@@ -35,6 +35,7 @@ from harness.probe.sim.fake_code import (
     shape_only_init,
     user_line,
 )
+from harness.probe.sim.fake_keys import fast_keys
 from harness.probe.sim.tracker import StorageTracker
 from harness.probe.sim.virtual_cuda import LiveAllocator, virtual_cuda
 
@@ -163,7 +164,7 @@ def run_script(path: Path, argv: list[str], card: Card, settings: AllocSettings)
     run = ScriptRun(stats={})
     stand_ins = _ValueStandIns(run.value_reads)
     torch.manual_seed(0)
-    with FakeTensorMode(allow_non_fake_inputs=True), cu.unpacked_sequences(), cu.cuda_kernels(card.capability), \
+    with FakeTensorMode(allow_non_fake_inputs=True), fast_keys(), cu.unpacked_sequences(), cu.cuda_kernels(card.capability), \
             cuda_script_on_cpu(tracker, default_host=True), cu.checkpoint_keeps_autocast(), \
             module_conversion_on_fake_tensors(), shape_only_init(), tracker, stand_ins, _cuda_optimizers(stand_ins), \
             virtual_cuda(live), _eager_compile(run.compiled), _host_profiler(), _as_main(path, argv):
