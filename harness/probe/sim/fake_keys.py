@@ -1,8 +1,9 @@
 """FakeTensor's dispatch cache key, the same key made with less Python.
 
 FakeTensorMode answers an op from its cache when it saw the op before on inputs of the same
-metadata, and in a trace nearly every op is such a hit (7B, 4 layers: 4,518 of 4,855 after the
-first trace). Making the key is then the largest part of a dispatch: torch walks each fake input
+metadata, and in a trace nearly every op is such a hit (a 7B training trace of 4 layers from an
+empty cache: 4,518 of 4,855 keyed dispatches). Making the key is then the largest part of a
+dispatch (55% of `_cached_dispatch_impl`'s time there): torch walks each fake input
 through `extract_tensor_metadata` and `TensorMetadata._flatten_into` (a `dataclasses.fields` walk
 and three sparse-layout checks per tensor). `FakeTensorMode._prep_args_for_hash` here appends the
 very same values for what a step passes (strided fake tensors of concrete shape, numbers, dtypes,
