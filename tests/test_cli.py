@@ -171,11 +171,15 @@ def test_a_results_dir_the_override_grammar_cannot_read_as_typed_holds_the_run(t
 
 
 def test_run_records_every_column(tmp_path):
-    r = run_cli("run", "model=tiny", "batch_size=2", "seq_len=32", f"results_dir={tmp_path}")
+    r = run_cli("run", "model=tiny", "batch_size=2", "seq_len=32", "results_dir=results", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    [result] = tmp_path.glob("runs/*/result.json")
+    [result] = tmp_path.glob("results/runs/*/result.json")
     rec = json.loads(result.read_text())
     assert set(COLUMNS) <= set(rec)
+    # the typed results_dir once, as the CLI resolved it (a job elsewhere writes where this one did)
+    said = rec["overrides"].split()
+    assert [o for o in said if o.startswith("results_dir=")] == [f"results_dir={tmp_path.resolve() / 'results'}"]
+    assert said[:3] == ["model=tiny", "batch_size=2", "seq_len=32"]
     assert rec["status"] == "ok" and rec["backend"] == "sim" and rec["n_params"] > 0
     assert rec["torch_version"] and rec["harness_version"]
     assert rec["peak_allocated_bytes"] >= rec["params_bytes"] + rec["optimizer_bytes"]

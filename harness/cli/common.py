@@ -35,14 +35,21 @@ class Prepared:
         to each, as Hydra adds them to its jobs), in order: their run_ids are the jobs' own."""
         from harness.launch.point import to_point
 
-        return [to_point(self.configs[tuple(p)], [*p, *extra], cwd, cluster=cluster, results_dir=results_dir,
-                         built=self.built[tuple(p)]) for p in self.points]
+        return [to_point(self.configs[tuple(p)], [*without(p, extra), *extra], cwd, cluster=cluster,
+                         results_dir=results_dir, built=self.built[tuple(p)]) for p in self.points]
 
     def manifest(self, resolved: list, verb: str) -> list[dict]:
         """The sweep's manifest from its resolved points (each in Hydra's run dir for the verb:
         conf/config.yaml's hydra.sweep.subdir for a sweep's, the command's own for a run)."""
         return [results.manifest_entry(point, p, f"runs/{i}" if verb == "sweep" else ".")
                 for i, (point, p) in enumerate(zip(resolved, self.points))]
+
+
+def without(overrides: list[str], added: list[str]) -> list[str]:
+    """`overrides` less those of a key the CLI sets itself in `added` (a typed results_dir=runs, where
+    `added` has its absolute path): a row's overrides name each key once."""
+    keys = {_key(o) for o in added}
+    return [o for o in overrides if _key(o) not in keys]
 
 
 def make_out_dir(out: Path, key: str = "results_dir") -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import hydra
 
 from harness.cli import callbacks, interrupt
-from harness.cli.common import aggregate, import_report_meanwhile, make_out_dir, prepare
+from harness.cli.common import aggregate, import_report_meanwhile, make_out_dir, prepare, without
 from harness.config.compose import CONF_DIR, as_dict, path_override, user_card_and_free_text, with_grid_files
 from harness.config.validate import validate
 from harness.errors import EXIT_OK, EXIT_USAGE, ConfigError
@@ -125,8 +125,8 @@ def _launch(verb: str, overrides: list[str], asked: list[str] | None = None) -> 
         out = results_dir / base.sweep / stamp
     else:
         out = results_dir / "runs" / stamp
-    hydra_args = ([*overrides, path_override(dir_key, out), *extra] if verb == "run"
-                  else ["--multirun", *overrides, path_override(dir_key, out), *extra])
+    passed = [*without(overrides, extra), path_override(dir_key, out), *extra]
+    hydra_args = passed if verb == "run" else ["--multirun", *passed]
     try:
         make_out_dir(out, dir_key if given else "results_dir")
     except ConfigError as e:
