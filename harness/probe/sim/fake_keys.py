@@ -27,6 +27,8 @@ import torch
 import torch._subclasses.fake_tensor as fake_tensor
 from torch._prims_common import suggest_memory_format
 
+from harness.probe.sim.patches import patched
+
 # sha256 of _sources() on torch 2.13.0, where this key was checked equal to torch's
 CHECKED = "125645abb4e22dbf"
 
@@ -107,14 +109,8 @@ def _checked(self, result: list, args, state, id_hashed_objects: list) -> None:
         raise AssertionError(f"fast FakeTensor cache key {fast} differs from torch's {result}")
 
 
-@contextlib.contextmanager
-def _keyed_by(prep):
-    was = fake_tensor.FakeTensorMode._prep_args_for_hash
-    fake_tensor.FakeTensorMode._prep_args_for_hash = prep
-    try:
-        yield
-    finally:
-        fake_tensor.FakeTensorMode._prep_args_for_hash = was
+def _keyed_by(prep) -> contextlib.AbstractContextManager:
+    return patched([(fake_tensor.FakeTensorMode, "_prep_args_for_hash", prep)])
 
 
 def fast_keys() -> contextlib.AbstractContextManager:

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from harness.config.point import Parallel
 from harness.probe.parallelize import device_mesh
+from harness.probe.sim.patches import patched
 from harness.record.row import TRAFFIC
 
 
@@ -110,7 +111,7 @@ def fake_group_workarounds() -> Iterator[None]:
         with unset_fake_temporarily():
             return concatenate(*args, **kwargs)
 
-    with _patched([(DDP, "__init__", init), (DDP, "_pre_forward", pre_forward_with_real_indices),
+    with patched([(DDP, "__init__", init), (DDP, "_pre_forward", pre_forward_with_real_indices),
                    (ddp, "_verify_param_shape_across_processes", verify_with_real_shapes),
                    (funcol, "_are_we_tracing", lambda: False),
                    (DeviceMesh, "_concatenate", staticmethod(concatenate_on_values)),
@@ -214,20 +215,6 @@ class _Chunks:
         return self.tensor.narrow(self.dim, 0, 0) if i % self.n == 0 else self[0].new_empty(0)
 
 
-@contextlib.contextmanager
-def _patched(patches: list[tuple[object, str, object]]) -> Iterator[None]:
-    """Each (owner, name, value) set inside, as it was after (read from the owner's own dict:
-    a staticmethod stays one)."""
-    saved = [(owner, name, vars(owner)[name]) for owner, name, _ in patches]
-    for owner, name, value in patches:
-        setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
-
-
 class _RealIndices(TorchDispatchMode):
     """Empty tensors of `dtype` made real (outside FakeTensorMode, still tracked), and what is done
     to real tensors alone done for real: DDP's shapes and bucket indices, filled, sent, read back."""
@@ -304,7 +291,7 @@ def collectives_own_buffers(tracker):
         return call
 
     # (a name this torch lacks is one its FSDP2 and DTensor do not call: all_gather_single on 2.11)
-    with _patched([*((dist, name, inside(name, getattr(dist, name))) for name in _COLLECTIVES if hasattr(dist, name)),
+    with patched([*((dist, name, inside(name, getattr(dist, name))) for name in _COLLECTIVES if hasattr(dist, name)),
                    *((funcol, name, functional(what, getattr(funcol, name))) for name, what in _FUNCTIONAL.items()
                      if hasattr(funcol, name))]), \
             ddp_buckets_are_gradients(tracker):
@@ -328,7 +315,7 @@ def ddp_buckets_are_gradients(tracker):
                 tracker.kind_override = before
         return call
 
-    with _patched([(DDP, "__init__", as_gradients(DDP.__init__)),
+    with patched([(DDP, "__init__", as_gradients(DDP.__init__)),
                    (DDP, "_pre_forward", as_gradients(DDP._pre_forward))]):
         yield
 
