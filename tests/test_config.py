@@ -5,7 +5,6 @@ import json
 import pytest
 
 from harness.cli.main import entry
-from harness.config import alloc_conf
 from harness.config.compose import compose, expand_grid, with_grid_files
 from harness.config.validate import validate
 from harness.errors import ConfigError
@@ -91,26 +90,6 @@ def test_validating_a_preset_point_leaves_transformers_unimported():
             "validate(compose(['model=7b', 'seq_len=4096'])); print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False"]
-
-
-@pytest.mark.parametrize("conf,expected", [
-    ("", {}),
-    ("expandable_segments:True", {"expandable_segments": True}),
-    ("max_split_size_mb:512,garbage_collection_threshold:0.8",
-     {"max_split_size_mb": 512, "garbage_collection_threshold": 0.8}),
-    ("roundup_power2_divisions:[256:1,512:2,>:8]", {"roundup_power2_divisions": {"256": 1, "512": 2, ">": 8}}),
-])
-def test_allocator_conf_parses_like_pytorch(conf, expected):
-    assert alloc_conf.parse(conf) == expected
-
-
-@pytest.mark.parametrize("conf", ["expandable_segments", "max_split_size_mb:10", "bogus_key:1",
-                                  "garbage_collection_threshold:1.5", "roundup_power2_divisions:3",
-                                  "expandable_segments:maybe", "roundup_power2_divisions:[1:2"])
-def test_allocator_conf_rejects_what_pytorch_rejects(conf):
-    with pytest.raises(ConfigError) as e:
-        alloc_conf.parse(conf)
-    assert e.value.key == "allocator.conf"
 
 
 @pytest.mark.parametrize("override, key", [

@@ -57,12 +57,13 @@ def draws_small(size: int, divisions: tuple[int, ...] = (0,) * 16) -> bool:
     return round_size(size, divisions) <= K_SMALL_SIZE
 
 
-def allocation_size(size: int) -> int:
-    """Segment size cudaMalloc'd for a (rounded) request (get_allocation_size)."""
+def allocation_size(size: int, large_segment: int = K_LARGE_BUFFER) -> int:
+    """Segment size cudaMalloc'd for a (rounded) request (get_allocation_size; `large_segment`:
+    large_segment_size_mb's bytes)."""
     if size <= K_SMALL_SIZE:
         return K_SMALL_BUFFER
     if size < K_MIN_LARGE_ALLOC:
-        return K_LARGE_BUFFER
+        return large_segment
     return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
 
 
@@ -397,7 +398,7 @@ class CachingAllocator:
         pool = self.small if size <= K_SMALL_SIZE else self.large
         block = self._get_free_block(pool, stream, size)
         if block is None:
-            alloc_size = allocation_size(size)
+            alloc_size = allocation_size(size, s.large_segment_size)
             if self._gc_active():
                 self._garbage_collect()
             block = self._alloc_block(pool, stream, size, alloc_size)
@@ -683,7 +684,7 @@ class CachingAllocator:
 
     # ---- expandable segments ----------------------------------------------------------------
     def _segment_for(self, pool: Pool, stream: int, size: int) -> ExpandableSegment:
-        page = K_SMALL_BUFFER if pool.small else K_LARGE_BUFFER
+        page = K_SMALL_BUFFER if pool.small else self.settings.large_segment_size
         total = self.device.total
         # 1 1/8 of the card's memory, as find_expandable_block reserves; a request for more is an
         # OOM on any card of that size, and without a limit it takes a range of its own size (a

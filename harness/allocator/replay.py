@@ -10,7 +10,6 @@ from typing import NamedTuple
 
 from harness.allocator import snapshot as snap
 from harness.allocator.model import (
-    K_LARGE_BUFFER,
     K_SMALL_BUFFER,
     Block,
     CachingAllocator,
@@ -161,7 +160,7 @@ def _link(pieces: list[Block]) -> None:
 def _expandable_range(alloc: CachingAllocator, mapped: list[Block], small: bool, stream: int) -> None:
     """The recorded mapped ranges of one pool's expandable segment, with unmapped address space
     between and after them, as the model keeps an expandable segment."""
-    page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
+    page = K_SMALL_BUFFER if small else alloc.settings.large_segment_size
     base = mapped[0].addr
     extent = mapped[-1].addr + mapped[-1].size - base
     total = alloc.device.total

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harness.config import alloc_conf
+from harness.errors import ConfigError
 from harness.units import MiB
 
 SIZE_MAX = (1 << 64) - 1
-K_LARGE_BUFFER = 20 * MiB  # default max_non_split_rounding and large segment/page size
+K_LARGE_BUFFER = 20 * MiB  # kLargeBuffer: the default large segment/page size and max_non_split_rounding
 N_DIVISION_INTERVALS = 16  # roundup_power2_divisions table: [1 MiB, 2 MiB) ... [32 GiB, inf)
 
 
@@ -16,6 +17,9 @@ N_DIVISION_INTERVALS = 16  # roundup_power2_divisions table: [1 MiB, 2 MiB) ... 
 class AllocSettings:
     max_split_size: int = SIZE_MAX  # bytes; blocks at or above it are "oversize" (never split)
     max_non_split_rounding: int = K_LARGE_BUFFER  # oversize reuse only within this many bytes
+    # what a request between 1 and 10 MiB cudaMallocs, and an expandable segment's large-pool page
+    # (large_segment_size_mb; max_non_split_rounding's default follows it)
+    large_segment_size: int = K_LARGE_BUFFER
     roundup_power2_divisions: tuple[int, ...] = field(default=(0,) * N_DIVISION_INTERVALS)
     garbage_collection_threshold: float = 0.0
     expandable_segments: bool = False
@@ -23,8 +27,12 @@ class AllocSettings:
 
     @classmethod
     def from_conf(cls, conf: str) -> AllocSettings:
-        parsed = alloc_conf.parse(conf)
+        """The settings of a PYTORCH_ALLOC_CONF string; a ConfigError for one torch would refuse or
+        the model cannot replay (alloc_conf.modelled)."""
+        parsed = alloc_conf.modelled(conf)
         kw: dict = {"conf": conf}
+        if "large_segment_size_mb" in parsed:
+            kw["large_segment_size"] = kw["max_non_split_rounding"] = parsed["large_segment_size_mb"] * MiB
         if "max_split_size_mb" in parsed:
             kw["max_split_size"] = parsed["max_split_size_mb"] * MiB
         if "max_non_split_rounding_mb" in parsed:
@@ -45,6 +53,7 @@ class AllocSettings:
         divisions = tuple(int(table.get(str(1 << i), 0)) for i in range(N_DIVISION_INTERVALS))
         conf = settings.get("PYTORCH_ALLOC_CONF", settings.get("PYTORCH_CUDA_ALLOC_CONF", "")) or ""
         return cls(
+            large_segment_size=_large_segment(conf),
             max_split_size=SIZE_MAX if msz in (-1, None) or msz >= SIZE_MAX else int(msz),
             max_non_split_rounding=int(settings.get("max_non_split_rounding_size", K_LARGE_BUFFER)),
             roundup_power2_divisions=divisions,
@@ -65,6 +74,16 @@ class AllocSettings:
             "pinned_use_cuda_host_register": False,
             "roundup_power2_divisions": {str(1 << i): d for i, d in enumerate(self.roundup_power2_divisions)},
         }
+
+
+def _large_segment(conf: str) -> int:
+    """A recorded run's large segment size, from the PYTORCH_ALLOC_CONF it recorded (a snapshot's
+    settings carry no field of their own for it); the default where that string does not parse here
+    (a newer torch's keys: its other settings are read from their own fields)."""
+    try:
+        return alloc_conf.parse(conf).get("large_segment_size_mb", K_LARGE_BUFFER // MiB) * MiB
+    except ConfigError:
+        return K_LARGE_BUFFER
 
 
 def _division_table(value) -> tuple[int, ...]:

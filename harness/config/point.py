@@ -164,7 +164,7 @@ class Allocator:
     conf: str = ""  # the exact PYTORCH_ALLOC_CONF string
 
     def __post_init__(self):
-        alloc_conf.parse(self.conf)  # ConfigError naming allocator.conf, as PyTorch would refuse it
+        alloc_conf.modelled(self.conf)  # ConfigError naming allocator.conf: what torch or the model refuses
 
 
 @dataclass(frozen=True)

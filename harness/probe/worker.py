@@ -273,9 +273,10 @@ def _swapped_and_oom(point: Point, rec: dict, cards: list, n_workspaces: int, si
     scratch = _attention_scratch(point) if cards else None
     if scratch is None:
         return {}
+    segment = AllocSettings.from_conf(point.allocator.conf).large_segment_size
     return {c.key: ("oom", None) for c in cards
             if attention.swaps_fused_on(c.capability, rec.get(ATTENTION_CALLS))
-            and _surely_oom(point, rec["peak_allocated_bytes"] - _swap_band(scratch, rec, c, n_workspaces)
+            and _surely_oom(point, rec["peak_allocated_bytes"] - _swap_band(scratch, rec, c, n_workspaces, segment)
                             - sized.shift(c, point.gpu)[1], c)}
 
 
@@ -309,34 +310,34 @@ def _weight_gradient_sum(point: Point) -> kernels.Reduction | None:
     return reduction(grad, [0], 4, 4)
 
 
-def _reductions_more(r: kernels.Reduction | None, card: Card, than: Card) -> int:
+def _reductions_more(r: kernels.Reduction | None, card: Card, than: Card, segment: int = K_LARGE_BUFFER) -> int:
     """How much more the reduction `r` stages on `card` than on `than`, with two large segments
-    where it does (0 without one)."""
+    (`segment` bytes each: large_segment_size_mb's) where it does (0 without one)."""
     if r is None:
         return 0
     sizes = [sum(kernels.reduce_buffers(r, kernels.geometry(c)) or (0, 0)) for c in (card, than)]
     more = sizes[0] - sizes[1]
-    return more + 2 * K_LARGE_BUFFER if more > 0 else 0
+    return more + 2 * segment if more > 0 else 0
 
 
-def _workspaces_more(rec: dict, card: Card, n_workspaces: int = 2) -> int:
+def _workspaces_more(rec: dict, card: Card, n_workspaces: int = 2, segment: int = K_LARGE_BUFFER) -> int:
     """How much more a run's cuBLAS workspaces take on `card` than they did in `rec` (two: a
     training step's forward and backward handles), with two large segments where they do (0 where
     not more, or where the run recorded none)."""
     if rec.get(WORKSPACE) is None:
         return 0
     more = n_workspaces * (cublas.workspace_bytes(card.capability) - rec[WORKSPACE])
-    return more + 2 * K_LARGE_BUFFER if more > 0 else 0
+    return more + 2 * segment if more > 0 else 0
 
 
-def _swap_band(scratch: int, rec: dict, card: Card, n_workspaces: int) -> int:
+def _swap_band(scratch: int, rec: dict, card: Card, n_workspaces: int, segment: int = K_LARGE_BUFFER) -> int:
     """How far a run's peaks may move where `card` attends with cuDNN and the run with flash (or
-    back): one call's `scratch`, two large segments (20 MiB each) that other block sizes may place
+    back): one call's `scratch`, two large segments (`segment` bytes each) that other block sizes may place
     otherwise, and the cuBLAS workspaces' difference. Sound for allocated bytes (what an OOM is
     decided by, _swapped_and_oom); for reserved an estimate, which only a real row, having no trace
     to replay, takes (measured_edges)."""
     workspaces = n_workspaces * abs(cublas.workspace_bytes(card.capability) - (rec.get(WORKSPACE) or 0))
-    return scratch + 2 * K_LARGE_BUFFER + workspaces
+    return scratch + 2 * segment + workspaces
 
 
 def _own_sized_edges(sized: Sized, settings: AllocSettings, point: Point, cards: list, peaks: tuple[int, int],
@@ -446,16 +447,17 @@ def measured_edges(point: Point, rec: dict) -> dict[str, str]:
     card of larger cuBLAS workspaces, their difference more (`_workspaces_more`); a card of more SMs
     than the device, its larger reduction buffers more (`_reductions_more`)."""
     calls, scratch, summed = rec.get(ATTENTION_CALLS), _attention_scratch(point), _weight_gradient_sum(point)
+    segment = AllocSettings.from_conf(point.allocator.conf).large_segment_size  # (two of them: a band's)
     # the device's launches: its own SMs, whatever card it stood for
     ran_on = dataclasses.replace(point.gpu, multiprocessors=rec.get("device_multiprocessors") or point.gpu.multiprocessors)
 
     def fits_on(c):  # as one of the job's GPUs (NCCL's memory: in the measured figure on its own card)
-        band: int | None = _reductions_more(summed, c, ran_on)
+        band: int | None = _reductions_more(summed, c, ran_on, segment)
         if attention.takes_alike(c.capability, calls):
-            band = band + _workspaces_more(rec, c)
+            band = band + _workspaces_more(rec, c, 2, segment)
         else:
             swaps = scratch is not None and attention.swaps_fused_on(c.capability, calls)
-            band = band + _swap_band(scratch, rec, c, 2) if swaps else None
+            band = band + _swap_band(scratch, rec, c, 2, segment) if swaps else None
         return band is not None and bool(reserved.fits_by_numbers(
             nccl.on_rank(c, point.parallel), rec["peak_reserved_bytes"] + band, rec["peak_allocated_bytes"] + band))
 
