@@ -42,8 +42,7 @@ def combination(rng: random.Random, presets: bool = False, architectures: bool =
     seq_len = rng.choice(lengths)
     o += [f"seq_len={seq_len}", f"batch_size={rng.choice([1, 2, 4])}",
           f"precision={rng.choice(['fp32', 'bf16', 'fp16', 'amp_bf16', 'amp_fp16'])}",
-          f"allocator={rng.choice(['default', 'expandable', 'max_split_512', 'roundup4', 'gc80'])}",
-          f"gpu={rng.choice(['a100-80gb', 't4', 'h100-80gb', 'rtx4060', 'mi300x', 'l4'])}"]
+          _allocator(rng), f"gpu={rng.choice(['a100-80gb', 't4', 'h100-80gb', 'rtx4060', 'mi300x', 'l4'])}"]
     if rng.random() < 0.25:
         o.append("workload=infer")
         if architectures and rng.random() < 0.3:  # a sliding window crossed 24 steps past the prompt
@@ -78,6 +77,20 @@ def combination(rng: random.Random, presets: bool = False, architectures: bool =
     return o
 
 
+# PYTORCH_ALLOC_CONF strings beyond the presets: torch 2.13's keys, large segments among them
+CONFS = ["large_segment_size_mb:64", "expandable_segments:True,large_segment_size_mb:32",
+         "max_split_size_mb:256,large_segment_size_mb:40",
+         "roundup_power2_divisions:[256:4,>:0],garbage_collection_threshold:0.6",
+         "release_lock_on_cudamalloc:True,pinned_use_background_threads:True,max_non_split_rounding_mb:64"]
+
+
+def _allocator(rng: random.Random) -> str:
+    """A preset allocator, or (one in five) an allocator.conf of several keys, quoted for Hydra."""
+    if rng.random() < 0.2:
+        return f'allocator.conf="{rng.choice(CONFS)}"'
+    return f"allocator={rng.choice(['default', 'expandable', 'max_split_512', 'roundup4', 'gc80'])}"
+
+
 # The examples as users run them (workload=custom), small: their own models, optimizers and steps
 EXAMPLES = {"examples.gpt:build": ["+workload.args.layers=2", "+workload.args.d_model=128", "+workload.args.vocab=2048"],
             "examples.resnet:build": ["+workload.args.image_size=64"],
@@ -90,8 +103,7 @@ def custom_combination(rng: random.Random) -> list[str]:
     target = rng.choice(list(EXAMPLES))
     o = ["workload=custom", f"workload.target={target}", *EXAMPLES[target], f"batch_size={rng.choice([1, 2, 4])}",
          f"seq_len={rng.choice([64, 128])}", f"precision={rng.choice(['fp32', 'bf16', 'fp16', 'amp_bf16', 'amp_fp16'])}",
-         f"allocator={rng.choice(['default', 'expandable', 'max_split_512', 'roundup4', 'gc80'])}",
-         f"gpu={rng.choice(['a100-80gb', 't4', 'h100-80gb', 'rtx4060', 'mi300x', 'l4'])}"]
+         _allocator(rng), f"gpu={rng.choice(['a100-80gb', 't4', 'h100-80gb', 'rtx4060', 'mi300x', 'l4'])}"]
     if rng.random() < 0.4:
         o.append("checkpointing=true")
     if target == "examples.gpt:build" and rng.random() < 0.6:

@@ -131,6 +131,14 @@ def test_a_large_segment_size_sizes_segments_for_1_to_10_mib_and_rounding_after_
             a.free(b)
 
 
+@pytest.mark.parametrize("conf", ["max_split_size_mb:64,max_non_split_rounding_mb:128", "large_segment_size_mb:40",
+                                  "expandable_segments:True,large_segment_size_mb:32,garbage_collection_threshold:0.5,"
+                                  "roundup_power2_divisions:[256:4,>:0]"])
+def test_the_settings_a_written_snapshot_carries_are_read_back_the_same(conf):
+    settings = AllocSettings.from_conf(conf)
+    assert AllocSettings.from_snapshot(settings.snapshot_dict()) == settings
+
+
 def test_a_snapshots_large_segment_size_is_read_from_the_conf_it_recorded():
     recorded = {"PYTORCH_ALLOC_CONF": "large_segment_size_mb:32,expandable_segments:True", "expandable_segments": True}
     assert AllocSettings.from_snapshot(recorded).large_segment_size == 32 * MiB

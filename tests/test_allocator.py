@@ -388,7 +388,10 @@ def test_replay_json_reports_the_check_against_the_recording():
 
 
 @pytest.mark.parametrize("conf", ["", "expandable_segments:True", "max_split_size_mb:64",
-                                  "roundup_power2_divisions:4,garbage_collection_threshold:0.6"])
+                                  "roundup_power2_divisions:4,garbage_collection_threshold:0.6",
+                                  "max_split_size_mb:64,max_non_split_rounding_mb:128",
+                                  "large_segment_size_mb:40,max_split_size_mb:64",
+                                  "expandable_segments:True,large_segment_size_mb:32"])
 def test_a_snapshot_written_from_a_replay_replays_exactly(tmp_path, conf):
     """Round trip: trace -> model -> snapshot file -> replay checked against it, for every setting
     (this is how snapshots recorded from the first allocation, as the cuda backend writes them, check)."""

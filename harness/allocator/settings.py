@@ -52,10 +52,11 @@ class AllocSettings:
         table = settings.get("roundup_power2_divisions") or {}
         divisions = tuple(int(table.get(str(1 << i), 0)) for i in range(N_DIVISION_INTERVALS))
         conf = settings.get("PYTORCH_ALLOC_CONF", settings.get("PYTORCH_CUDA_ALLOC_CONF", "")) or ""
+        large = _large_segment(conf)
         return cls(
-            large_segment_size=_large_segment(conf),
+            large_segment_size=large,
             max_split_size=SIZE_MAX if msz in (-1, None) or msz >= SIZE_MAX else int(msz),
-            max_non_split_rounding=int(settings.get("max_non_split_rounding_size", K_LARGE_BUFFER)),
+            max_non_split_rounding=int(settings.get("max_non_split_rounding_size", large)),
             roundup_power2_divisions=divisions,
             garbage_collection_threshold=float(settings.get("garbage_collection_threshold", 0.0)),
             expandable_segments=bool(settings.get("expandable_segments", False)),
@@ -67,6 +68,7 @@ class AllocSettings:
         return {
             "PYTORCH_CUDA_ALLOC_CONF": self.conf,
             "max_split_size": -1 if self.max_split_size == SIZE_MAX else self.max_split_size,
+            "max_non_split_rounding_size": self.max_non_split_rounding,
             "garbage_collection_threshold": self.garbage_collection_threshold,
             "expandable_segments": self.expandable_segments,
             "pinned_num_register_threads": 1,
