@@ -151,6 +151,77 @@ def test_a_side_streams_blocks_are_reused_as_on_the_virtual_gpu(tmp_path):
     assert side_stream_readings(real.stdout) == side_stream_readings(virtual.stdout)
 
 
+# A program of allocations (MiB; frees by index) whose reserved bytes follow the large segment size:
+# requests of 1-10 MiB, one over 10, freed and asked again
+_SEGMENT_PROGRAM = [("alloc", 3), ("alloc", 5), ("alloc", 9), ("free", 1), ("alloc", 12), ("alloc", 2), ("free", 0),
+                    ("alloc", 7)]
+_SEGMENT_RUN = """
+import json, sys, torch
+program, MiB, live, reserved = json.loads(sys.argv[1]), 1024**2, [], []
+for action, n in program:
+    if action == "alloc":
+        live.append(torch.empty(n * MiB, dtype=torch.uint8, device="cuda"))
+    else:
+        live[n] = None
+    reserved.append(torch.cuda.memory_reserved())
+print(json.dumps(reserved))
+"""
+
+
+@pytest.mark.parametrize("conf", ["large_segment_size_mb:40", "large_segment_size_mb:64,max_split_size_mb:64",
+                                  "expandable_segments:True,large_segment_size_mb:32"])
+def test_a_large_segment_size_reserves_on_the_card_what_the_model_reserves(conf):
+    """torch 2.13's large_segment_size_mb: the segment a 1-10 MiB request makes (and an expandable
+    segment's page) on the card, against the allocator model's replay of the same requests."""
+    import os
+    import subprocess
+    import sys
+
+    from harness.allocator.model import CachingAllocator, Device
+    from harness.allocator.settings import AllocSettings
+
+    env = {**os.environ, "PYTORCH_ALLOC_CONF": conf, "PYTORCH_CUDA_ALLOC_CONF": conf}
+    real = subprocess.run([sys.executable, "-c", _SEGMENT_RUN, json.dumps(_SEGMENT_PROGRAM)], capture_output=True,
+                          text=True, env=env)
+    assert real.returncode == 0, real.stderr
+    model, live, modelled = CachingAllocator(AllocSettings.from_conf(conf), Device()), [], []
+    for action, n in _SEGMENT_PROGRAM:
+        if action == "alloc":
+            live.append(model.malloc(n * MiB))
+        else:
+            model.free(live[n])
+        modelled.append(model.stats.reserved_bytes.current)
+    print(f"\n[gpu-check] {conf}: reserved after each request {json.loads(real.stdout)}")
+    assert json.loads(real.stdout) == modelled
+
+
+@pytest.mark.parametrize("conf,taken", [
+    ("release_lock_on_cudamalloc:True,graph_capture_record_stream_reuse:False", True),
+    ("pinned_num_register_threads:8,pinned_reserve_segment_size_mb:64,pinned_free_catch_all:True", True),
+    ("per_process_memory_fraction:0.9,throw_on_cudamalloc_oom:False", True),
+    ("large_segment_size_mb:40,pinned_max_cached_size_mb:100", True),
+    ("pinned_num_register_threads:3", False), ("per_process_memory_fraction:1.5", False),
+    ("expandable_segments:true", False), ("bogus_key:1", False)])
+def test_cudas_own_parser_takes_what_the_harness_takes(conf, taken):
+    """The CUDA-only keys, which a CPU build of torch does not check (tests/test_alloc_conf.py holds the
+    common ones to it): the card's first allocation under each setting."""
+    import os
+    import subprocess
+    import sys
+
+    from harness.config import alloc_conf
+    from harness.errors import ConfigError
+
+    env = {**os.environ, "PYTORCH_ALLOC_CONF": conf, "PYTORCH_CUDA_ALLOC_CONF": conf}
+    real = subprocess.run([sys.executable, "-c", "import torch; torch.empty(1, device='cuda')"], capture_output=True,
+                          text=True, env=env)
+    try:
+        alloc_conf.parse(conf)
+        harness_takes = True
+    except ConfigError:
+        harness_takes = False
+    assert (real.returncode == 0, harness_takes) == (taken, taken), real.stderr[-400:]
+
 
 @pytest.mark.parametrize("spread", ["workload.steps=3 parallel.dp_shard=4", "workload.steps=3 parallel.tp=2",
                                     "workload=infer workload.new_tokens=4 checkpointing=false parallel.tp=2"],
