@@ -241,5 +241,88 @@ def test_the_script_verb_takes_a_setting_of_several_keys_as_pytorch_writes_it():
     conf = "max_split_size_mb:128,expandable_segments:True"
     script, args, ours = split_args(["train.py", "--steps", "2", f"allocator.conf={conf}", "gpu=t4"])
     assert (script, args) == ("train.py", ["--steps", "2"])
-    card, settings = _card_and_settings(ours)
+    card, settings, source = _card_and_settings(ours)
     assert card.name == "T4" and settings == AllocSettings.from_conf(conf) and settings.expandable_segments
+    assert source is None  # allocator= given: not the environment's
+
+
+# Three 3 MiB allocations: one large segment holds them (20 MiB by default, 64 under large_segment_size_mb:64)
+_SEGMENTS = """
+import os, sys, torch
+how = sys.argv[1] if len(sys.argv) > 1 else ""
+if how == "environ":
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "large_segment_size_mb:64"
+if how == "before":
+    torch.cuda.memory._set_allocator_settings("large_segment_size_mb:64")
+x = [torch.empty(3 * 2**20, dtype=torch.uint8, device="cuda") for _ in range(3)]
+print("reserved", torch.cuda.memory_reserved())
+if how == "after":
+    torch.cuda.memory._set_allocator_settings("large_segment_size_mb:64")
+"""
+
+
+@pytest.fixture
+def segments(tmp_path, monkeypatch):
+    """The script above, and a clean allocator environment (restored after: the script may set it)."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    path = tmp_path / "segments.py"
+    path.write_text(_SEGMENTS)
+    return path
+
+
+def _script(capsys, *args) -> tuple[int, int | None, str]:
+    """(exit code, the script's reserved bytes, what the harness said on stderr)."""
+    from harness.cli.script import main
+
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    reserved = [int(line.split()[1]) for line in out.splitlines() if line.startswith("reserved ")]
+    return rc, reserved[0] if reserved else None, err
+
+
+@pytest.mark.parametrize("env,reserved", [
+    ({}, 20 * 2**20), ({"PYTORCH_ALLOC_CONF": "large_segment_size_mb:40"}, 40 * 2**20),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "large_segment_size_mb:64"}, 64 * 2**20),
+    # torch reads the old name first (checked on 2.13: tests/test_alloc_conf.py)
+    ({"PYTORCH_CUDA_ALLOC_CONF": "large_segment_size_mb:64", "PYTORCH_ALLOC_CONF": "large_segment_size_mb:40"},
+     64 * 2**20)])
+def test_a_script_runs_under_the_allocator_settings_of_its_environment(segments, monkeypatch, capsys, env, reserved):
+    for name, conf in env.items():
+        monkeypatch.setenv(name, conf)
+    rc, got, said = _script(capsys, segments)
+    assert (rc, got) == (0, reserved)
+    assert ("(PYTORCH_CUDA_ALLOC_CONF)" in said) == ("PYTORCH_CUDA_ALLOC_CONF" in env)
+
+
+def test_settings_a_script_sets_before_its_first_allocation_are_taken_and_after_it_refused(segments, monkeypatch,
+                                                                                         capsys):
+    assert _script(capsys, segments, "environ")[:2] == (0, 64 * 2**20)  # os.environ, as torch reads it then
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")  # (what the script set)
+    assert _script(capsys, segments, "before")[:2] == (0, 64 * 2**20)  # _set_allocator_settings
+    rc, got, said = _script(capsys, segments, "after")
+    assert (rc, got) == (1, 20 * 2**20)
+    assert f"{segments}:11" in said and "after the card's first allocation" in said
+
+
+def test_allocator_given_stands_in_for_the_environments_and_a_bad_one_is_refused(segments, monkeypatch, capsys):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "large_segment_size_mb:64")
+    rc, got, said = _script(capsys, segments, "allocator.conf=large_segment_size_mb:40")
+    assert (rc, got) == (0, 40 * 2**20) and "stands in for PYTORCH_CUDA_ALLOC_CONF" in said
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:true")  # torch refuses it
+    rc, got, said = _script(capsys, segments)
+    assert (rc, got) == (2, None)
+    assert said.startswith("harness: error: PYTORCH_CUDA_ALLOC_CONF: ") and said.count("\n") == 1
+
+
+def test_a_traced_job_that_changes_the_allocators_settings_is_refused_at_its_line():
+    """A sweep's replays run under the point's allocator.conf: a job of its own that sets others would
+    be answered under the wrong ones. Setting the same ones changes nothing."""
+    from harness.probe.jobs import UserCodeError
+    from harness.probe.sim.tracker import StorageTracker
+    from harness.probe.sim.virtual_cuda import LiveAllocator
+
+    live = LiveAllocator(StorageTracker(), AllocSettings.from_conf("expandable_segments:True"), cards.by_key()["t4"])
+    live.set_settings("expandable_segments:True")
+    with pytest.raises(UserCodeError, match="test_script.py:.*large_segment_size_mb:64"):
+        live.set_settings("large_segment_size_mb:64")

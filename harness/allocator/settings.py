@@ -29,7 +29,11 @@ class AllocSettings:
     def from_conf(cls, conf: str) -> AllocSettings:
         """The settings of a PYTORCH_ALLOC_CONF string; a ConfigError for one torch would refuse or
         the model cannot replay (alloc_conf.modelled)."""
-        parsed = alloc_conf.modelled(conf)
+        return cls.from_parsed(alloc_conf.modelled(conf), conf)
+
+    @classmethod
+    def from_parsed(cls, parsed: dict, conf: str) -> AllocSettings:
+        """The settings of alloc_conf.parse's dict (of the string `conf`)."""
         kw: dict = {"conf": conf}
         if "large_segment_size_mb" in parsed:
             kw["large_segment_size"] = kw["max_non_split_rounding"] = parsed["large_segment_size_mb"] * MiB

@@ -10,6 +10,7 @@ a bad gpu=/allocator= value).
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import traceback
@@ -30,13 +31,22 @@ def split_args(args: list[str]) -> tuple[str, list[str], list[str]]:
 
 
 def _card_and_settings(overrides: list[str]):
+    """The card, the allocator settings and where they come from: allocator= (None), else the
+    environment the script runs in, as torch reads it (the variable's name; "" where none is set)."""
     from harness.allocator.settings import AllocSettings
+    from harness.config import alloc_conf
     from harness.config.compose import as_dict, compose, one_conf, user_card_and_free_text
     from harness.config.point import Card
 
     cfg = compose(user_card_and_free_text([one_conf(o) for o in overrides]))
     card = Card.from_dict(as_dict(cfg.gpu))
-    return card, AllocSettings.from_conf(cfg.allocator.conf)
+    if any(_HARNESS_KEY.match(o).group(1) == "allocator" for o in overrides):  # type: ignore[union-attr]
+        return card, AllocSettings.from_conf(cfg.allocator.conf), None
+    name, conf = alloc_conf.from_environment(os.environ) or ("", "")
+    try:
+        return card, AllocSettings.from_conf(conf), name
+    except ConfigError as e:
+        raise ConfigError(name, e.message) from None
 
 
 def _print_error(e: BaseException) -> None:
@@ -60,17 +70,24 @@ def main(args: list[str]) -> int:
         from harness.probe.sim.script import run_script, script_path
 
         path = script_path(script)
-        card, settings = _card_and_settings(overrides)
+        card, settings, source = _card_and_settings(overrides)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"harness: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    run = run_script(path, script_args, card, settings)
+    from harness.config import alloc_conf
+
+    found = alloc_conf.from_environment(os.environ)
+    if source is None and found and found[1] != settings.conf:
+        print(f"harness: allocator.conf='{settings.conf}' stands in for {found[0]}='{found[1]}' from the environment",
+              file=sys.stderr)
+    run = run_script(path, script_args, card, settings, os.environ if source is not None else None)
     sys.stdout.flush()
     if run.error is not None:
         _print_error(run.error)
     peaks = run.peaks
     print(f"harness: {path.name} on a virtual {card.name} ({card.room() / GiB:.2f} GiB for PyTorch"
-          f"{', ' + settings.conf if settings.conf else ''}): peak allocated "
+          f"{', ' + run.settings.conf if run.settings.conf else ''}"
+          f"{' (' + source + ')' if source and run.settings.conf else ''}): peak allocated "
           f"{peaks['allocated_bytes'] / GiB:.2f} GiB, peak reserved {peaks['reserved_bytes'] / GiB:.2f} GiB"
           f"{', out of memory' if run.stats['num_ooms'] else ''}", file=sys.stderr)
     if run.value_reads:

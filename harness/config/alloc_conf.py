@@ -155,7 +155,11 @@ def _size(key: str, value) -> int:
 def modelled(conf: str) -> dict:
     """`parse`, and a ConfigError for a setting the allocator model cannot replay (refused before
     any work rather than answered as the native allocator without it)."""
-    parsed = parse(conf)
+    return refuse_unmodelled(parse(conf))
+
+
+def refuse_unmodelled(parsed: dict) -> dict:
+    """`parsed` (parse's), or a ConfigError for a setting the allocator model cannot replay."""
     if parsed.get("backend") == "cudaMallocAsync":
         raise ConfigError(_KEY, "backend:cudaMallocAsync hands memory to the CUDA driver's stream-ordered pool, "
                                 "which is not modelled (the harness replays backend:native): drop it")
@@ -167,6 +171,37 @@ def modelled(conf: str) -> dict:
                                 "whole card's): pick the card with gpu=, or replay a snapshot under a fraction "
                                 "(`replay <snapshot> gpu=... fraction=...`)")
     return parsed
+
+
+# The variables torch reads its settings from, in its order: the first set wins (AllocatorConfig.cpp
+# and CUDAAllocatorConfig.h keep the old name first, for compatibility; checked on torch 2.13)
+ENV_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def from_environment(environ) -> tuple[str, str] | None:
+    """(variable, its string) that a process started with `environ` runs its allocator under, or
+    None where neither is set."""
+    return next(((name, environ[name]) for name in ENV_NAMES if name in environ), None)
+
+
+def text(parsed: dict) -> str:
+    """parse's dict as a PYTORCH_ALLOC_CONF string again."""
+    def value(v) -> str:
+        if isinstance(v, dict):
+            return "[" + ",".join(f"{k}:{n}" for k, n in v.items()) + "]"
+        return str(v)  # True/False as torch spells them, numbers as written
+    return ",".join(f"{k}:{value(v)}" for k, v in parsed.items())
+
+
+def persisting(before: dict, after: dict) -> dict:
+    """What a runtime `_set_allocator_settings(after)` leaves in force over `before` (parsed): torch
+    resets max_split_size_mb, roundup_power2_divisions and garbage_collection_threshold to their
+    defaults unless given, keeps every other key as it was, and sets max_non_split_rounding_mb to
+    the large segment size unless given."""
+    kept = {k: v for k, v in before.items()
+            if k not in ("max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold",
+                         "max_non_split_rounding_mb")}
+    return {**kept, **after}
 
 
 def env_name(torch_version: str | None, conf: str = "") -> str:

@@ -50,6 +50,7 @@ class ScriptRun:
     error: BaseException | None = None  # what the script raised (SystemExit aside)
     value_reads: list[str] = field(default_factory=list)  # file:line of the first value read, if any
     compiled: list[str] = field(default_factory=list)  # file:line of the first torch.compile, run eagerly
+    settings: AllocSettings = field(default_factory=AllocSettings)  # what it ended under (it may set them: LiveAllocator)
 
 
 class _ValueStandIns(TorchDispatchMode):
@@ -156,12 +157,14 @@ def _as_main(path: Path, argv: list[str]):
         torch.set_default_device(device)
 
 
-def run_script(path: Path, argv: list[str], card: Card, settings: AllocSettings) -> ScriptRun:
-    """Run the script on the virtual `card` under `settings`; never raises for the script's own errors."""
+def run_script(path: Path, argv: list[str], card: Card, settings: AllocSettings, environ=None) -> ScriptRun:
+    """Run the script on the virtual `card` under `settings` (or, given `environ`, the os.environ the
+    script runs in, under what torch reads there at its first allocation: LiveAllocator); never
+    raises for the script's own errors."""
     tracker = StorageTracker(workspace_bytes=cublas.workspace_bytes(card.capability), geometry=kernels.geometry(card))
     tracker.auto_backward = True
-    live = LiveAllocator(tracker, settings, card, eager=True)
-    run = ScriptRun(stats={})
+    live = LiveAllocator(tracker, settings, card, eager=True, environ=environ)
+    run = ScriptRun(stats={}, settings=settings)
     stand_ins = _ValueStandIns(run.value_reads)
     torch.manual_seed(0)
     with FakeTensorMode(allow_non_fake_inputs=True), fast_keys(), cu.unpacked_sequences(), cu.cuda_kernels(card.capability), \
@@ -178,7 +181,7 @@ def run_script(path: Path, argv: list[str], card: Card, settings: AllocSettings)
             run.error, run.exit_code = explain(e, "in the script"), 1
         except Exception as e:  # the script's own error: reported with its traceback
             run.error, run.exit_code = e, 1
-        run.stats, run.peaks = live.stats(), live.peaks()
+        run.stats, run.peaks, run.settings = live.stats(), live.peaks(), live.settings
     return run
 
 

@@ -7,6 +7,8 @@ allocator model fed with the tracker's events (the card of `gpu=`, the settings 
 `torch.cuda.memory._record_memory_history` / `_snapshot` / `_dump_snapshot` record and write the
 virtual snapshot of exactly the recorded region; `torch.cuda.nvtx` does nothing; the device
 queries (`is_available`, `get_device_properties`, ...) describe the card.
+`torch.cuda.memory._set_allocator_settings` is taken before the card's first allocation and refused
+after it (as is any call in a traced job, whose replays run under the point's allocator.conf).
 
 The model is fed lazily (at each reading) unless `eager`: a script's allocations then go through
 it as they happen, so one that does not fit the card raises torch.OutOfMemoryError where a real
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import sys
 import traceback
@@ -29,7 +32,9 @@ from harness.allocator import oom_message
 from harness.allocator import snapshot as snap
 from harness.allocator.model import CachingAllocator, Device, OutOfMemory
 from harness.allocator.settings import AllocSettings
+from harness.config import alloc_conf
 from harness.config.point import Card
+from harness.errors import ConfigError
 from harness.probe.sim.tracker import StorageTracker
 
 _HARNESS = str(Path(__file__).resolve().parents[2])
@@ -42,8 +47,11 @@ _MACHINERY = tuple(str(_TORCH / p) for p in ("_ops.py", "_compile.py", "_dynamo"
 class LiveAllocator:
     """The allocator model following a tracker's events, readable at any moment."""
 
-    def __init__(self, tracker: StorageTracker, settings: AllocSettings, card: Card, eager: bool = False):
-        self.tracker, self.card, self.settings = tracker, card, settings
+    def __init__(self, tracker: StorageTracker, settings: AllocSettings, card: Card, eager: bool = False,
+                 environ: dict | None = None):
+        """`environ` (a script's os.environ, where its settings come from the environment): the
+        settings torch reads there at the card's first allocation, as a script may set them first."""
+        self.tracker, self.card, self.settings, self.environ = tracker, card, settings, environ
         # Eager, it is the card; lazy (a sweep's trace, whose replays decide each card's OOM), a card
         # of the same size that never runs out.
         self.alloc = CachingAllocator(settings, Device.for_card(card) if eager else Device(total=card.memory_bytes))
@@ -75,6 +83,15 @@ class LiveAllocator:
     # ---- following the tracker -------------------------------------------------------------
     def catch_up(self) -> None:
         events = self.tracker.events
+        if self.environ is not None and self.done < len(events):  # the first allocation: torch reads its settings
+            found = alloc_conf.from_environment(self.environ)
+            self.environ = None
+            conf = found[1] if found else ""
+            if conf != self.settings.conf:
+                try:
+                    self._take(AllocSettings.from_conf(conf))
+                except ConfigError as err:  # at the line that allocates, as torch raises it there
+                    raise ValueError(f"{found[0] if found else 'allocator'}: {err.message}") from None
         while self.done < len(events):
             e = events[self.done]
             self.done += 1
@@ -153,6 +170,34 @@ class LiveAllocator:
         self.catch_up()
         total = self.card.memory_bytes
         return max(0, total - self.card.non_pytorch_bytes - self.alloc.stats.reserved_bytes.current), total
+
+    def set_settings(self, conf: str) -> None:
+        """torch.cuda.memory._set_allocator_settings(conf): what torch keeps in force (alloc_conf.
+        persisting) taken where the card has allocated nothing yet; after that, a change is refused
+        at the code's line (one run under two settings is not modelled: segments made under each)."""
+        self.catch_up()
+        if self.environ is not None:  # the environment's settings are torch's until now
+            found, self.environ = alloc_conf.from_environment(self.environ), None
+            self._take(AllocSettings.from_conf(found[1] if found else ""))
+        parsed = alloc_conf.persisting(alloc_conf.parse(self.settings.conf), alloc_conf.parse(conf))
+        settings = AllocSettings.from_parsed(alloc_conf.refuse_unmodelled(parsed), alloc_conf.text(parsed))
+        if dataclasses.replace(settings, conf="") == dataclasses.replace(self.settings, conf=""):
+            return
+        if not self.eager or self.alloc.stats.num_device_alloc:
+            from harness.probe.jobs import UserCodeError
+            from harness.probe.sim.fake_code import user_line
+
+            raise UserCodeError(
+                f"{user_line()}: the allocator's settings change to '{conf}' after the card's first allocation "
+                f"(under '{self.settings.conf}'), which is not modelled: set them before the run starts "
+                "(PYTORCH_ALLOC_CONF, or allocator.conf=)")
+        self._take(settings)
+
+    def _take(self, settings: AllocSettings) -> None:
+        """Run under `settings` from here (the card has allocated nothing: nothing else changes)."""
+        self.settings = settings
+        self.alloc = CachingAllocator(settings, self.alloc.device)
+        self.alloc.on_event = self._on_event
 
     def set_fraction(self, fraction: float) -> None:
         self.catch_up()
@@ -311,6 +356,7 @@ def _functions(live: LiveAllocator, original_summary) -> dict:
         "memory_summary": lambda device=None, abbreviated=False: original_summary(0, abbreviated),
         "memory_snapshot": lambda *a, **k: live.snapshot()["segments"],
         "set_per_process_memory_fraction": lambda fraction, device=None: live.set_fraction(fraction),
+        "_set_allocator_settings": live.set_settings,
         "get_per_process_memory_fraction": lambda device=None: (
             live.alloc.device.allowed / card.memory_bytes if live.alloc.device.allowed else 1.0),
         "_record_memory_history": record,
