@@ -3,6 +3,7 @@ refuses what it refuses, honours large_segment_size_mb in the allocator model, a
 the settings it cannot replay."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -143,3 +144,15 @@ def test_a_snapshots_large_segment_size_is_read_from_the_conf_it_recorded():
     recorded = {"PYTORCH_ALLOC_CONF": "large_segment_size_mb:32,expandable_segments:True", "expandable_segments": True}
     assert AllocSettings.from_snapshot(recorded).large_segment_size == 32 * MiB
     assert AllocSettings.from_snapshot({"PYTORCH_ALLOC_CONF": "some_newer_key:1"}).large_segment_size == 20 * MiB
+
+
+@pytest.mark.skipif(not torch.__version__.startswith("2.13"), reason="the order is torch 2.13's (README's pin)")
+@pytest.mark.parametrize("env", [
+    {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:100", "PYTORCH_ALLOC_CONF": "max_split_size_mb:200"},
+    {"PYTORCH_ALLOC_CONF": "max_split_size_mb:200"}, {}])
+def test_the_environments_settings_are_the_ones_torch_reads(env, monkeypatch):
+    for name in alloc_conf.ENV_NAMES:
+        monkeypatch.delenv(name, raising=False)
+    read = subprocess.run([sys.executable, "-c", "import torch; print(torch._C._accelerator_getAllocatorSettings())"],
+                          capture_output=True, text=True, check=True, env={**os.environ, **env})
+    assert (alloc_conf.from_environment(env) or ("", ""))[1] == read.stdout.strip()

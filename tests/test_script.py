@@ -284,7 +284,7 @@ def _script(capsys, *args) -> tuple[int, int | None, str]:
 @pytest.mark.parametrize("env,reserved", [
     ({}, 20 * 2**20), ({"PYTORCH_ALLOC_CONF": "large_segment_size_mb:40"}, 40 * 2**20),
     ({"PYTORCH_CUDA_ALLOC_CONF": "large_segment_size_mb:64"}, 64 * 2**20),
-    # torch reads the old name first (checked on 2.13: tests/test_alloc_conf.py)
+    # torch reads the old name first (tests/test_alloc_conf.py checks it on torch 2.13)
     ({"PYTORCH_CUDA_ALLOC_CONF": "large_segment_size_mb:64", "PYTORCH_ALLOC_CONF": "large_segment_size_mb:40"},
      64 * 2**20)])
 def test_a_script_runs_under_the_allocator_settings_of_its_environment(segments, monkeypatch, capsys, env, reserved):
