@@ -187,6 +187,9 @@ class LiveAllocator:
             from harness.probe.jobs import UserCodeError
             from harness.probe.sim.fake_code import user_line
 
+            if not self.eager:  # a job's trace: each card's replay runs under the point's settings
+                raise UserCodeError(f"{user_line()}: the job sets the allocator's settings to '{conf}'; a point "
+                                    f"runs under its allocator.conf ('{self.settings.conf}'): pass them there")
             raise UserCodeError(
                 f"{user_line()}: the allocator's settings change to '{conf}' after the card's first allocation "
                 f"(under '{self.settings.conf}'), which is not modelled: set them before the run starts "
