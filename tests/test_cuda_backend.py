@@ -16,13 +16,13 @@ from harness.analysis import calibration
 from harness.analysis.kinds import kind
 from harness.analysis.oom_text import oom_columns
 from harness.config.cards import CardTooLarge, emulation_fraction
-from harness.config.point import Card
+from harness.config.point import Allocator, Card
 from harness.errors import ConfigError
 from harness.launch import gpus
 from harness.launch.gpus import check_cards, resolve_backend
 from harness.probe.cuda.run import settings_mismatch
 from harness.probe.cuda.watch import PhaseReading, StepReading, measurements, read_peaks
-from tests.conftest import run_cli
+from tests.conftest import run_cli, train_point
 from tests.test_diagnose import MESSAGES, SHARED
 
 GiB, MiB = 1024**3, 1024**2
@@ -97,8 +97,20 @@ def test_a_larger_card_is_an_error_naming_both():
     with pytest.raises(CardTooLarge, match="gpu=B200 .* larger than this device, NVIDIA H200"):
         emulation_fraction(B200, *H200)
     with pytest.raises(ConfigError, match="^gpu: gpu=B200"):
-        check_cards([T4, B200], [H200])
-    check_cards([T4, H200_CARD], [H200])  # smaller or the same: fine
+        check_cards([_on(T4), _on(B200)], [H200])
+    check_cards([_on(T4), _on(H200_CARD)], [H200])  # smaller or the same: fine
+
+
+def _on(card, conf: str = ""):
+    return train_point().replace(gpu=card, allocator=Allocator(conf=conf))
+
+
+def test_a_garbage_collection_threshold_on_an_emulated_card_is_refused_up_front():
+    """torch collects only under a per-process fraction, and emulating a T4 on an H200 sets one: a T4
+    under gc80 would collect here and not on a T4. The H200 itself sets none: fine."""
+    with pytest.raises(ConfigError, match="^allocator.conf: garbage_collection_threshold acts only under"):
+        check_cards([_on(T4, "garbage_collection_threshold:0.8")], [H200])
+    check_cards([_on(H200_CARD, "garbage_collection_threshold:0.8"), _on(T4, "max_split_size_mb:512")], [H200])
 
 
 # ---- OOM as data -----------------------------------------------------------------------------

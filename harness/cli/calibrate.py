@@ -40,8 +40,8 @@ def main(overrides: list[str]) -> int:
             raise ConfigError("backend", "calibrate measures each point on this machine's CUDA GPU beside the "
                               "virtual GPU, and no GPU is visible here (CUDA_VISIBLE_DEVICES, the driver)")
         prepared = prepare("sweep", overrides)
-        points, base, cards = prepared.points, prepared.base, prepared.cards
-        check_cards(cards, gpus.describe(devices))
+        points, base = prepared.points, prepared.base
+        check_cards(list(prepared.built.values()), gpus.describe(devices))
         results_dir = Path(base.results_dir).expanduser().resolve()
         out = results_dir / base.sweep / f"calibrate-{dt.datetime.now().strftime('%Y%m%d-%H%M%S-%f')}"
         make_out_dir(out)

@@ -11,7 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from harness.config.compose import compose, expand_grid, split_overrides
-from harness.config.point import Card, Point, WorkloadName
+from harness.config.point import Point, WorkloadName
 from harness.config.validate import validate
 from harness.errors import EXIT_OK, EXIT_ROW_ERROR, ConfigError
 from harness.record import results  # (pandas only where rows become a table)
@@ -26,7 +26,6 @@ def unknown_flag(args: list[str]) -> str | None:
 class Prepared:
     points: list[list[str]]  # each point's overrides, as Hydra will launch them
     base: DictConfig  # the config with hydra
-    cards: list[Card]  # the cards the points ask for
     configs: dict[tuple[str, ...], DictConfig]  # each distinct point, composed
     built: dict[tuple[str, ...], Point]  # and its point, as validated
 
@@ -77,7 +76,6 @@ def prepare(verb: str, overrides: list[str]) -> Prepared:
     why: dict[str, str] = {}
     configs: dict[tuple[str, ...], DictConfig] = {}
     built: dict[tuple[str, ...], Point] = {}
-    cards = {}
     for p in points:
         key = tuple(p)
         if key in configs:
@@ -96,12 +94,11 @@ def prepare(verb: str, overrides: list[str]) -> Prepared:
                 knobs = [o for o in p if not _key(o).startswith("hydra.")]  # ours, not Hydra's
                 raise ConfigError(e.key, f"{e.message} (point: {' '.join(knobs)})")
             raise
-        cards[point.gpu.name, point.gpu.memory_bytes] = point.gpu
     first = next((k for k in map(_key, overrides) if k in unused), None)
     if first is not None:
         raise ConfigError(first, why[first])
     plain, _ = split_overrides(overrides)
-    return Prepared(points, compose(plain, with_hydra=True), list(cards.values()), configs, built)
+    return Prepared(points, compose(plain, with_hydra=True), configs, built)
 
 
 # Knobs a job of each workload ignores, and why: asked for, they are refused (a key ending in "."

@@ -83,14 +83,14 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
-def _gpu_launch(cards: list) -> None:
-    """For cuda points on this machine: every card asked for must fit the devices; the devices go
-    to the points (GPU_DEVICES_ENV), one point per card at a time, as many at once as cards."""
+def _gpu_launch(points: list) -> None:
+    """For cuda points on this machine: every card asked for must fit the devices (check_cards); the
+    devices go to the points (GPU_DEVICES_ENV), one point per card at a time, as many at once as cards."""
     from harness.launch import gpus
     from harness.launch.runner import GPU_DEVICES_ENV
 
     devices = gpus.visible_devices()
-    check_cards(cards, gpus.describe(devices))
+    check_cards(points, gpus.describe(devices))
     os.environ[GPU_DEVICES_ENV] = ",".join(devices)
 
 
@@ -98,12 +98,12 @@ def _launch(verb: str, overrides: list[str], asked: list[str] | None = None) -> 
     """Run `overrides` through Hydra; `asked`: what the user typed (for the resume line)."""
     try:
         prepared = prepare(verb, overrides)
-        points, base, cards = prepared.points, prepared.base, prepared.cards
+        points, base = prepared.points, prepared.base
         # Only a sweep goes through the launcher: `run` is one point on this machine.
         cluster = verb == "sweep" and "Slurm" in str(base.hydra.launcher.get("_target_", ""))
         backend = resolve_backend(base.backend, cluster)
         if backend == "cuda" and not cluster:
-            _gpu_launch(cards)
+            _gpu_launch(list(prepared.built.values()))
         if backend in ("cuda", "cpu") and not cluster:  # a job over several GPUs: its ranks run here
             check_here([p.replace(backend=backend) for p in prepared.built.values()],
                        visible_devices() if backend == "cuda" else [])

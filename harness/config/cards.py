@@ -11,6 +11,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from harness.config import alloc_conf
 from harness.config.compose import CONF_DIR, as_dict
 from harness.config.point import Card
 
@@ -143,3 +144,15 @@ def emulation_fraction(card: Card, device_name: str, device_bytes: int) -> float
                            f"device, {device_name} ({device_bytes / 2**30:.2f} GiB): a card can only be "
                            "emulated on a larger one")
     return card.room() / device_bytes
+
+
+def emulation_changes(card: Card, conf: str, device_name: str, fraction: float | None) -> str | None:
+    """Why emulating `card` under the per-process `fraction` (emulation_fraction's; None: the device
+    is the card) would run the allocator of `conf` otherwise than the card itself (None: it would
+    not). garbage_collection_threshold acts only where a fraction is set (CUDACachingAllocator's
+    malloc: set_fraction), so on the emulated card it would reclaim cached blocks a real one keeps."""
+    if fraction is None or not alloc_conf.parse(conf).get("garbage_collection_threshold"):
+        return None
+    return (f"garbage_collection_threshold acts only under a per-process memory fraction, and emulating the "
+            f"{card.name} on this {device_name} sets one: the run would reclaim cached blocks where a real "
+            f"{card.name} keeps them (run it on a {card.name}, or without the threshold)")

@@ -14,8 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness.config.cards import CardTooLarge, emulation_fraction
-from harness.config.point import Card
+from harness.config.cards import CardTooLarge, emulation_changes, emulation_fraction
+from harness.config.point import Point
 from harness.errors import ConfigError
 from harness.launch import slots
 
@@ -109,12 +109,16 @@ def resolve_backend(backend: str, cluster: bool = False) -> str:
     raise ConfigError("backend", "cuda asked for, but no GPU is visible (use backend=sim or auto)")
 
 
-def check_cards(cards: list[Card], devices: list[tuple[str, int]]) -> None:
-    """Every card asked for can run on every device a point may get: the device itself, or a
-    smaller card emulated on it. A larger card is a config error, not a silent run."""
-    for card in cards:
+def check_cards(points: list[Point], devices: list[tuple[str, int]]) -> None:
+    """Every point's card can run on every device a point may get: the device itself, or a smaller
+    card emulated on it, under an allocator the emulation leaves as the card runs it
+    (emulation_changes). A larger card, or such a setting, is a config error, not a silent run."""
+    for point in points:
         for name, total in devices:
             try:
-                emulation_fraction(card, name, total)
+                fraction = emulation_fraction(point.gpu, name, total)
             except CardTooLarge as e:
                 raise ConfigError("gpu", str(e)) from None
+            why = emulation_changes(point.gpu, point.allocator.conf, name, fraction)
+            if why:
+                raise ConfigError("allocator.conf", why)

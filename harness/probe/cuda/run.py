@@ -14,7 +14,7 @@ from pathlib import Path
 
 from harness.allocator.settings import AllocSettings
 from harness.config import cublas
-from harness.config.cards import emulation_fraction
+from harness.config.cards import emulation_changes, emulation_fraction
 from harness.config.point import Point
 from harness.probe.cuda.job import measure
 from harness.record.row import WORKSPACE
@@ -54,6 +54,9 @@ def run_cuda(point: Point, run_dir: Path) -> dict:
     out: dict = {"device_name": props.name, "device_memory_bytes": props.total_memory,
                  "device_multiprocessors": props.multi_processor_count, "torch_version": torch.__version__}
     fraction = emulation_fraction(point.gpu, props.name, props.total_memory)
+    why = emulation_changes(point.gpu, point.allocator.conf, props.name, fraction)
+    if why:  # (launch.gpus.check_cards refuses it up front where the devices are known: not on a cluster)
+        raise RuntimeError(why)
     if fraction is not None:
         torch.cuda.set_per_process_memory_fraction(fraction, 0)
         # the emulated card's cuBLAS workspaces (read at the first GEMM), unless the user set them
