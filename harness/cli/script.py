@@ -40,7 +40,7 @@ def _card_and_settings(overrides: list[str]):
 
     cfg = compose(user_card_and_free_text([one_conf(o) for o in overrides]))
     card = Card.from_dict(as_dict(cfg.gpu))
-    if any(_HARNESS_KEY.match(o).group(1) == "allocator" for o in overrides):  # type: ignore[union-attr]
+    if any(o.startswith(("allocator=", "allocator.")) for o in overrides):
         return card, AllocSettings.from_conf(cfg.allocator.conf), None
     name, conf = alloc_conf.from_environment(os.environ) or ("", "")
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harness.allocator.replay import Kept, ranges_alike
-from harness.allocator.settings import K_LARGE_BUFFER, AllocSettings
+from harness.allocator.settings import AllocSettings
 from harness.config import attention, cublas, kernels, nccl
 from harness.config import cards as catalog
 from harness.config.attention import ATTENTION_CALLS, CUDNN, FLASH
@@ -168,7 +168,7 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
         judged.update(_own_sized_edges(sized, settings, point, own, (rec["peak_reserved_bytes"],
                                        rec["peak_allocated_bytes"]), kept, point.gpu, point.gpu.memory_bytes))
         # cards that only swap flash for cuDNN (or back), their room under what the traced run surely allocates
-        ooms = _swapped_and_oom(point, rec, apart, n_workspaces, sized)
+        ooms = _swapped_and_oom(point, rec, apart, n_workspaces, sized, settings.large_segment_size)
         judged.update(ooms)
         apart = [c for c in apart if c.key not in ooms]
         judged.update(_edges_by_sizes(sized, settings, point, [c for c in cards if c not in apart and c not in here],
@@ -264,16 +264,17 @@ def _on_card(point: Point, card: Card) -> Point:
     return point.replace(gpu=card, parallel=dataclasses.replace(point.parallel, nodes=nodes))
 
 
-def _swapped_and_oom(point: Point, rec: dict, cards: list, n_workspaces: int, sized: Sized) -> dict[str, Judged]:
+def _swapped_and_oom(point: Point, rec: dict, cards: list, n_workspaces: int, sized: Sized,
+                     segment: int) -> dict[str, Judged]:
     """Those of `cards` whose attention kernels only swap flash for cuDNN (or back) and whose room
     lies under what the traced run surely allocates there (its allocated peak less `_swap_band` and
-    their kernels' scratch's difference, per_card.Sized.shift): each an OOM. Where a card may fit
+    their kernels' scratch's difference, per_card.Sized.shift; `segment`: the point's large segment
+    size): each an OOM. Where a card may fit
     only a replay can tell: a bound on reserved is not sound (another block size may place a large
     block in a new segment), and the band once said "room" 2.4 GiB under a card's reserved peak."""
     scratch = _attention_scratch(point) if cards else None
     if scratch is None:
         return {}
-    segment = AllocSettings.from_conf(point.allocator.conf).large_segment_size
     return {c.key: ("oom", None) for c in cards
             if attention.swaps_fused_on(c.capability, rec.get(ATTENTION_CALLS))
             and _surely_oom(point, rec["peak_allocated_bytes"] - _swap_band(scratch, rec, c, n_workspaces, segment)
@@ -310,7 +311,7 @@ def _weight_gradient_sum(point: Point) -> kernels.Reduction | None:
     return reduction(grad, [0], 4, 4)
 
 
-def _reductions_more(r: kernels.Reduction | None, card: Card, than: Card, segment: int = K_LARGE_BUFFER) -> int:
+def _reductions_more(r: kernels.Reduction | None, card: Card, than: Card, segment: int) -> int:
     """How much more the reduction `r` stages on `card` than on `than`, with two large segments
     (`segment` bytes each: large_segment_size_mb's) where it does (0 without one)."""
     if r is None:
@@ -320,17 +321,17 @@ def _reductions_more(r: kernels.Reduction | None, card: Card, than: Card, segmen
     return more + 2 * segment if more > 0 else 0
 
 
-def _workspaces_more(rec: dict, card: Card, n_workspaces: int = 2, segment: int = K_LARGE_BUFFER) -> int:
-    """How much more a run's cuBLAS workspaces take on `card` than they did in `rec` (two: a
-    training step's forward and backward handles), with two large segments where they do (0 where
-    not more, or where the run recorded none)."""
+def _workspaces_more(rec: dict, card: Card, n_workspaces: int, segment: int) -> int:
+    """How much more a run's `n_workspaces` cuBLAS workspaces take on `card` than they did in `rec`
+    (a training step's forward and backward handles: two), with two large segments (`segment` bytes
+    each) where they do (0 where not more, or where the run recorded none)."""
     if rec.get(WORKSPACE) is None:
         return 0
     more = n_workspaces * (cublas.workspace_bytes(card.capability) - rec[WORKSPACE])
     return more + 2 * segment if more > 0 else 0
 
 
-def _swap_band(scratch: int, rec: dict, card: Card, n_workspaces: int, segment: int = K_LARGE_BUFFER) -> int:
+def _swap_band(scratch: int, rec: dict, card: Card, n_workspaces: int, segment: int) -> int:
     """How far a run's peaks may move where `card` attends with cuDNN and the run with flash (or
     back): one call's `scratch`, two large segments (`segment` bytes each) that other block sizes may place
     otherwise, and the cuBLAS workspaces' difference. Sound for allocated bytes (what an OOM is

@@ -84,14 +84,7 @@ class LiveAllocator:
     def catch_up(self) -> None:
         events = self.tracker.events
         if self.environ is not None and self.done < len(events):  # the first allocation: torch reads its settings
-            found = alloc_conf.from_environment(self.environ)
-            self.environ = None
-            conf = found[1] if found else ""
-            if conf != self.settings.conf:
-                try:
-                    self._take(AllocSettings.from_conf(conf))
-                except ConfigError as err:  # at the line that allocates, as torch raises it there
-                    raise ValueError(f"{found[0] if found else 'allocator'}: {err.message}") from None
+            self._take_environment()
         while self.done < len(events):
             e = events[self.done]
             self.done += 1
@@ -177,8 +170,7 @@ class LiveAllocator:
         at the code's line (one run under two settings is not modelled: segments made under each)."""
         self.catch_up()
         if self.environ is not None:  # the environment's settings are torch's until now
-            found, self.environ = alloc_conf.from_environment(self.environ), None
-            self._take(AllocSettings.from_conf(found[1] if found else ""))
+            self._take_environment()
         parsed = alloc_conf.persisting(alloc_conf.parse(self.settings.conf), alloc_conf.parse(conf))
         settings = AllocSettings.from_parsed(alloc_conf.refuse_unmodelled(parsed), alloc_conf.text(parsed))
         if dataclasses.replace(settings, conf="") == dataclasses.replace(self.settings, conf=""):
@@ -195,6 +187,17 @@ class LiveAllocator:
                 f"(under '{self.settings.conf}'), which is not modelled: set them before the run starts "
                 "(PYTORCH_ALLOC_CONF, or allocator.conf=)")
         self._take(settings)
+
+    def _take_environment(self) -> None:
+        """Run under the settings the script's environment holds now, as torch reads them once
+        (a string torch refuses raises at the code's line, naming its variable)."""
+        name, conf = alloc_conf.from_environment(self.environ) or ("", "")
+        self.environ = None
+        if conf != self.settings.conf:
+            try:
+                self._take(AllocSettings.from_conf(conf))
+            except ConfigError as err:
+                raise ValueError(f"{name}: {err.message}") from None
 
     def _take(self, settings: AllocSettings) -> None:
         """Run under `settings` from here (the card has allocated nothing: nothing else changes)."""
