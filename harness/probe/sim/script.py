@@ -28,6 +28,7 @@ from harness.config.point import Card
 from harness.probe.jobs import prepare_optimizer
 from harness.probe.sim import cuda_emulation as cu
 from harness.probe.sim.cuda_script import cuda_script_on_cpu
+from harness.probe.sim.fake_cache import fast_cache
 from harness.probe.sim.fake_code import (
     VALUE_READS,
     explain,
@@ -35,7 +36,6 @@ from harness.probe.sim.fake_code import (
     shape_only_init,
     user_line,
 )
-from harness.probe.sim.fake_keys import fast_keys
 from harness.probe.sim.tracker import StorageTracker
 from harness.probe.sim.virtual_cuda import LiveAllocator, virtual_cuda
 
@@ -167,7 +167,7 @@ def run_script(path: Path, argv: list[str], card: Card, settings: AllocSettings,
     run = ScriptRun(stats={}, settings=settings)
     stand_ins = _ValueStandIns(run.value_reads)
     torch.manual_seed(0)
-    with FakeTensorMode(allow_non_fake_inputs=True), fast_keys(), cu.unpacked_sequences(), cu.cuda_kernels(card.capability), \
+    with FakeTensorMode(allow_non_fake_inputs=True), fast_cache(), cu.unpacked_sequences(), cu.cuda_kernels(card.capability), \
             cuda_script_on_cpu(tracker, default_host=True), cu.checkpoint_keeps_autocast(), \
             module_conversion_on_fake_tensors(), shape_only_init(), tracker, stand_ins, _cuda_optimizers(stand_ins), \
             virtual_cuda(live), _eager_compile(run.compiled), _host_profiler(), _as_main(path, argv):

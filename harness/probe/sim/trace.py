@@ -37,6 +37,7 @@ from harness.probe.jobs import (
 from harness.probe.sim import cuda_emulation as cu
 from harness.probe.sim import sharded
 from harness.probe.sim.cuda_script import cuda_script_on_cpu
+from harness.probe.sim.fake_cache import fast_cache
 from harness.probe.sim.fake_code import (
     VALUE_READS,
     OptimizerScalarReads,
@@ -45,7 +46,6 @@ from harness.probe.sim.fake_code import (
     plain_constants_taken,
     shape_only_init,
 )
-from harness.probe.sim.fake_keys import fast_keys
 from harness.probe.sim.measure import find_holders, measurements, optimizer_state_bytes, watch_training
 from harness.probe.sim.tracker import StorageTracker, storage_resizes
 from harness.probe.sim.virtual_cuda import LiveAllocator, virtual_cuda
@@ -86,7 +86,7 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh,
     # cuda_script_on_cpu: a script's "cuda" devices and autocast on the trace's CPU; virtual_cuda:
     # torch.cuda's readings (memory_allocated, snapshots, ...) are the virtual card's.
     fake_mode = FakeTensorMode() if fake else None
-    with fake_mode or contextlib.nullcontext(), fast_keys(), cu.unpacked_sequences(), \
+    with fake_mode or contextlib.nullcontext(), fast_cache(), cu.unpacked_sequences(), \
             cu.cuda_kernels(point.gpu.capability, tracker.attention_calls) if emulate_cuda else contextlib.nullcontext(), \
             cuda_script_on_cpu(tracker, cpu_is_card=mesh is not None), \
             cu.checkpoint_keeps_autocast(), OptimizerScalarReads() as scalar_reads, tracker, watching(tracker), \
