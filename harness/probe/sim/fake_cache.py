@@ -69,7 +69,7 @@ def _hit_sources() -> str:
 def _matches(sources, checked: str) -> bool:
     try:
         digest = hashlib.sha256(sources().encode()).hexdigest()[:16]
-    except (OSError, TypeError):  # no source on disk (a frozen or stripped install)
+    except (OSError, TypeError, AttributeError):  # no source on disk (a frozen or stripped install), or gone
         return False
     return digest == checked
 
@@ -137,8 +137,10 @@ def _checked(self, result: list, args, state, id_hashed_objects: list) -> None:
         raise AssertionError(f"fast FakeTensor cache key {fast} differs from torch's {result}")
 
 
-# The memo descriptors FakeTensor.__new__ sets to None, as the attributes their __set__ writes.
-_MEMOS = sorted(n for n, v in vars(fake_tensor.FakeTensor).items() if isinstance(v, fake_tensor.SymNumberMemoDescriptor))
+# The memo descriptors FakeTensor.__new__ sets to None, as the attributes their __set__ writes (none
+# where a torch names the descriptor otherwise: hit_applies() is then False).
+_MEMO = getattr(fake_tensor, "SymNumberMemoDescriptor", None)
+_MEMOS = sorted(n for n, v in vars(fake_tensor.FakeTensor).items() if _MEMO is not None and isinstance(v, _MEMO))
 _NO_MEMOS = {f"_{n}{part}": None for n in _MEMOS for part in ("", "_vc", "_epoch")}
 _CPU = torch.device("cpu")
 _make_subclass = torch.Tensor._make_subclass
