@@ -77,11 +77,20 @@ def test_a_hit_that_differs_from_torchs_is_caught(monkeypatch, changed):
             y * 2
 
 
-def test_a_views_hit_shares_its_inputs_storage_as_torchs_does():
-    with fake_cache.checking(), FakeTensorMode() as mode:
+def test_a_views_fast_hit_shares_its_inputs_storage(monkeypatch):
+    """A view op's second call is a hit the fast code makes: on its input's storage, as torch's."""
+    fast, made = fake_cache._hit, []
+
+    def recording(self, state, entry, key, func, args):
+        made.append(func)
+        return fast(self, state, entry, key, func, args)
+    monkeypatch.setattr(fake_cache, "_hit", recording)
+    with fake_cache.fast_cache(), FakeTensorMode() as mode:
         x = mode.from_tensor(torch.ones(4, 6))
-        first, second = x.view(6, 4), x.view(6, 4)  # (the second a hit)
+        first, second = x.view(6, 4), x.view(6, 4)
+    assert torch.ops.aten.view.default in made
     assert second.untyped_storage()._cdata == x.untyped_storage()._cdata == first.untyped_storage()._cdata
+    assert (second.shape, second.stride()) == ((6, 4), (4, 1))
 
 
 def test_the_fast_cache_stands_in_only_for_the_torch_code_it_was_checked_on(monkeypatch):

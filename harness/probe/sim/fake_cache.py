@@ -180,8 +180,8 @@ def _hit(self, state, entry, key, func, args):
 
 
 def _described(t) -> tuple:
-    """What tells two hit outputs apart: a FakeTensor's metadata, dispatch keys and own attributes
-    (its storage's identity where it is a view's)."""
+    """What tells two hit outputs apart but a view's storage (which _checked_hit compares): a
+    FakeTensor's metadata, dispatch keys and own attributes."""
     if not isinstance(t, torch.Tensor):
         return (type(t), t)
     return (type(t), t.shape, t.stride(), t.storage_offset(), t.dtype, t.requires_grad, t.is_inference(),
