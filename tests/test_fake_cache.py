@@ -94,28 +94,26 @@ def test_a_views_fast_hit_shares_its_inputs_storage(monkeypatch):
 
 
 def test_the_fast_cache_stands_in_only_for_the_torch_code_it_was_checked_on(monkeypatch):
+    """Each part (key, hit) on torch's code alone where its torch code is not the code it repeats,
+    the other part still in use."""
     mode = fake_tensor.FakeTensorMode
     torchs = mode._prep_args_for_hash, mode._get_output_tensor_from_cache_entry
-    for check, sources in ((fake_cache.applies, "_sources"), (fake_cache.hit_applies, "_hit_sources")):
+    ours = fake_cache._prep_args_for_hash, fake_cache._hit
+    for part, (check, sources) in enumerate(((fake_cache.applies, "_sources"), (fake_cache.hit_applies, "_hit_sources"))):
         check.cache_clear()
         monkeypatch.setattr(fake_cache, sources, lambda: "def _prep_args_for_hash(self): ...  # a newer torch")
         try:
             assert not check()
+            other_applies = (fake_cache.hit_applies, fake_cache.applies)[part]()
+            with fake_cache.fast_cache():
+                now = mode._prep_args_for_hash, mode._get_output_tensor_from_cache_entry
+                assert now[part] is torchs[part] and now[1 - part] is (ours if other_applies else torchs)[1 - part]
         finally:
             check.cache_clear()
         monkeypatch.undo()
-    fake_cache.applies.cache_clear()
-    monkeypatch.setattr(fake_cache, "_sources", lambda: "def _prep_args_for_hash(self): ...  # a newer torch")
-    try:
-        with fake_cache.fast_cache():  # the key torch's, the hit still the fast one
-            assert mode._prep_args_for_hash is torchs[0]
-    finally:
-        fake_cache.applies.cache_clear()
-    monkeypatch.undo()
     if torch.__version__.split("+")[0] != "2.13.0":
         pytest.skip(f"fake_cache was checked on torch 2.13.0 (README's); this is {torch.__version__}")
     assert fake_cache.applies() and fake_cache.hit_applies()  # the torch README installs: both in use, only inside
     with fake_cache.fast_cache():
-        assert (mode._prep_args_for_hash, mode._get_output_tensor_from_cache_entry) == (
-            fake_cache._prep_args_for_hash, fake_cache._hit)
+        assert (mode._prep_args_for_hash, mode._get_output_tensor_from_cache_entry) == ours
     assert (mode._prep_args_for_hash, mode._get_output_tensor_from_cache_entry) == torchs

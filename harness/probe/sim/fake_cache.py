@@ -47,6 +47,14 @@ _STRIDED = torch.strided
 _PLAIN = frozenset((int, float, bool, type(None), str, torch.dtype, torch.device, torch.layout,
                     torch.memory_format))
 
+# The memo descriptors FakeTensor.__new__ sets to None, as the attributes their __set__ writes (none
+# where a torch names the descriptor otherwise: hit_applies() is then False).
+_MEMO = getattr(fake_tensor, "SymNumberMemoDescriptor", None)
+_MEMOS = sorted(n for n, v in vars(fake_tensor.FakeTensor).items() if _MEMO is not None and isinstance(v, _MEMO))
+_NO_MEMOS = {f"_{n}{part}": None for n in _MEMOS for part in ("", "_vc", "_epoch")}
+_CPU = torch.device("cpu")
+_make_subclass = torch.Tensor._make_subclass
+
 
 def _sources() -> str:
     """What the fast key repeats: the key's walk, each field's value, and the fields' order (their
@@ -137,15 +145,6 @@ def _checked(self, result: list, args, state, id_hashed_objects: list) -> None:
         raise AssertionError(f"fast FakeTensor cache key {fast} differs from torch's {result}")
 
 
-# The memo descriptors FakeTensor.__new__ sets to None, as the attributes their __set__ writes (none
-# where a torch names the descriptor otherwise: hit_applies() is then False).
-_MEMO = getattr(fake_tensor, "SymNumberMemoDescriptor", None)
-_MEMOS = sorted(n for n, v in vars(fake_tensor.FakeTensor).items() if _MEMO is not None and isinstance(v, _MEMO))
-_NO_MEMOS = {f"_{n}{part}": None for n in _MEMOS for part in ("", "_vc", "_epoch")}
-_CPU = torch.device("cpu")
-_make_subclass = torch.Tensor._make_subclass
-
-
 def _hit(self, state, entry, key, func, args):
     """FakeTensorMode._get_output_tensor_from_cache_entry: the same tensor, for a fresh or viewed
     strided output on the CPU without a shape environment (a trace's hits)."""
@@ -185,7 +184,7 @@ def _described(t) -> tuple:
     if not isinstance(t, torch.Tensor):
         return (type(t), t)
     return (type(t), t.shape, t.stride(), t.storage_offset(), t.dtype, t.requires_grad, t.is_inference(),
-            torch._C._dispatch_keys(t), t.untyped_storage().nbytes(), sorted(t.__dict__.items(), key=lambda kv: kv[0]))
+            torch._C._dispatch_keys(t), t.untyped_storage().nbytes(), sorted(t.__dict__.items()))
 
 
 def _checked_hit(self, state, entry, key, func, args):
