@@ -63,8 +63,8 @@ def swapped(events: list[TraceEvent], to: str) -> list[TraceEvent]:
         if e.action == "free":  # (a key names a storage while it lives: forgotten at its free)
             if e.key in dropped:
                 dropped.discard(e.key)
-            else:
-                out.append(e._replace(size=resized.pop(e.key, e.size)))
+            else:  # (most frees are no small output's: the row as it is)
+                out.append(e._replace(size=resized.pop(e.key)) if e.key in resized else e)
             i += 1
             continue
         if not e.kernel.startswith(FUSED_PREFIX):
