@@ -166,3 +166,26 @@ def test_snapshot_true_writes_a_memory_viz_snapshot_next_to_the_result(tmp_path)
         assert sum(b["size"] for b in seg["blocks"]) == seg["total_size"]
     allocs = [e for e in data["device_traces"][0] if e["action"] == "alloc"]
     assert allocs and all(e["frames"] for e in allocs)  # each allocation names its module and phase
+
+
+def test_a_traces_frame_is_the_frame_pandas_makes_of_its_events_and_gives_them_back():
+    """trace_store.to_frame builds the frame column by column through arrow: the same columns,
+    dtypes and values as pandas reading the events row by row (a real trace, none, and one whose
+    column mixes types, which arrow refuses and pandas keeps as objects); events() inverts it."""
+    from harness.probe.sim.trace import run_point
+    from harness.record import trace_store
+    from tests.conftest import train_point
+
+    def by_rows(events):
+        df = pd.DataFrame(events, columns=trace_store.COLUMNS)
+        df["seq"] = range(len(df))
+        df["allocated"] = trace_store._allocated(df["size"].astype("int64"))
+        return df
+
+    traced = run_point(train_point(batch_size=1, seq_len=32))[1].events
+    mixed = [traced[0], traced[1]._replace(module=3)]
+    for events in (traced, [], mixed):
+        df = trace_store.to_frame(events)
+        pd.testing.assert_frame_equal(df, by_rows(events))
+        assert trace_store.events(df) == [e._replace(seq=i) for i, e in enumerate(events)]
+    assert len(traced) > 100 and df["module"].dtype == object  # (the mixed one: pandas' objects)

