@@ -62,7 +62,7 @@ def to_frame(events: list[TraceEvent]) -> pd.DataFrame:
     import pandas as pd
     import pyarrow as pa
 
-    # column by column through arrow: half the time of pandas reading the rows (inferring its five
+    # column by column through arrow: 0.57x the time of pandas reading the rows (inferring its five
     # string columns row by row: ~25 of 32 ms for a 7B point's 24k events), the same frame
     columns = list(zip(*events, strict=True)) if events else [() for _ in COLUMNS]
     try:
