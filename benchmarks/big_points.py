@@ -52,6 +52,8 @@ print(json.dumps({"wall_s": wall, "cpu_s": cpu, "rss": resource.getrusage(resour
                   "trace_s": traced[0], "fits": len(rec["fits_cards"])}))
 """
 
+ONE_GPU, SPREAD = "70b train b1 s4096 ckpt (one GPU)", "70b train b1 s4096 ckpt over 64 (FSDP2)"
+
 POINTS = [
     {"name": "70b train b1 s4096 bf16 adamw", "model": "70b", "workload": "train", "batch_size": 1, "seq_len": 4096,
      "target_s": 15},
@@ -59,10 +61,10 @@ POINTS = [
      "seq_len": 8192, "target_s": 30},
     # issue 17: one rank of 64 should cost no more than the 70B point on one GPU; the same job on one
     # GPU (its replays differ: a card between a point's allocated and reserved peaks takes its own)
-    {"name": "70b train b1 s4096 ckpt (one GPU)", "model": "70b", "workload": "train", "batch_size": 1,
-     "seq_len": 4096, "checkpointing": True, "target_s": 15},
-    {"name": "70b train b1 s4096 ckpt over 64 (FSDP2)", "model": "70b", "workload": "train", "batch_size": 1,
-     "seq_len": 4096, "checkpointing": True, "dp_shard": 64, "target_s": 15},
+    {"name": ONE_GPU, "model": "70b", "workload": "train", "batch_size": 1, "seq_len": 4096, "checkpointing": True,
+     "target_s": 15},
+    {"name": SPREAD, "model": "70b", "workload": "train", "batch_size": 1, "seq_len": 4096, "checkpointing": True,
+     "dp_shard": 64, "target_s": 15},
     # serving over tensor parallel: one rank of 8 (a node of A100s does not hold it: 94.5 GiB of weights a GPU)
     {"name": "llama3-405b infer b1 s8192 over TP 8", "model": "llama3-405b", "workload": "infer", "batch_size": 1,
      "seq_len": 8192, "tp": 8, "target_s": 30},
@@ -76,8 +78,6 @@ POINTS = [
      "seq_len": 4200, "new_tokens": 256, "target_s": 30},
 ]
 
-
-ONE_GPU, SPREAD = "70b train b1 s4096 ckpt (one GPU)", "70b train b1 s4096 ckpt over 64 (FSDP2)"
 
 
 def machine_speed() -> float:

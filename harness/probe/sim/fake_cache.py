@@ -50,7 +50,7 @@ _PLAIN = frozenset((int, float, bool, type(None), str, torch.dtype, torch.device
 # The memo descriptors FakeTensor.__new__ sets to None, as the attributes their __set__ writes (none
 # where a torch names the descriptor otherwise: hit_applies() is then False).
 _MEMO = getattr(fake_tensor, "SymNumberMemoDescriptor", None)
-_MEMOS = sorted(n for n, v in vars(fake_tensor.FakeTensor).items() if _MEMO is not None and isinstance(v, _MEMO))
+_MEMOS = sorted(n for n, v in vars(fake_tensor.FakeTensor).items() if isinstance(v, _MEMO)) if _MEMO is not None else []
 _NO_MEMOS = {f"_{n}{part}": None for n in _MEMOS for part in ("", "_vc", "_epoch")}
 _CPU = torch.device("cpu")
 _make_subclass = torch.Tensor._make_subclass
