@@ -33,6 +33,45 @@ def test_70b_uses_grouped_query_attention():
     assert cfg.num_key_value_heads == 8 and cfg.num_attention_heads == 64
 
 
+def _presets() -> list[str]:
+    from harness.config.compose import CONF_DIR
+
+    return sorted(f.stem for f in (CONF_DIR / "model").glob("*.yaml") if f.stem != "hf")
+
+
+@pytest.mark.parametrize("name", _presets())
+def test_a_presets_own_keys_give_the_shape_transformers_config_gives(name):
+    """shape_config answers a plan's parent from the preset's YAML, without transformers: its layers,
+    heads, head_dim and positions are the config class's, defaults included."""
+    from harness.config.models import attention_shape, max_positions, shape_config
+
+    mine, theirs = shape_config(model_cfg(name)), hf_config(model_cfg(name))
+    assert not isinstance(mine, type(theirs)), "a preset's keys are read without transformers' config"
+    assert (mine.num_hidden_layers, attention_shape(mine), max_positions(mine)) == \
+        (theirs.num_hidden_layers, attention_shape(theirs), max_positions(theirs))
+
+
+def test_a_preset_missing_a_shape_key_takes_transformers_config():
+    """Mistral's class defaults 8 key/value heads, not the query heads: without the key in the
+    preset, the config class answers."""
+    from harness.config.models import attention_shape, shape_config
+
+    cfg = model_cfg("mistral-7b")
+    del cfg["hf"]["num_key_value_heads"]
+    cfg["hf"]["num_attention_heads"] = 16
+    assert attention_shape(shape_config(cfg)) == (16, 8, 256)
+
+
+def test_shape_config_of_a_preset_imports_no_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys; from harness.config.models import shape_config; from tests.conftest import model_cfg; "
+            "shape_config(model_cfg('70b')); print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_a_model_without_sdpa_attends_as_transformers_would_unasked_eagerly(tmp_path):
     """Gemma 2's class has no SDPA (its soft-capped scores): transformers takes its eager attention
     when none is asked for, and so does the virtual GPU (before, asking for SDPA, the point was an

@@ -5,12 +5,26 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 from harness.errors import ConfigError
 
 _ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
 PRESET_ARCHS = frozenset(_ARCH_TO_MODEL_TYPE)  # model.arch's choices: causal LMs all
+# transformers' modules load lazily, and two threads loading at once can see one half-initialised
+# ("cannot import name 'AutoConfig'"): a plan's probe threads validate side by side
+_LOADING = threading.RLock()
+
+
+def _unlocked_in_child() -> None:  # a fork while a thread held it would leave the child waiting forever
+    global _LOADING
+    _LOADING = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_unlocked_in_child)
 
 
 def _config_file(path: str) -> Path:
@@ -39,11 +53,13 @@ def _read_config_json(path: str) -> dict:
 
 def hf_config(model_cfg):
     """A transformers PretrainedConfig for the `model` config group."""
-    from omegaconf import OmegaConf
+    with _LOADING:
+        return _hf_config(_as_config(model_cfg))
+
+
+def _hf_config(model_cfg):
     from transformers import AutoConfig
 
-    if isinstance(model_cfg, dict):
-        model_cfg = OmegaConf.create(model_cfg)
     if model_cfg.config_json:
         data = _read_config_json(model_cfg.config_json)
         model_type = data.pop("model_type")
@@ -66,12 +82,37 @@ def hf_config(model_cfg):
     return config
 
 
+def _as_config(model_cfg):
+    """The `model` group with attribute access (a plain dict made a DictConfig)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create(model_cfg) if isinstance(model_cfg, dict) else model_cfg
+
+
+# The keys a preset's YAML gives that answer shape_config's readers; its architectures' config
+# classes derive head_dim alone from them (hidden_size // num_attention_heads, as attention_shape)
+_SHAPE_KEYS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
+               "max_position_embeddings")
+
+
+def shape_config(model_cfg):
+    """What the launcher reads of transformers' config (layers, heads, head_dim, positions): a
+    preset's own keys where it gives them all (hf_config imports transformers, 2-3 s of a `plan`'s
+    parent, which runs no model itself), else hf_config."""
+    model_cfg = _as_config(model_cfg)
+    hf = dict(model_cfg.hf or {}) if not model_cfg.config_json and model_cfg.arch in PRESET_ARCHS else {}
+    if all(hf.get(k) is not None for k in _SHAPE_KEYS):
+        return SimpleNamespace(**hf)
+    return hf_config(model_cfg)
+
+
 def _causal_lm_class(config):
     """transformers' causal language model class for `config` (AutoModelForCausalLM's), or None."""
-    from transformers import AutoModelForCausalLM
+    with _LOADING:
+        from transformers import AutoModelForCausalLM
 
-    mapping = AutoModelForCausalLM._model_mapping
-    return mapping[type(config)] if type(config) in mapping else None
+        mapping = AutoModelForCausalLM._model_mapping
+        return mapping[type(config)] if type(config) in mapping else None
 
 
 def has_causal_lm(config) -> bool:
@@ -88,8 +129,9 @@ def on_meta(config):
     """transformers' causal LM of `config`, built on the meta device: its modules and tensors' shapes,
     no memory (0.03 s for 7B once imported, 0.09 s for DeepSeek-V3's 61 layers of 256 experts)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
+    with _LOADING:
+        from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from harness.analysis.verdict import layout
 from harness.config import cards as catalog
 from harness.config import nccl
-from harness.config.models import hf_config, max_positions
+from harness.config.models import max_positions, shape_config
 from harness.config.point import PARALLEL_KNOBS, Card, Point, fewest_nodes, needs_a_degree
 from harness.config.validate import validate
 from harness.errors import ConfigError
@@ -52,7 +52,7 @@ def axis_values(cfg) -> list[int]:
         if plan.over == "tp" and not plan.hi and cfg.workload.name != "custom":
             # tensor parallel splits the heads, query and key/value alike: the largest power of two
             # dividing both (13B's 40 heads: 8, not 32)
-            hf = hf_config(cfg.model)
+            hf = shape_config(cfg.model)
             heads = math.gcd(*(int(getattr(hf, k, None) or 0) for k in ("num_attention_heads", "num_key_value_heads")))
             if heads:
                 hi = min(hi, heads & -heads)
@@ -66,7 +66,7 @@ def axis_values(cfg) -> list[int]:
     step = plan.step or DEFAULT_STEP[plan.axis]
     hi = plan.hi or DEFAULT_HI.get(plan.axis)
     if hi is None:  # seq_len: as far as the model's positions go
-        hi = max_positions(hf_config(cfg.model)) or 32768
+        hi = max_positions(shape_config(cfg.model)) or 32768
     first = -(-plan.lo // step) * step if step > 1 else plan.lo  # multiples of the step: 128, 256, ...
     values = search.grid(first, hi, step)
     if not values:
@@ -130,10 +130,6 @@ class Planner:
         return row
 
     def plan(self, groups: list[Group], workers: int) -> list[dict]:
-        # transformers imports its classes lazily, and two threads importing at once can see a
-        # half-initialised module ("cannot import name 'AutoConfig'"): import them here, once.
-        from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
-
         workers = max(1, workers)
         # Groups run side by side; cores left over go to probing several values of a group at once.
         self.width = max(1, workers // min(len(groups), workers))
@@ -212,7 +208,7 @@ class Planner:
         """What vLLM's profile run would measure: one prefill of max_num_batched_tokens (capped by
         the model's positions), run on the virtual GPU; weights and KV bytes per token."""
         cfg = g.cfg
-        limit = max_positions(hf_config(cfg.model)) or cfg.plan.max_num_batched_tokens
+        limit = max_positions(shape_config(cfg.model)) or cfg.plan.max_num_batched_tokens
         tokens = min(cfg.plan.max_num_batched_tokens, limit)
         keep = [o for o in g.overrides if o.split("=", 1)[0].lstrip("+~") not in
                 ("batch_size", "seq_len", "workload.new_tokens")]

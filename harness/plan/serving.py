@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from harness.config.models import attention_shape, hf_config
+from harness.config.models import attention_shape, shape_config
 from harness.config.point import Card, Precision
 
 # Bytes per element of the KV cache, in the dtype its layers compute in (Precision.compute_dtype)
@@ -18,7 +18,7 @@ _ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def kv_shape(model_cfg) -> tuple[int, int, int]:
     """(layers, kv_heads, head_dim) of a model config group (grouped-query attention included)."""
-    c = hf_config(model_cfg)
+    c = shape_config(model_cfg)
     _heads, kv_heads, head_dim = attention_shape(c)
     return c.num_hidden_layers, kv_heads, head_dim
 
