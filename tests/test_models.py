@@ -5,7 +5,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.config.models import hf_config
-from tests.conftest import hf_point, model_cfg
+from tests.conftest import REPO, hf_point, model_cfg
 
 
 def _n_params(name):
@@ -51,6 +51,16 @@ def test_a_presets_own_keys_give_the_shape_transformers_config_gives(name):
         (theirs.num_hidden_layers, attention_shape(theirs), max_positions(theirs))
 
 
+@pytest.mark.parametrize("name", _presets())
+def test_a_preset_is_a_causal_lm_whose_tensor_and_sequence_parallel_plans_the_harness_applies(name):
+    """What validation takes for granted of a preset, so as not to import transformers for it."""
+    from harness.config.models import has_causal_lm, sequence_parallel_refusal, tensor_parallel_refusal
+
+    config = hf_config(model_cfg(name))
+    assert has_causal_lm(config) and config.get_text_config() is config
+    assert tensor_parallel_refusal(config) is None and sequence_parallel_refusal(config) is None
+
+
 def test_a_preset_missing_a_shape_key_takes_transformers_config():
     """Mistral's class defaults 8 key/value heads, not the query heads: without the key in the
     preset, the config class answers."""
@@ -62,13 +72,19 @@ def test_a_preset_missing_a_shape_key_takes_transformers_config():
     assert attention_shape(shape_config(cfg)) == (16, 8, 256)
 
 
-def test_shape_config_of_a_preset_imports_no_transformers():
+def test_a_preset_over_tensor_parallel_is_validated_and_its_shape_read_without_transformers():
+    """A CLI parent runs no model: validating a preset point (over TP) and a plan's reading of its
+    shape import neither torch nor transformers (3 s of every run's, sweep's and plan's parent)."""
     import subprocess
     import sys
 
-    code = ("import sys; from harness.config.models import shape_config; from tests.conftest import model_cfg; "
-            "shape_config(model_cfg('70b')); print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    code = ("import sys; from harness.config.compose import compose; from harness.config.validate import validate; "
+            "from harness.config.models import shape_config; "
+            "cfg = compose(['model=mistral-7b', 'parallel.tp=4', 'parallel.sequence_parallel=true']); "
+            "validate(cfg); shape_config(cfg.model); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
 

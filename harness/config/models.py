@@ -97,13 +97,16 @@ _SHAPE_KEYS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads"
 
 def shape_config(model_cfg):
     """What the launcher reads of transformers' config (layers, heads, head_dim, positions): a
-    preset's own keys where it gives them all (hf_config imports transformers, 2-3 s of a `plan`'s
-    parent, which runs no model itself), else hf_config."""
+    preset's own keys where it gives them all (hf_config imports transformers, 2-3 s of a parent
+    process, which runs no model itself), else hf_config."""
+    return preset_shape(model_cfg) or hf_config(model_cfg)
+
+
+def preset_shape(model_cfg) -> SimpleNamespace | None:
+    """A preset's keys (model.hf) where they hold every one of _SHAPE_KEYS, else None."""
     model_cfg = _as_config(model_cfg)
     hf = dict(model_cfg.hf or {}) if not model_cfg.config_json and model_cfg.arch in PRESET_ARCHS else {}
-    if all(hf.get(k) is not None for k in _SHAPE_KEYS):
-        return SimpleNamespace(**hf)
-    return hf_config(model_cfg)
+    return SimpleNamespace(**hf) if all(hf.get(k) is not None for k in _SHAPE_KEYS) else None
 
 
 def _causal_lm_class(config):

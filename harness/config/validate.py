@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from harness.config import cards as catalog
 from harness.config.models import (
-    PRESET_ARCHS,
     has_causal_lm,
     hf_config,
     max_positions,
     model_key,
     on_meta,
+    preset_shape,
     sequence_parallel_refusal,
     tensor_parallel_refusal,
 )
@@ -55,10 +55,11 @@ def _check_plan_cards(point: Point) -> None:
 
 def _check_model(point: Point) -> None:
     model = point.model
-    limit = model.hf.get("max_position_embeddings") if not model.config_json else None
-    if model.config_json or limit is None or point.parallel.tp > 1 or model.arch not in PRESET_ARCHS:
-        # transformers' config (importing it: 3 s, most of a re-run's time, where the preset's own
-        # keys answer: its architecture a causal LM, its positions given, no heads to split)
+    # A preset's own keys answer without transformers' config (importing it: 3 s, most of a re-run's
+    # time): its architecture a causal LM whose tensor-parallel plan the harness applies, sequence
+    # parallel's too (tests/test_models.py holds each preset to it), its heads and positions given
+    shape = preset_shape(model)
+    if shape is None:
         config = hf_config(model)
         if not has_causal_lm(config):  # (an encoder-decoder's, a classifier's: no AutoModelForCausalLM class)
             raise ConfigError("model.config_json" if model.config_json else "model.arch",
@@ -83,7 +84,10 @@ def _check_model(point: Point) -> None:
         if model.config_json:
             _check_builds(model, config)
         _check_tensor_parallel(point, config)
-        limit = max_positions(config) if limit is None else limit
+        shape = config
+    else:
+        _check_heads(point, shape)
+    limit = max_positions(shape)
     if limit is not None and point.seq_len > limit:
         raise ConfigError("seq_len", f"{point.seq_len} exceeds model {model.name}'s "
                           f"max_position_embeddings ({limit})")
@@ -121,6 +125,12 @@ def _check_tensor_parallel(point: Point, config) -> None:
     refusal = sequence_parallel_refusal(config) if point.parallel.sequence_parallel else None
     if refusal is not None:
         raise ConfigError("parallel.sequence_parallel", f"model {point.model.name}: {refusal}")
+    _check_heads(point, config)
+
+
+def _check_heads(point: Point, config) -> None:
+    """Tensor parallel's ranks split each attention layer's query and key/value heads: they divide."""
+    tp = point.parallel.tp
     for key in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, key, None)
         if heads is not None and heads % tp:
