@@ -101,23 +101,48 @@ def cuda_dropout(input, p=0.5, training=True, inplace=False):
 
 # ---- autocast with CUDA's op lists -----------------------------------------------------------
 
-# torch/csrc/autograd/autocast_mode / aten/src/ATen/autocast_mode.cpp, CUDA policy.
+# aten/src/ATen/autocast_mode.cpp, CUDA policy, by the Python functions that reach its ops (the
+# dispatcher's AutocastCUDA kernels: tests/test_autocast.py holds each to them on fake CUDA tensors)
 _LOWER = {
     F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm,
     torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.addmm, torch.Tensor.addmm,
-    torch.einsum, F.conv1d, F.conv2d, F.conv3d, F.scaled_dot_product_attention, cuda_sdpa,
+    torch.addbmm, torch.Tensor.addbmm, torch.addmv, torch.Tensor.addmv, torch.mv, torch.Tensor.mv,
+    torch.addr, torch.Tensor.addr, torch.chain_matmul, torch.linalg.multi_dot, torch.linalg.vecdot,
+    torch.einsum, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
+    F.prelu, F.scaled_dot_product_attention, cuda_sdpa,
 }
 _FP32 = {
     torch.exp, torch.Tensor.exp, torch.log, torch.Tensor.log, torch.rsqrt, torch.Tensor.rsqrt,
     torch.pow, torch.Tensor.pow, torch.Tensor.__pow__, torch.reciprocal, torch.Tensor.reciprocal,
-    torch.log1p, torch.expm1, F.layer_norm, F.group_norm, F.nll_loss, F.mse_loss, F.l1_loss,
-    F.softplus, torch.logsumexp, F.kl_div, F.binary_cross_entropy_with_logits,
+    torch.log1p, torch.Tensor.log1p, torch.expm1, torch.Tensor.expm1, torch.log10, torch.Tensor.log10,
+    torch.log2, torch.Tensor.log2, torch.acos, torch.Tensor.acos, torch.asin, torch.Tensor.asin,
+    torch.cosh, torch.Tensor.cosh, torch.sinh, torch.Tensor.sinh, torch.tan, torch.Tensor.tan,
+    torch.erfinv, torch.Tensor.erfinv, F.layer_norm, F.group_norm, F.rms_norm, F.softplus, torch.logsumexp,
+    torch.Tensor.logsumexp, torch.renorm, torch.Tensor.renorm, torch.dist, torch.Tensor.dist, torch.cdist,
+    F.pdist, F.cosine_similarity, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.kl_div,
+    F.binary_cross_entropy_with_logits, F.margin_ranking_loss, F.soft_margin_loss, F.multilabel_margin_loss,
+    F.multi_margin_loss, F.hinge_embedding_loss, F.cosine_embedding_loss, F.poisson_nll_loss,
+}
+_SOFTMAXES = {f: torch.ops.aten._softmax.default for f in (torch.softmax, torch.Tensor.softmax, F.softmax)} | {
+    f: torch.ops.aten._log_softmax.default for f in (torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax)}
+_PROMOTE = {
+    torch.addcmul, torch.Tensor.addcmul, torch.addcdiv, torch.Tensor.addcdiv, torch.atan2, torch.Tensor.atan2,
+    torch.cross, torch.Tensor.cross, torch.dot, torch.Tensor.dot, torch.vdot, torch.Tensor.vdot, torch.tensordot,
+    F.bilinear, F.grid_sample, torch.scatter_add, torch.Tensor.scatter_add, torch.index_put, torch.Tensor.index_put,
 }
 _FP32_OUT = {  # run with dtype=float32 when the input is lower precision
     torch.softmax, torch.Tensor.softmax, F.softmax, torch.log_softmax, torch.Tensor.log_softmax,
-    F.log_softmax, torch.sum, torch.Tensor.sum, torch.cumsum, torch.Tensor.cumsum, torch.prod,
+    F.log_softmax, torch.sum, torch.Tensor.sum, torch.cumsum, torch.Tensor.cumsum, torch.prod, torch.Tensor.prod,
+    torch.cumprod, torch.Tensor.cumprod, torch.linalg.vector_norm, torch.linalg.matrix_norm, torch.norm,
+    torch.Tensor.norm,
 }
 _LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _resamples(input=None, size=None, scale_factor=None, mode="nearest", *args, **kwargs) -> bool:
+    """Whether F.interpolate takes an upsample kernel (CUDA's fp32 list: every mode but 'area',
+    which pools)."""
+    return mode != "area"
 
 
 def grouped_mm_output(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
@@ -148,7 +173,10 @@ class CudaAutocast(TorchFunctionMode):
         self._disabled = 0
 
     def _cast(self, t, dtype):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == dtype:
+        if isinstance(t, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in t):  # a TensorList: in order
+            return type(t)(self._cast(x, dtype) for x in t)
+        # (CUDA's autocast leaves float64 as it is: autocast_mode.h, is_eligible)
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
             return t
         cacheable = dtype == self.dtype and t.is_leaf and t.requires_grad
         if cacheable and id(t) in self._cache:
@@ -160,8 +188,11 @@ class CudaAutocast(TorchFunctionMode):
         return out
 
     def _cast_all(self, args, kwargs, dtype):
-        args = tuple(self._cast(a, dtype) for a in args)
-        kwargs = {k: self._cast(v, dtype) for k, v in kwargs.items()}
+        # Last argument first, as the C++ autocast wrapper's casts run (`cached_cast(...)...`, a pack
+        # expanded into a call's arguments: GCC, which builds torch's wheels, evaluates those right
+        # to left): F.linear's weight is cast before its input, and takes the lower address
+        kwargs = dict(reversed([(k, self._cast(v, dtype)) for k, v in reversed(kwargs.items())]))
+        args = tuple(reversed([self._cast(a, dtype) for a in reversed(args)]))
         return args, kwargs
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -172,19 +203,41 @@ class CudaAutocast(TorchFunctionMode):
             args, kwargs = self._cast_all(args, kwargs, self.dtype)
         elif func in _FP32:
             args, kwargs = self._cast_all(args, kwargs, torch.float32)
+        elif func in _PROMOTE:  # the widest floating type of the arguments, autocast's own at least
+            widest = self.dtype
+            for t in (*args, *kwargs.values()):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in (widest, torch.float64):
+                    widest = torch.float32  # (fp16 and bf16 meet in fp32; a dispatched promote_types is an op)
+            args, kwargs = self._cast_all(args, kwargs, widest)
         elif func in _FP32_OUT:
             first = args[0] if args else None
             if isinstance(first, torch.Tensor) and first.dtype in _LOW_DTYPES and kwargs.get("dtype") is None:
+                if first.dtype == torch.float16 and func in _SOFTMAXES:
+                    # CUDA's softmax of a Half input to fp32 is one kernel (half_to_float), no fp32 copy of it
+                    dim = args[1] if len(args) > 1 else kwargs["dim"]
+                    return _SOFTMAXES[func](first, dim, True)
                 kwargs = {**kwargs, "dtype": torch.float32}
         elif func is F.cross_entropy:
             # Composite: log_softmax (fp32 output) then nll_loss, as the C++ autocast sees it.
             return self._cross_entropy(*args, **kwargs)
+        elif func is F.normalize:  # composite: its norm (linalg_vector_norm) gives fp32, the division too
+            return self._normalize(*args, **kwargs)
+        elif func is F.interpolate and _resamples(*args, **kwargs):
+            args, kwargs = self._cast_all(args[:1], {}, torch.float32)[0] + tuple(args[1:]), kwargs
         return func(*args, **kwargs)
+
+    def _normalize(self, input, p=2.0, dim=1, eps=1e-12, out=None):
+        dtype = torch.float32 if input.dtype in _LOW_DTYPES else None
+        denom = input.norm(p, dim, keepdim=True, dtype=dtype).clamp_min(eps).expand_as(input)
+        return torch.div(input, denom, out=out) if out is not None else input / denom
 
     def _cross_entropy(self, input, target, weight=None, size_average=None, ignore_index=-100,
                        reduce=None, reduction="mean", label_smoothing=0.0):
         dim = 1 if input.dim() >= 2 else 0
-        logp = torch.log_softmax(input, dim, dtype=torch.float32 if input.dtype in _LOW_DTYPES else None)
+        # cross_entropy_loss asks log_softmax for the input's own dtype (autocast then sets none),
+        # and nll_loss casts the log-probabilities to fp32
+        logp = torch.log_softmax(input, dim, dtype=input.dtype)
+        (logp, target, weight), _ = self._cast_all((logp, target, weight), {}, torch.float32)
         return F.nll_loss(logp, target, weight, ignore_index=ignore_index, reduction=reduction)
 
     def exit_region(self):

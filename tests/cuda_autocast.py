@@ -1,0 +1,122 @@
+"""CUDA's own autocast, the C++ kernels a CUDA run takes (AutocastCUDA), run here on fake CUDA
+tensors: the oracle for the virtual GPU's function-level emulation (probe.sim.cuda_emulation).
+
+A CPU build of torch dispatches a fake tensor on "cuda" through AutocastCUDA like a real one, but
+three things of a CUDA run need a device guard it lacks: autograd's edges (the oracle runs under
+no_grad, its weights without requires_grad), and the Python bindings of `t[...]` and
+`t.contiguous()`, made here of the aten ops they dispatch (a view as_strided, a clone)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_GETITEM, _CONTIGUOUS = torch.Tensor.__getitem__, torch.Tensor.contiguous
+
+
+def _getitem(t, index):
+    if t.device.type != "cuda":
+        return _GETITEM(t, index)
+    with unset_fake_temporarily():  # the view's geometry, from a meta tensor of t's
+        meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        view = _GETITEM(meta, index)
+        if view._base is not meta and view is not meta:
+            raise NotImplementedError(f"an index that copies ({index!r}) on a fake CUDA tensor")
+        size, stride, offset = tuple(view.shape), view.stride(), view.storage_offset()
+    return torch.ops.aten.as_strided.default(t, size, stride, t.storage_offset() + offset)
+
+
+def _contiguous(t, memory_format=torch.contiguous_format):
+    if t.device.type != "cuda" or t.is_contiguous(memory_format=memory_format):
+        return _CONTIGUOUS(t, memory_format=memory_format)
+    return torch.ops.aten.clone.default(t, memory_format=memory_format)
+
+
+@contextlib.contextmanager
+def autocast_cuda(dtype: torch.dtype):
+    """AutocastCUDA on (torch.autocast refuses "cuda" where no GPU is), and fake CUDA tensors indexable."""
+    torch.Tensor.__getitem__, torch.Tensor.contiguous = _getitem, _contiguous  # type: ignore[method-assign]
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", dtype)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        torch.autocast_decrement_nesting()
+        torch.set_autocast_enabled("cuda", False)
+        torch.clear_autocast_cache()
+        torch.Tensor.__getitem__, torch.Tensor.contiguous = _GETITEM, _CONTIGUOUS  # type: ignore[method-assign]
+
+
+class Ops(TorchDispatchMode):
+    """Each aten op's name and its outputs' (dtype, shape), in order. Left out: what does not
+    differ between a CUDA run and the emulation's CPU tensors in a way memory sees (prims; views,
+    which the getitem above makes as_strided; host-to-device copies; empty tensors, which take
+    no block)."""
+
+    _VIEWS = {"aten.as_strided.default", "aten.slice.Tensor", "aten.unsqueeze.default", "aten.select.int",
+              "aten.alias.default"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
+        moved = func is torch.ops.aten._to_copy.default and kwargs.get("device") not in (None, args[0].device)
+        if (func.namespace != "prim" and str(func) not in self._VIEWS and not moved
+                and not any(o.device.type == "meta" or o.numel() == 0 for o in outs)):
+            self.ops.append((str(func), tuple((o.dtype, tuple(o.shape)) for o in outs)))
+        return out
+
+
+def built(config, device: str) -> torch.nn.Module:
+    """transformers' causal LM of `config` on fake tensors on `device` (inside a FakeTensorMode),
+    no weight requiring grad."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                              requires_grad=False)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+    return model
+
+
+def forward_ops(config, dtype: torch.dtype, real: bool, batch: int = 2, seq_len: int = 16) -> list:
+    """The ops of one training-mode forward with its loss under autocast to `dtype`: by CUDA's own
+    autocast on fake CUDA tensors (`real`), else by the emulation on fake CPU tensors."""
+    from harness.probe.sim.cuda_emulation import CudaAutocast, autocast_region, cuda_kernels, unpacked_sequences
+
+    device, log = ("cuda" if real else "cpu"), Ops()
+    with FakeTensorMode(allow_non_fake_inputs=True), unpacked_sequences():
+        model = built(config, device)
+        ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
+        casting = autocast_cuda(dtype) if real else autocast_region(CudaAutocast(dtype))
+        with cuda_kernels(), casting, log, torch.no_grad():
+            model(ids, labels=ids)
+    return log.ops
+
+
+def call_ops(fn, dtype: torch.dtype, real: bool) -> list:
+    """The ops of `fn(a, b, device)` under autocast to `dtype` (as forward_ops), `a` a 4 x 8 tensor in
+    `dtype`, `b` one in fp32."""
+    from harness.probe.sim.cuda_emulation import CudaAutocast, autocast_region
+
+    device, log = ("cuda" if real else "cpu"), Ops()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        a = torch.empty(4, 8, dtype=dtype, device=device)
+        b = torch.empty(4, 8, dtype=torch.float32, device=device)
+        with (autocast_cuda(dtype) if real else autocast_region(CudaAutocast(dtype))), log, torch.no_grad():
+            fn(a, b, device)
+    return log.ops
