@@ -38,17 +38,16 @@ def _contiguous(t, memory_format=torch.contiguous_format):
 @contextlib.contextmanager
 def autocast_cuda(dtype: torch.dtype):
     """AutocastCUDA on (torch.autocast refuses "cuda" where no GPU is), and fake CUDA tensors indexable."""
-    torch.Tensor.__getitem__, torch.Tensor.contiguous = _getitem, _contiguous  # type: ignore[method-assign]
-    torch.set_autocast_enabled("cuda", True)
-    torch.set_autocast_dtype("cuda", dtype)
-    torch.autocast_increment_nesting()
-    try:
-        yield
-    finally:
-        torch.autocast_decrement_nesting()
-        torch.set_autocast_enabled("cuda", False)
-        torch.clear_autocast_cache()
-        torch.Tensor.__getitem__, torch.Tensor.contiguous = _GETITEM, _CONTIGUOUS  # type: ignore[method-assign]
+    with _indexable():
+        torch.set_autocast_enabled("cuda", True)
+        torch.set_autocast_dtype("cuda", dtype)
+        torch.autocast_increment_nesting()
+        try:
+            yield
+        finally:
+            torch.autocast_decrement_nesting()
+            torch.set_autocast_enabled("cuda", False)
+            torch.clear_autocast_cache()
 
 
 class Ops(TorchDispatchMode):
@@ -75,9 +74,9 @@ class Ops(TorchDispatchMode):
         return out
 
 
-def built(config, device: str) -> torch.nn.Module:
-    """transformers' causal LM of `config` on fake tensors on `device` (inside a FakeTensorMode),
-    no weight requiring grad."""
+def built(config, device: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """transformers' causal LM of `config` on fake tensors on `device` (inside a FakeTensorMode), its
+    floating weights in `dtype`, none requiring grad."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -85,7 +84,8 @@ def built(config, device: str) -> torch.nn.Module:
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None:
-                module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                kind = dtype if p.is_floating_point() else p.dtype
+                module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=kind, device=device),
                                                               requires_grad=False)
         for name, b in list(module._buffers.items()):
             if b is not None:
@@ -93,30 +93,44 @@ def built(config, device: str) -> torch.nn.Module:
     return model
 
 
-def forward_ops(config, dtype: torch.dtype, real: bool, batch: int = 2, seq_len: int = 16) -> list:
-    """The ops of one training-mode forward with its loss under autocast to `dtype`: by CUDA's own
-    autocast on fake CUDA tensors (`real`), else by the emulation on fake CPU tensors."""
+def forward_ops(config, dtype: torch.dtype, real: bool, autocast: bool = True) -> list:
+    """The ops of one training-mode forward with its loss, under autocast to `dtype` (else the
+    weights in `dtype`): on fake CUDA tensors as CUDA runs it (`real`), else on fake CPU tensors as
+    the virtual GPU emulates CUDA (its kernels and autocast)."""
     from harness.probe.sim.cuda_emulation import CudaAutocast, autocast_region, cuda_kernels, unpacked_sequences
 
     device, log = ("cuda" if real else "cpu"), Ops()
     with FakeTensorMode(allow_non_fake_inputs=True), unpacked_sequences():
-        model = built(config, device)
-        ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
-        casting = autocast_cuda(dtype) if real else autocast_region(CudaAutocast(dtype))
-        with cuda_kernels(), casting, log, torch.no_grad():
+        model = built(config, device, torch.float32 if autocast else dtype)
+        ids = torch.zeros(2, 16, dtype=torch.long, device=device)
+        kernels = contextlib.nullcontext() if real else cuda_kernels()
+        casting = (autocast_cuda if real else lambda d: autocast_region(CudaAutocast(d)))(dtype) if autocast \
+            else (_indexable() if real else contextlib.nullcontext())
+        with kernels, casting, log, torch.no_grad():
             model(ids, labels=ids)
     return log.ops
+
+
+@contextlib.contextmanager
+def _indexable():
+    """Fake CUDA tensors indexable (as autocast_cuda makes them), autocast off."""
+    torch.Tensor.__getitem__, torch.Tensor.contiguous = _getitem, _contiguous  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.__getitem__, torch.Tensor.contiguous = _GETITEM, _CONTIGUOUS  # type: ignore[method-assign]
 
 
 def call_ops(fn, dtype: torch.dtype, real: bool) -> list:
     """The ops of `fn(a, b, device)` under autocast to `dtype` (as forward_ops), `a` a 4 x 8 tensor in
     `dtype`, `b` one in fp32."""
-    from harness.probe.sim.cuda_emulation import CudaAutocast, autocast_region
+    from harness.probe.sim.cuda_emulation import CudaAutocast, autocast_region, cuda_kernels
 
     device, log = ("cuda" if real else "cpu"), Ops()
     with FakeTensorMode(allow_non_fake_inputs=True):
         a = torch.empty(4, 8, dtype=dtype, device=device)
         b = torch.empty(4, 8, dtype=torch.float32, device=device)
-        with (autocast_cuda(dtype) if real else autocast_region(CudaAutocast(dtype))), log, torch.no_grad():
+        casting = autocast_cuda(dtype) if real else autocast_region(CudaAutocast(dtype))
+        with contextlib.nullcontext() if real else cuda_kernels(), casting, log, torch.no_grad():
             fn(a, b, device)
     return log.ops

@@ -1,7 +1,8 @@
 """The virtual GPU's autocast (probe.sim.cuda_emulation.CudaAutocast, function by function) against
 CUDA's own: the dispatcher's AutocastCUDA kernels, run on fake CUDA tensors (tests/cuda_autocast.py).
 The same aten ops in the same dtypes and shapes, the casts and their order included, for each op
-CUDA's autocast lists and for whole models' forwards with their loss."""
+CUDA's autocast lists and for whole models' forwards with their loss; and half-precision models'
+forwards without autocast, where CUDA's kernels make other outputs than the CPU's."""
 
 import pytest
 import torch
@@ -120,3 +121,31 @@ def test_a_models_forward_and_loss_are_cast_as_cuda_casts_them(name, dtype):
     emulated, cuda = forward_ops(config, dtype, real=False), forward_ops(config, dtype, real=True)
     assert len(emulated) > 50
     assert emulated == cuda
+
+
+@pytest.mark.parametrize("name,dtype", [("tiny", torch.float16), ("gemma2.json", torch.float16),
+                                        ("gpt2.json", torch.bfloat16), ("phi.json", torch.float16)])
+def test_a_half_precision_models_forward_and_loss_run_cudas_kernels(name, dtype):
+    """Weights in fp16 or bf16, no autocast: eager attention's softmax of fp16 scores to fp32 one
+    kernel (no fp32 copy of the scores first), layer norm's saved mean and rstd in fp32."""
+    config = _config(name)
+    emulated = forward_ops(config, dtype, real=False, autocast=False)
+    assert emulated == forward_ops(config, dtype, real=True, autocast=False)
+
+
+def test_layer_norms_statistics_are_cudas_inside_cuda_kernels_whatever_the_fake_cache_holds():
+    """FakeTensorMode's cache is one for the process: an output made outside (the CPU's bf16
+    statistics) is not taken inside, nor the other way round."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from harness.probe.sim.cuda_emulation import cuda_kernels
+
+    def statistics_dtype() -> torch.dtype:
+        x, w = torch.empty(4, 8, dtype=torch.bfloat16), torch.empty(8, dtype=torch.bfloat16)
+        return torch.ops.aten.native_layer_norm.default(x, [8], w, None, 1e-5)[2].dtype
+
+    with FakeTensorMode():
+        assert statistics_dtype() == torch.bfloat16
+        with cuda_kernels():
+            assert statistics_dtype() == torch.float32
+        assert statistics_dtype() == torch.bfloat16

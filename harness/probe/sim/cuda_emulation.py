@@ -11,9 +11,12 @@ context manager so nothing leaks out of the trace:
   own scratch is the tracker's (probe.sim.kernel_scratch);
 - dropout: CUDA's fused kernel keeps a bool mask (1 B per element) for backward, where the CPU
   path keeps a noise tensor in the input's dtype (4 B in fp32);
-- autocast: CUDA's op lists (lower precision for GEMMs, fp32 for exp/pow/rsqrt/losses, fp32
-  output for softmax/sum) with CUDA's cast cache for leaf weights, which lives until the
-  autocast region exits.
+- softmax: a Half input to fp32 in one kernel (the CPU copies it to fp32 first); layer norm: its
+  saved mean and rstd in fp32 for a Half or BFloat16 input;
+- autocast: CUDA's op lists (lower precision for GEMMs, fp32 for exp/pow/rsqrt/norms/losses, fp32
+  output for softmax/sum, the widest type for the promoting ops), each call's casts made last
+  argument first, with CUDA's cast cache for leaf weights, which lives until the autocast region
+  exits (tests/test_autocast.py holds it to CUDA's own autocast kernels).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses import fake_impls
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function_variadic
 
 from harness.config import attention
@@ -123,8 +127,6 @@ _FP32 = {
     F.binary_cross_entropy_with_logits, F.margin_ranking_loss, F.soft_margin_loss, F.multilabel_margin_loss,
     F.multi_margin_loss, F.hinge_embedding_loss, F.cosine_embedding_loss, F.poisson_nll_loss,
 }
-_SOFTMAXES = {f: torch.ops.aten._softmax.default for f in (torch.softmax, torch.Tensor.softmax, F.softmax)} | {
-    f: torch.ops.aten._log_softmax.default for f in (torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax)}
 _PROMOTE = {
     torch.addcmul, torch.Tensor.addcmul, torch.addcdiv, torch.Tensor.addcdiv, torch.atan2, torch.Tensor.atan2,
     torch.cross, torch.Tensor.cross, torch.dot, torch.Tensor.dot, torch.vdot, torch.Tensor.vdot, torch.tensordot,
@@ -212,13 +214,9 @@ class CudaAutocast(TorchFunctionMode):
         elif func in _FP32_OUT:
             first = args[0] if args else None
             if isinstance(first, torch.Tensor) and first.dtype in _LOW_DTYPES and kwargs.get("dtype") is None:
-                if first.dtype == torch.float16 and func in _SOFTMAXES:
-                    # CUDA's softmax of a Half input to fp32 is one kernel (half_to_float), no fp32 copy of it
-                    dim = args[1] if len(args) > 1 else kwargs["dim"]
-                    return _SOFTMAXES[func](first, dim, True)
                 kwargs = {**kwargs, "dtype": torch.float32}
         elif func is F.cross_entropy:
-            # Composite: log_softmax (fp32 output) then nll_loss, as the C++ autocast sees it.
+            # Composite: log_softmax in the input's dtype, then nll_loss in fp32, as the C++ autocast sees it.
             return self._cross_entropy(*args, **kwargs)
         elif func is F.normalize:  # composite: its norm (linalg_vector_norm) gives fp32, the division too
             return self._normalize(*args, **kwargs)
@@ -350,16 +348,71 @@ def unpacked_sequences():
         mu.find_packed_sequence_indices = original
 
 
+# ---- kernels whose outputs differ from the CPU's -----------------------------------------------
+
+# softmax and log_softmax of a Half input to fp32: CUDA's is one kernel (SoftMax.cpp, half_to_float),
+# where the CPU's first copies the input to fp32 (an fp32 copy of the scores of eager attention).
+# Each entry: the kernel, and where its dtype stands among the positional arguments.
+_SOFTMAX, _LOG_SOFTMAX = torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default
+_SOFTMAXES = {torch.softmax: (_SOFTMAX, 2), torch.Tensor.softmax: (_SOFTMAX, 2), F.softmax: (_SOFTMAX, 3),
+              torch.log_softmax: (_LOG_SOFTMAX, 2), torch.Tensor.log_softmax: (_LOG_SOFTMAX, 2),
+              F.log_softmax: (_LOG_SOFTMAX, 3)}
+
+
+class _HalfToFloat(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        fused = _SOFTMAXES.get(func)
+        if fused is not None and args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float16:
+            kernel, at = fused
+            dtype = kwargs.get("dtype", args[at] if len(args) > at else None)
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            if dtype == torch.float32 and isinstance(dim, int):
+                return kernel(args[0], dim, True)
+        return func(*args, **kwargs)
+
+
+_TORCHS_LAYER_NORM = fake_impls.op_implementations_dict.get(torch.ops.aten.native_layer_norm.default)
+
+
+def _layer_norm_statistics_in_fp32(fake_mode, func, input, *args, **kwargs):
+    """native_layer_norm as CUDA's kernel makes it: its mean and rstd (saved for backward) in fp32 for
+    a Half or BFloat16 input, where FakeTensor's CPU path casts them to the input's dtype."""
+    out, mean, rstd = _TORCHS_LAYER_NORM(fake_mode, func, input, *args, **kwargs)
+    if input.dtype in _LOW_DTYPES and mean.dtype != torch.float32:
+        with fake_mode:
+            mean, rstd = (torch.empty_strided(t.shape, t.stride(), dtype=torch.float32, device=t.device)
+                          for t in (mean, rstd))
+    return out, mean, rstd
+
+
 @contextlib.contextmanager
 def cuda_kernels(capability: tuple[int, int] | None = None, calls: list | None = None):
     """Route F.scaled_dot_product_attention and F.dropout through CUDA's kernels while tracing, the
     attention kernel chosen as on a card of `capability` (None: an A100's), each distinct attention
-    call appended to `calls` (config.attention.Call)."""
+    call appended to `calls` (config.attention.Call); a Half softmax to fp32 fused, and layer norm's
+    statistics in fp32, as CUDA's kernels make them."""
     F.scaled_dot_product_attention, F.dropout = cuda_sdpa, cuda_dropout
     saved = dict(_attention)
     _attention.update(capability=capability, calls=calls)
+    _fake_impl(_layer_norm_statistics_in_fp32)
     try:
-        yield
+        with _HalfToFloat():
+            yield
     finally:
         F.scaled_dot_product_attention, F.dropout = _original_sdpa, _original_dropout
         _attention.update(saved)
+        _fake_impl(_TORCHS_LAYER_NORM)
+
+
+def _fake_impl(impl) -> None:
+    """native_layer_norm's FakeTensor implementation made `impl`, and FakeTensorMode's cache (one
+    for every mode in the process) cleared of its outputs made by the other."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = torch.ops.aten.native_layer_norm.default
+    if _TORCHS_LAYER_NORM is None:  # (a torch that implements it otherwise: as that torch does)
+        return
+    fake_impls.op_implementations_dict[op] = impl
+    for key in [k for k in FakeTensorMode.cache if k.key and k.key[0] is op]:
+        del FakeTensorMode.cache[key]
