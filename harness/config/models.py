@@ -133,10 +133,11 @@ def on_meta(config):
     no memory (0.03 s for 7B once imported, 0.09 s for DeepSeek-V3's 61 layers of 256 experts)."""
     import torch
 
-    with _LOADING:
+    with _LOADING:  # (from_config loads the architecture's module)
         from transformers import AutoModelForCausalLM
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
 
 
 # transformers' tensor-parallel plan words the harness applies (probe.parallelize._style); a module
