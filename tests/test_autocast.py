@@ -4,6 +4,8 @@ The same aten ops in the same dtypes and shapes, the casts and their order inclu
 CUDA's autocast lists and for whole models' forwards with their loss; and half-precision models'
 forwards without autocast, where CUDA's kernels make other outputs than the CPU's."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -45,6 +47,10 @@ def _long(d, *shape):
     return torch.zeros(*shape, dtype=torch.long, device=d)
 
 
+def _smoothed(a, b, d, reduction):
+    return F.cross_entropy(a, _long(d, 4), label_smoothing=0.1, reduction=reduction)
+
+
 # Each case: a call reaching one or more of those ops from Python, on `a` (4 x 8, autocast's dtype)
 # and `b` (4 x 8, fp32)
 CASES = {
@@ -70,6 +76,7 @@ CASES = {
     "cdist": lambda a, b, d: torch.cdist(a, a), "pdist": lambda a, b, d: F.pdist(a),
     "cosine_similarity": lambda a, b, d: F.cosine_similarity(a, a),
     "nll_loss": lambda a, b, d: F.nll_loss(a, _long(d, 4)), "cross_entropy": lambda a, b, d: F.cross_entropy(a, _long(d, 4)),
+    **{f"cross_entropy smoothed {r}": functools.partial(_smoothed, reduction=r) for r in ("mean", "sum", "none")},
     "mse_loss": lambda a, b, d: F.mse_loss(a, a), "l1_loss": lambda a, b, d: F.l1_loss(a, a),
     "smooth_l1_loss": lambda a, b, d: F.smooth_l1_loss(a, a), "huber_loss": lambda a, b, d: F.huber_loss(a, a),
     "kl_div": lambda a, b, d: F.kl_div(a, a, reduction="batchmean"),

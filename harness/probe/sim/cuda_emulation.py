@@ -234,9 +234,28 @@ class CudaAutocast(TorchFunctionMode):
         dim = 1 if input.dim() >= 2 else 0
         # cross_entropy_loss asks log_softmax for the input's own dtype (autocast then sets none),
         # and nll_loss casts the log-probabilities to fp32
+        if label_smoothing > 0 and (weight is not None or target.is_floating_point()):
+            # (not emulated: CUDA's smoothing with class weights or class probabilities)
+            return F.cross_entropy(input, target, weight, ignore_index=ignore_index, reduction=reduction,
+                                   label_smoothing=label_smoothing)
         logp = torch.log_softmax(input, dim, dtype=input.dtype)
-        (logp, target, weight), _ = self._cast_all((logp, target, weight), {}, torch.float32)
-        return F.nll_loss(logp, target, weight, ignore_index=ignore_index, reduction=reduction)
+        (nll_in, target, weight), _ = self._cast_all((logp, target, weight), {}, torch.float32)
+        nll = F.nll_loss(nll_in, target, weight, ignore_index=ignore_index, reduction=reduction)
+        if label_smoothing <= 0:
+            return nll
+        # cross_entropy_loss_label_smoothing: the log-probabilities' sum over classes (autocast's fp32
+        # sum), the ignored targets' zeroed, reduced (C++ operands evaluated right to left)
+        smooth = -logp.sum(dim, dtype=torch.float32 if logp.dtype in _LOW_DTYPES else None)
+        ignored = target == ignore_index
+        smooth.masked_fill_(ignored, 0.0)
+        if reduction == "mean":
+            kept = (~ignored).sum()
+            smooth = smooth.sum() / kept
+        elif reduction == "sum":
+            smooth = smooth.sum()
+        scale = torch.ops.aten.mul.Scalar  # (as C++ scales by a double: Python's `*` wraps it a Tensor)
+        smoothed = scale(smooth, label_smoothing / input.shape[dim])
+        return scale(nll, 1 - label_smoothing) + smoothed
 
     def exit_region(self):
         self._cache.clear()
