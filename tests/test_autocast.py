@@ -156,3 +156,25 @@ def test_layer_norms_statistics_are_cudas_inside_cuda_kernels_whatever_the_fake_
         with cuda_kernels():
             assert statistics_dtype() == torch.float32
         assert statistics_dtype() == torch.bfloat16
+
+
+@pytest.mark.parametrize("weight", ["fp32 leaf", "fp32 leaf without grad", "fp16 leaf", "fp32 non-leaf"])
+def test_the_cast_cache_keeps_what_cached_cast_keeps(weight):
+    """cached_cast's rule (an fp32 leaf that requires grad, cast to autocast's dtype) is one for every
+    device: CPU autocast runs it here with autograd (fake CUDA tensors cannot), on real tensors. Two
+    linears on one weight: its cast made once where the rule keeps it, twice where not."""
+    from harness.probe.sim.cuda_emulation import CudaAutocast, autocast_region
+    from tests.cuda_autocast import Ops
+
+    def casts(emulated: bool) -> int:
+        base = torch.randn(8, 8, dtype=torch.float16 if weight == "fp16 leaf" else torch.float32,
+                           requires_grad=weight != "fp32 leaf without grad")
+        w = base * 1 if weight == "fp32 non-leaf" else base
+        x, log = torch.randn(4, 8), Ops()
+        with (autocast_region(CudaAutocast(torch.bfloat16)) if emulated else torch.autocast("cpu", torch.bfloat16)):
+            with log:
+                F.linear(x, w)
+                F.linear(x, w)
+        return sum(op == "aten._to_copy.default" for op, _ in log.ops)
+
+    assert casts(emulated=True) == casts(emulated=False) == (3 if weight == "fp32 leaf" else 4)

@@ -180,7 +180,8 @@ class CudaAutocast(TorchFunctionMode):
         # (CUDA's autocast leaves float64 as it is: autocast_mode.h, is_eligible)
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
             return t
-        cacheable = dtype == self.dtype and t.is_leaf and t.requires_grad
+        # cached_cast's condition: an fp32 leaf that requires grad, cast to autocast's dtype
+        cacheable = dtype == self.dtype and t.dtype == torch.float32 and t.is_leaf and t.requires_grad
         if cacheable and id(t) in self._cache:
             return self._cache[id(t)]
         with torch._C.DisableTorchFunction():
