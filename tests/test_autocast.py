@@ -178,3 +178,11 @@ def test_the_cast_cache_keeps_what_cached_cast_keeps(weight):
         return sum(op == "aten._to_copy.default" for op, _ in log.ops)
 
     assert casts(emulated=True) == casts(emulated=False) == (3 if weight == "fp32 leaf" else 4)
+
+
+def test_a_real_host_tensors_half_softmax_runs_the_cpus_kernel_inside_cuda_kernels():
+    """A script's host work runs on real CPU tensors, whose softmax has no half-to-float kernel."""
+    from harness.probe.sim.cuda_emulation import cuda_kernels
+
+    with cuda_kernels():
+        assert torch.softmax(torch.randn(2, 4, dtype=torch.float16), -1, dtype=torch.float32).dtype == torch.float32

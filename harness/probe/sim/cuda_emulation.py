@@ -29,6 +29,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch._subclasses import fake_impls
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function_variadic
 
 from harness.config import attention
@@ -383,7 +384,8 @@ class _HalfToFloat(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         fused = _SOFTMAXES.get(func)
-        if fused is not None and args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float16:
+        # (fake tensors only: a script's real host tensors run the CPU's kernel, which has no such path)
+        if fused is not None and args and isinstance(args[0], FakeTensor) and args[0].dtype == torch.float16:
             kernel, at = fused
             dtype = kwargs.get("dtype", args[at] if len(args) > at else None)
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
