@@ -123,7 +123,7 @@ def _config(name: str):
 ])
 def test_a_models_forward_and_loss_are_cast_as_cuda_casts_them(name, dtype):
     """Linear layers' weights cast before their inputs (CUDA's casts run last argument first), norms
-    and rotary in fp32 where the code asks, the loss's log_softmax in fp32: op for op."""
+    and rotary in fp32 where the code asks, the loss on the logits transformers upcasts: op for op."""
     config = _config(name)
     emulated, cuda = forward_ops(config, dtype, real=False), forward_ops(config, dtype, real=True)
     assert len(emulated) > 50
