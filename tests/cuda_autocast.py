@@ -93,10 +93,11 @@ def built(config, device: str, dtype: torch.dtype = torch.float32) -> torch.nn.M
     return model
 
 
-def forward_ops(config, dtype: torch.dtype, real: bool, autocast: bool = True) -> list:
-    """The ops of one training-mode forward with its loss, under autocast to `dtype` (else the
-    weights in `dtype`): on fake CUDA tensors as CUDA runs it (`real`), else on fake CPU tensors as
-    the virtual GPU emulates CUDA (its kernels and autocast)."""
+def forward_ops(config, dtype: torch.dtype, real: bool, autocast: bool = True, serve: bool = False) -> list:
+    """The ops of one training-mode forward with its loss (`serve`: an eval-mode prefill into a
+    cache and one decode step), under autocast to `dtype` (else the weights in `dtype`): on fake
+    CUDA tensors as CUDA runs it (`real`), else on fake CPU tensors as the virtual GPU emulates CUDA
+    (its kernels and autocast)."""
     from harness.probe.sim.cuda_emulation import CudaAutocast, autocast_region, cuda_kernels, unpacked_sequences
 
     device, log = ("cuda" if real else "cpu"), Ops()
@@ -107,7 +108,11 @@ def forward_ops(config, dtype: torch.dtype, real: bool, autocast: bool = True) -
         casting = (autocast_cuda if real else lambda d: autocast_region(CudaAutocast(d)))(dtype) if autocast \
             else (_indexable() if real else contextlib.nullcontext())
         with kernels, casting, log, torch.no_grad():
-            model(ids, labels=ids)
+            if serve:
+                cache = model.eval()(ids, use_cache=True).past_key_values
+                model(ids[:, :1], past_key_values=cache, use_cache=True)
+            else:
+                model(ids, labels=ids)
     return log.ops
 
 

@@ -131,6 +131,16 @@ def test_a_models_forward_and_loss_are_cast_as_cuda_casts_them(name, dtype):
     assert emulated == cuda
 
 
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+@pytest.mark.parametrize("name", ["tiny", "mistral-7b", "gemma2.json", "gpt2.json"])
+def test_a_models_prefill_and_decode_step_are_cast_as_cuda_casts_them(name):
+    """Serving under autocast: the prefill into a DynamicCache (keys fp32 after the rotary embedding,
+    values bf16) and a decode step attending to it."""
+    config = _config(name)
+    emulated = forward_ops(config, torch.bfloat16, real=False, serve=True)
+    assert emulated == forward_ops(config, torch.bfloat16, real=True, serve=True)
+
+
 @pytest.mark.parametrize("name,dtype", [("tiny", torch.float16), ("gemma2.json", torch.float16),
                                         ("gpt2.json", torch.bfloat16), ("phi.json", torch.float16)])
 def test_a_half_precision_models_forward_and_loss_run_cudas_kernels(name, dtype):
