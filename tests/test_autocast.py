@@ -87,6 +87,7 @@ CASES = {
     "interpolate area": lambda a, b, d: F.interpolate(a[None], scale_factor=2.0, mode="area"),
     # fp32 output
     "softmax": lambda a, b, d: torch.softmax(a, -1), "log_softmax": lambda a, b, d: F.log_softmax(a, -1),
+    "softmax dtype given": lambda a, b, d: torch.softmax(a, -1, a.dtype),
     "sum": lambda a, b, d: a.sum(), "prod": lambda a, b, d: a.prod(-1), "cumsum": lambda a, b, d: a.cumsum(0),
     "cumprod": lambda a, b, d: a.cumprod(0), "vector_norm": lambda a, b, d: torch.linalg.vector_norm(a),
     "matrix_norm": lambda a, b, d: torch.linalg.matrix_norm(a), "norm": lambda a, b, d: a.norm(dim=-1),

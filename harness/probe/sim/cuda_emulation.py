@@ -215,7 +215,8 @@ class CudaAutocast(TorchFunctionMode):
             args, kwargs = self._cast_all(args, kwargs, widest)
         elif func in _FP32_OUT:
             first = args[0] if args else None
-            if isinstance(first, torch.Tensor) and first.dtype in _LOW_DTYPES and kwargs.get("dtype") is None:
+            given = kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args[1:])
+            if isinstance(first, torch.Tensor) and first.dtype in _LOW_DTYPES and not given:
                 kwargs = {**kwargs, "dtype": torch.float32}
         elif func is F.cross_entropy:
             # Composite: log_softmax in the input's dtype, then nll_loss in fp32, as the C++ autocast sees it.
