@@ -79,7 +79,6 @@ POINTS = [
 ]
 
 
-
 def machine_speed() -> float:
     """Seconds a 20M-iteration Python loop takes: this machine's speed at the moment (a shared one
     swings 2-2.7x within an hour; compare figures taken at the same speed)."""

@@ -36,6 +36,16 @@ def _contiguous(t, memory_format=torch.contiguous_format):
 
 
 @contextlib.contextmanager
+def _indexable():
+    """Fake CUDA tensors indexable while it lasts: `t[...]` and `t.contiguous()` made of aten ops."""
+    torch.Tensor.__getitem__, torch.Tensor.contiguous = _getitem, _contiguous  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.__getitem__, torch.Tensor.contiguous = _GETITEM, _CONTIGUOUS  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
 def autocast_cuda(dtype: torch.dtype):
     """AutocastCUDA on (torch.autocast refuses "cuda" where no GPU is), and fake CUDA tensors indexable."""
     with _indexable():
@@ -93,21 +103,31 @@ def built(config, device: str, dtype: torch.dtype = torch.float32) -> torch.nn.M
     return model
 
 
+@contextlib.contextmanager
+def _as_run(real: bool, dtype: torch.dtype, autocast: bool = True):
+    """CUDA's own autocast to `dtype` on fake CUDA tensors (`real`), else the virtual GPU's emulation
+    of CUDA (its kernels and autocast) on fake CPU tensors; autocast off where not `autocast`."""
+    from harness.probe.sim.cuda_emulation import CudaAutocast, autocast_region, cuda_kernels
+
+    if real:
+        with autocast_cuda(dtype) if autocast else _indexable():
+            yield
+    else:
+        with cuda_kernels(), autocast_region(CudaAutocast(dtype)) if autocast else contextlib.nullcontext():
+            yield
+
+
 def forward_ops(config, dtype: torch.dtype, real: bool, autocast: bool = True, serve: bool = False) -> list:
     """The ops of one training-mode forward with its loss (`serve`: an eval-mode prefill into a
-    cache and one decode step), under autocast to `dtype` (else the weights in `dtype`): on fake
-    CUDA tensors as CUDA runs it (`real`), else on fake CPU tensors as the virtual GPU emulates CUDA
-    (its kernels and autocast)."""
-    from harness.probe.sim.cuda_emulation import CudaAutocast, autocast_region, cuda_kernels, unpacked_sequences
+    cache and one decode step), under autocast to `dtype` (else the weights in `dtype`), run as
+    _as_run runs it."""
+    from harness.probe.sim.cuda_emulation import unpacked_sequences
 
     device, log = ("cuda" if real else "cpu"), Ops()
     with FakeTensorMode(allow_non_fake_inputs=True), unpacked_sequences():
         model = built(config, device, torch.float32 if autocast else dtype)
         ids = torch.zeros(2, 16, dtype=torch.long, device=device)
-        kernels = contextlib.nullcontext() if real else cuda_kernels()
-        casting = (autocast_cuda if real else lambda d: autocast_region(CudaAutocast(d)))(dtype) if autocast \
-            else (_indexable() if real else contextlib.nullcontext())
-        with kernels, casting, log, torch.no_grad():
+        with _as_run(real, dtype, autocast), log, torch.no_grad():
             if serve:
                 cache = model.eval()(ids, use_cache=True).past_key_values
                 model(ids[:, :1], past_key_values=cache, use_cache=True)
@@ -116,26 +136,13 @@ def forward_ops(config, dtype: torch.dtype, real: bool, autocast: bool = True, s
     return log.ops
 
 
-@contextlib.contextmanager
-def _indexable():
-    """Fake CUDA tensors indexable (as autocast_cuda makes them), autocast off."""
-    torch.Tensor.__getitem__, torch.Tensor.contiguous = _getitem, _contiguous  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        torch.Tensor.__getitem__, torch.Tensor.contiguous = _GETITEM, _CONTIGUOUS  # type: ignore[method-assign]
-
-
 def call_ops(fn, dtype: torch.dtype, real: bool) -> list:
     """The ops of `fn(a, b, device)` under autocast to `dtype` (as forward_ops), `a` a 4 x 8 tensor in
     `dtype`, `b` one in fp32."""
-    from harness.probe.sim.cuda_emulation import CudaAutocast, autocast_region, cuda_kernels
-
     device, log = ("cuda" if real else "cpu"), Ops()
     with FakeTensorMode(allow_non_fake_inputs=True):
         a = torch.empty(4, 8, dtype=dtype, device=device)
         b = torch.empty(4, 8, dtype=torch.float32, device=device)
-        casting = autocast_cuda(dtype) if real else autocast_region(CudaAutocast(dtype))
-        with contextlib.nullcontext() if real else cuda_kernels(), casting, log, torch.no_grad():
+        with _as_run(real, dtype), log, torch.no_grad():
             fn(a, b, device)
     return log.ops

@@ -142,6 +142,11 @@ _FP32_OUT = {  # run with dtype=float32 when the input is lower precision
 _LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def _given_dtype(args, kwargs) -> torch.dtype | None:
+    """The dtype a call asks for (a keyword, or positional: a torch.dtype is only ever that argument)."""
+    return kwargs.get("dtype") or next((a for a in args[1:] if isinstance(a, torch.dtype)), None)
+
+
 def _resamples(input=None, size=None, scale_factor=None, mode="nearest", *args, **kwargs) -> bool:
     """Whether F.interpolate takes an upsample kernel (CUDA's fp32 list: every mode but 'area',
     which pools)."""
@@ -208,15 +213,13 @@ class CudaAutocast(TorchFunctionMode):
         elif func in _FP32:
             args, kwargs = self._cast_all(args, kwargs, torch.float32)
         elif func in _PROMOTE:  # the widest floating type of the arguments, autocast's own at least
-            widest = self.dtype
-            for t in (*args, *kwargs.values()):
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in (widest, torch.float64):
-                    widest = torch.float32  # (fp16 and bf16 meet in fp32; a dispatched promote_types is an op)
-            args, kwargs = self._cast_all(args, kwargs, widest)
+            wider = any(isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in (self.dtype, torch.float64)
+                        for t in (*args, *kwargs.values()))
+            # (fp16 and bf16 meet in fp32, as fp32 does: a dispatched promote_types would be an op)
+            args, kwargs = self._cast_all(args, kwargs, torch.float32 if wider else self.dtype)
         elif func in _FP32_OUT:
             first = args[0] if args else None
-            given = kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args[1:])
-            if isinstance(first, torch.Tensor) and first.dtype in _LOW_DTYPES and not given:
+            if isinstance(first, torch.Tensor) and first.dtype in _LOW_DTYPES and _given_dtype(args, kwargs) is None:
                 kwargs = {**kwargs, "dtype": torch.float32}
         elif func is F.cross_entropy:
             # Composite: log_softmax in the input's dtype, then nll_loss in fp32, as the C++ autocast sees it.
@@ -224,7 +227,7 @@ class CudaAutocast(TorchFunctionMode):
         elif func is F.normalize:  # composite: its norm (linalg_vector_norm) gives fp32, the division too
             return self._normalize(*args, **kwargs)
         elif func is F.interpolate and _resamples(*args, **kwargs):
-            args, kwargs = self._cast_all(args[:1], {}, torch.float32)[0] + tuple(args[1:]), kwargs
+            args = (self._cast(args[0], torch.float32), *args[1:])
         return func(*args, **kwargs)
 
     def _normalize(self, input, p=2.0, dim=1, eps=1e-12, out=None):
@@ -373,12 +376,9 @@ def unpacked_sequences():
 # ---- kernels whose outputs differ from the CPU's -----------------------------------------------
 
 # softmax and log_softmax of a Half input to fp32: CUDA's is one kernel (SoftMax.cpp, half_to_float),
-# where the CPU's first copies the input to fp32 (an fp32 copy of the scores of eager attention).
-# Each entry: the kernel, and where its dtype stands among the positional arguments.
-_SOFTMAX, _LOG_SOFTMAX = torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default
-_SOFTMAXES = {torch.softmax: (_SOFTMAX, 2), torch.Tensor.softmax: (_SOFTMAX, 2), F.softmax: (_SOFTMAX, 3),
-              torch.log_softmax: (_LOG_SOFTMAX, 2), torch.Tensor.log_softmax: (_LOG_SOFTMAX, 2),
-              F.log_softmax: (_LOG_SOFTMAX, 3)}
+# where the CPU's first copies the input to fp32 (an fp32 copy of the scores of eager attention)
+_SOFTMAXES = {f: torch.ops.aten._softmax.default for f in (torch.softmax, torch.Tensor.softmax, F.softmax)} | {
+    f: torch.ops.aten._log_softmax.default for f in (torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax)}
 
 
 class _HalfToFloat(TorchFunctionMode):
@@ -387,11 +387,9 @@ class _HalfToFloat(TorchFunctionMode):
         fused = _SOFTMAXES.get(func)
         # (fake tensors only: a script's real host tensors run the CPU's kernel, which has no such path)
         if fused is not None and args and isinstance(args[0], FakeTensor) and args[0].dtype == torch.float16:
-            kernel, at = fused
-            dtype = kwargs.get("dtype", args[at] if len(args) > at else None)
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
-            if dtype == torch.float32 and isinstance(dim, int):
-                return kernel(args[0], dim, True)
+            if _given_dtype(args, kwargs) == torch.float32 and isinstance(dim, int):
+                return fused(args[0], dim, True)
         return func(*args, **kwargs)
 
 
