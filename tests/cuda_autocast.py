@@ -91,6 +91,13 @@ def built(config, device: str, dtype: torch.dtype = torch.float32) -> torch.nn.M
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    return placed(model, device, dtype)
+
+
+def placed(model: torch.nn.Module, device: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """`model` (built on the meta device) with fake tensors on `device` in its place (inside a
+    FakeTensorMode), its floating weights in `dtype`, none requiring grad (a fake CUDA tensor's
+    initialisation and autograd need a device guard)."""
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None:
@@ -107,13 +114,15 @@ def built(config, device: str, dtype: torch.dtype = torch.float32) -> torch.nn.M
 def _as_run(real: bool, dtype: torch.dtype, autocast: bool = True):
     """CUDA's own autocast to `dtype` on fake CUDA tensors (`real`), else the virtual GPU's emulation
     of CUDA (its kernels and autocast) on fake CPU tensors; autocast off where not `autocast`."""
-    from harness.probe.sim.cuda_emulation import CudaAutocast, autocast_region, cuda_kernels
+    from harness.probe.sim.autocast_kernels import region
+    from harness.probe.sim.cuda_emulation import cuda_kernels
+    from harness.probe.sim.cuda_script import script_autocast
 
     if real:
         with autocast_cuda(dtype) if autocast else _indexable():
             yield
-    else:
-        with cuda_kernels(), autocast_region(CudaAutocast(dtype)) if autocast else contextlib.nullcontext():
+    else:  # (the code's torch.autocast and questions about it as in a trace where the CPU is the card)
+        with cuda_kernels(), script_autocast(cpu_is_card=True), region(dtype if autocast else None):
             yield
 
 
@@ -146,3 +155,25 @@ def call_ops(fn, dtype: torch.dtype, real: bool) -> list:
         with _as_run(real, dtype), log, torch.no_grad():
             fn(a, b, device)
     return log.ops
+
+
+def module_ops(make, dtype: torch.dtype, real: bool) -> list:
+    """The ops of a training-mode forward of the module `make()` builds on the meta device (placed:
+    fp32 weights), on a 4 x 1 x 8 fp32 input, under autocast to `dtype`, run as _as_run runs it."""
+    device, log = ("cuda" if real else "cpu"), Ops()
+    with torch.device("meta"):
+        module = make()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        module = placed(module, device).train()
+        x = torch.empty(4, 1, 8, device=device)
+        with _as_run(real, dtype), log, torch.no_grad():
+            module(x)
+    return log.ops
+
+
+def outcome(ops, *args) -> list | str:
+    """`ops(*args)` (call_ops, module_ops), or the error it raised."""
+    try:
+        return ops(*args)
+    except RuntimeError as e:
+        return f"RuntimeError: {e}"

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from harness.config.models import hf_config
 from tests.conftest import ARCHITECTURES, model_cfg
-from tests.cuda_autocast import call_ops, forward_ops
+from tests.cuda_autocast import call_ops, forward_ops, module_ops, outcome
 
 # The aten ops with an AutocastCUDA kernel in the torch these lists were checked on (2.13): a torch
 # that adds or drops one fails here, and the emulation's lists are to be checked again.
@@ -91,7 +91,7 @@ CASES = {
     "sum": lambda a, b, d: a.sum(), "prod": lambda a, b, d: a.prod(-1), "cumsum": lambda a, b, d: a.cumsum(0),
     "cumprod": lambda a, b, d: a.cumprod(0), "vector_norm": lambda a, b, d: torch.linalg.vector_norm(a),
     "matrix_norm": lambda a, b, d: torch.linalg.matrix_norm(a), "norm": lambda a, b, d: a.norm(dim=-1),
-    "normalize": lambda a, b, d: F.normalize(a, dim=-1),
+    "normalize": lambda a, b, d: F.normalize(a, dim=-1), "square (a pow inside)": lambda a, b, d: a.square(),
     # promote (a's dtype and fp32 meet)
     "addcmul": lambda a, b, d: torch.addcmul(a, b, a), "addcdiv": lambda a, b, d: torch.addcdiv(b, a, a),
     "atan2": lambda a, b, d: torch.atan2(a, b), "cross": lambda a, b, d: torch.cross(a[:, :3], b[:, :3], dim=1),
@@ -100,14 +100,60 @@ CASES = {
     "scatter_add": lambda a, b, d: torch.scatter_add(a, 0, _long(d, 4, 8), b),
     "index_put": lambda a, b, d: torch.index_put(a, (_long(d, 2),), b[:2]),
     "float64 left alone": lambda a, b, d: F.linear(a.double(), b.double()),
+    # what CUDA's autocast refuses
+    "binary_cross_entropy": lambda a, b, d: F.binary_cross_entropy(torch.sigmoid(a), b),
+    "fp16 and bf16 promoted": lambda a, b, d: torch.addcmul(b, a.half(), a.bfloat16()),
+    # the code turning autocast off, and asking about it (transformers' rotary embeddings: maybe_autocast)
+    "autocast off inside": lambda a, b, d: _off(F.linear, b, b, device=d),
+    "asks whether autocast is on": lambda a, b, d: F.linear(b, b).to(torch.get_autocast_dtype(d))
+    if torch.is_autocast_enabled(d) else b,
 }
+
+
+def _off(f, *args, device):
+    with torch.autocast(device, enabled=False):
+        return f(*args)
 
 
 @pytest.mark.filterwarnings("ignore:torch.chain_matmul is deprecated")  # (still listed by CUDA's autocast)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_each_op_cuda_autocasts_is_cast_as_cuda_casts_it(case, dtype):
-    emulated, cuda = call_ops(CASES[case], dtype, real=False), call_ops(CASES[case], dtype, real=True)
+    emulated, cuda = outcome(call_ops, CASES[case], dtype, False), outcome(call_ops, CASES[case], dtype, True)
+    assert emulated == cuda
+
+
+# Modules whose Python calls the listed ops inside: each op cast as the dispatcher reaches it
+MODULES = {
+    "multihead attention": lambda: _Called(torch.nn.MultiheadAttention(8, 2), lambda m, x: m(x, x, x)),
+    "multihead attention, separate projections": lambda: _Called(
+        torch.nn.MultiheadAttention(8, 2, kdim=4, vdim=4), lambda m, x: m(x, x[..., :4], x[..., :4], need_weights=False)),
+    "transformer encoder layer": lambda: torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0),
+    "transformer decoder layer": lambda: _Called(torch.nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, norm_first=True),
+                                                 lambda m, x: m(x, x)),
+    "conv, group norm, upsample": lambda: torch.nn.Sequential(torch.nn.Conv1d(1, 4, 3, padding="same"),
+                                                              torch.nn.GroupNorm(2, 4), torch.nn.Upsample(scale_factor=2)),
+}
+
+
+class _Called(torch.nn.Module):
+    """`module` called on the input by `call`."""
+
+    def __init__(self, module, call):
+        super().__init__()
+        self.module, self.call = module, call
+
+    def forward(self, x):
+        return self.call(self.module, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_a_modules_inner_calls_are_cast_as_cuda_casts_them(name, dtype):
+    """nn.MultiheadAttention's projections and attention in the lower precision, as CUDA's dispatcher
+    casts each op its Python reaches (a function-level emulation left them in fp32)."""
+    emulated, cuda = module_ops(MODULES[name], dtype, False), module_ops(MODULES[name], dtype, True)
+    assert any(dt == dtype for _, outs in cuda for dt, _ in outs)
     assert emulated == cuda
 
 
@@ -175,7 +221,7 @@ def test_the_cast_cache_keeps_what_cached_cast_keeps(weight):
     """cached_cast's rule (an fp32 leaf that requires grad, cast to autocast's dtype) is one for every
     device: CPU autocast runs it here with autograd (fake CUDA tensors cannot), on real tensors. Two
     linears on one weight: its cast made once where the rule keeps it, twice where not."""
-    from harness.probe.sim.cuda_emulation import CudaAutocast, autocast_region
+    from harness.probe.sim.autocast_kernels import region
     from tests.cuda_autocast import Ops
 
     def casts(emulated: bool) -> int:
@@ -183,7 +229,7 @@ def test_the_cast_cache_keeps_what_cached_cast_keeps(weight):
                            requires_grad=weight != "fp32 leaf without grad")
         w = base * 1 if weight == "fp32 non-leaf" else base
         x, log = torch.randn(4, 8), Ops()
-        with (autocast_region(CudaAutocast(torch.bfloat16)) if emulated else torch.autocast("cpu", torch.bfloat16)):
+        with (region(torch.bfloat16) if emulated else torch.autocast("cpu", torch.bfloat16)):
             with log:
                 F.linear(x, w)
                 F.linear(x, w)

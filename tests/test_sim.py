@@ -10,6 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.config.point import Workload
+from harness.probe.sim import autocast_kernels
 from harness.probe.sim import cuda_emulation as cu
 from harness.probe.sim.trace import run_point
 from harness.probe.sim.tracker import CUBLAS_WORKSPACE_BYTES, StorageTracker
@@ -197,20 +198,19 @@ def test_autocast_emulation_follows_cuda_op_lists():
     with FakeTensorMode():
         w = torch.nn.Parameter(torch.randn(32, 16))
         x = torch.randn(4, 16)
-        mode = cu.CudaAutocast(torch.bfloat16)
-        with cu.autocast_region(mode):
+        with autocast_kernels.region(torch.bfloat16):
             y = F.linear(x, w)
             assert y.dtype == torch.bfloat16
-            assert len(mode._cache) == 1
+            assert len(autocast_kernels._cache()) == 1
             F.linear(x, w)
-            assert len(mode._cache) == 1  # the cast weight is reused, as CUDA's cached_cast
+            assert len(autocast_kernels._cache()) == 1  # the cast weight is reused, as CUDA's cached_cast
             assert torch.rsqrt(y).dtype == torch.float32
             assert y.pow(2).dtype == torch.float32
             assert torch.softmax(y, -1).dtype == torch.float32
             assert (y + y).dtype == torch.bfloat16  # not on any list: runs in its input dtype
             with torch.autocast("cpu", enabled=False):
                 assert F.linear(x, w).dtype == torch.float32  # autocast turned off by the code
-        assert mode._cache == {}
+        assert autocast_kernels._cache() == {}
 
 
 def test_cublas_workspace_one_per_thread():

@@ -175,14 +175,17 @@ def test_a_scripts_autocast_regions_nest_as_on_cuda():
 
 def test_a_step_names_its_own_phases_and_enters_its_own_autocast():
     """harness.workload.phase() labels the trace; Job(autocast=False) leaves autocast to the step,
-    whose bf16 projection is then half the size it would be in fp32; Job.steps sets the count."""
+    whose bf16 projection is then half the size it would be in fp32, its square in fp32 (CUDA's
+    autocast casts `square`'s pow: a copy and the output); Job.steps sets the count."""
     point = custom_point("tests.jobs.named_phases:build", batch_size=64, precision="amp_bf16")
     m, tracker = run_point(point)
     phases = {e[5] for e in tracker.events if e[6] >= 0}
     assert {"embed", "head", "backward", "optimizer"} <= phases
     assert m["peak_phase"] in {"head", "backward"} and len(m["step_peak_bytes"]) == 4
     head_out = [e[3] for e in tracker.events if e[1] == "alloc" and e[5] == "head" and e[6] == 1]
-    assert 64 * 8192 * 2 in head_out and 64 * 8192 * 4 not in head_out  # bf16 under the step's autocast
+    # under the step's autocast: the projection's bias, weight and input cast to bf16 (last first), its
+    # output in bf16; the square's input cast to fp32, and its output
+    assert head_out[:6] == [8192 * 2, 8192 * 64 * 2, 64 * 64 * 2, 64 * 8192 * 2, 64 * 8192 * 4, 64 * 8192 * 4]
 
 
 def test_an_error_in_the_users_step_names_their_file_and_line(tmp_path):

@@ -43,11 +43,11 @@ def build_portable(k: Knobs) -> Job:
 def build_reference(k: Knobs) -> Job:
     """The same script with its CUDA habits removed by hand: CPU device, the harness's CUDA
     autocast emulation entered explicitly where the script enters torch.autocast("cuda")."""
-    from harness.probe.sim.cuda_emulation import CudaAutocast, autocast_region
+    from harness.probe.sim.autocast_kernels import region
 
     def step(model, optimizer, batch):
         x, y = batch
-        with autocast_region(CudaAutocast(torch.bfloat16)):
+        with region(torch.bfloat16):
             logits = model(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
         loss.backward()

@@ -21,7 +21,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from harness.probe.sim import cuda_emulation as cu
+from harness.probe.sim import autocast_kernels
 
 _CPU = torch.device("cpu")
 # How a tensor on the card reports its device inside a trace: the CPU, where the trace keeps it, with
@@ -166,39 +166,57 @@ def _dtype_only(func, args, kwargs) -> dict:
 
 
 @contextlib.contextmanager
-def script_autocast():
-    """`torch.autocast("cuda", ...)` in the user's code enters the CUDA autocast emulation (the real
-    one would disable itself: no CUDA here). Its `enabled` flag is kept, so an `enabled=False` region
-    pauses the emulation as cuda_emulation's autocast regions already arrange."""
+def script_autocast(cpu_is_card: bool = False):
+    """`torch.autocast("cuda", ...)` in the code (the job's, torch's, transformers') is a region of the
+    CUDA autocast emulation (the real one would disable itself: no CUDA here), its `enabled` flag
+    kept (an `enabled=False` region pauses it); so is `torch.autocast("cpu", ...)` where the CPU
+    stands for the card (`cpu_is_card`), else it is the host's, which a CUDA run's device tensors
+    never see: nothing here. The code's questions about the state (`torch.is_autocast_enabled("cuda")`,
+    `torch.get_autocast_dtype`) are answered as on the GPU."""
     cls = torch.amp.autocast_mode.autocast
     orig_init, orig_enter, orig_exit = cls.__init__, cls.__enter__, cls.__exit__
+    queries = torch.is_autocast_enabled, torch.get_autocast_dtype, torch.get_autocast_gpu_dtype
+    card = ("cuda", "cpu") if cpu_is_card else ("cuda",)
 
     def init(self, device_type, dtype=None, enabled=True, cache_enabled=None):
-        self._harness_cuda = device_type == "cuda"
-        if not self._harness_cuda:
+        self._harness_card, self._harness_host = device_type in card, device_type == "cpu" and not cpu_is_card
+        if not (self._harness_card or self._harness_host):
             return orig_init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
-        self._enabled, self.device, self.fast_dtype = enabled, "cuda", dtype or torch.float16
+        self.device, self._enabled, self._cache_enabled = device_type, enabled, cache_enabled
+        self.fast_dtype = dtype or queries[1]("cuda")  # (the card's default: fp16)
         return None
 
     def enter(self):
-        if not getattr(self, "_harness_cuda", False):
+        if not (getattr(self, "_harness_card", False) or getattr(self, "_harness_host", False)):
             return orig_enter(self)
         self._harness_stack = contextlib.ExitStack()
-        if self._enabled:
-            self._harness_stack.enter_context(cu.autocast_region(cu.CudaAutocast(self.fast_dtype)))
+        if self._harness_card:
+            self._harness_stack.enter_context(autocast_kernels.region(self.fast_dtype, self._enabled, self._cache_enabled))
         return self
 
     def exit(self, *exc):
-        if not getattr(self, "_harness_cuda", False):
+        if not (getattr(self, "_harness_card", False) or getattr(self, "_harness_host", False)):
             return orig_exit(self, *exc)
         self._harness_stack.close()
         return False
 
-    cls.__init__, cls.__enter__, cls.__exit__ = init, enter, exit
+    def is_enabled(device_type="cuda"):  # (without an argument torch asks about CUDA)
+        if device_type in card:
+            return autocast_kernels.active() is not None
+        return False if device_type == "cpu" else queries[0](device_type)
+
+    def dtype_of(device_type):
+        low = autocast_kernels.active()
+        return low if device_type in card and low is not None else queries[1](device_type)
+
+    cls.__init__, cls.__enter__, cls.__exit__ = init, enter, exit  # type: ignore[method-assign]  # restored below
+    torch.is_autocast_enabled, torch.get_autocast_dtype = is_enabled, dtype_of
+    torch.get_autocast_gpu_dtype = lambda: dtype_of("cuda")
     try:
         yield
     finally:
-        cls.__init__, cls.__enter__, cls.__exit__ = orig_init, orig_enter, orig_exit
+        cls.__init__, cls.__enter__, cls.__exit__ = orig_init, orig_enter, orig_exit  # type: ignore[method-assign]
+        torch.is_autocast_enabled, torch.get_autocast_dtype, torch.get_autocast_gpu_dtype = queries
 
 
 @contextlib.contextmanager
@@ -282,5 +300,5 @@ def cuda_script_on_cpu(tracker, default_host: bool = False, cpu_is_card: bool = 
     # are on its mesh's device)
     reporting = contextlib.nullcontext() if cpu_is_card else card_devices(tracker)
     mode = CudaDevicesOnCpu(tracker, default_host, real_host=default_host, cpu_is_card=cpu_is_card)
-    with script_autocast(), reporting, backward_inside(mode), mode:
+    with script_autocast(cpu_is_card), reporting, backward_inside(mode), mode:
         yield

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 
 import torch
@@ -34,8 +35,8 @@ from harness.probe.jobs import (
     prepare_optimizer,
     watching,
 )
+from harness.probe.sim import autocast_kernels, sharded
 from harness.probe.sim import cuda_emulation as cu
-from harness.probe.sim import sharded
 from harness.probe.sim.cuda_script import cuda_script_on_cpu
 from harness.probe.sim.fake_cache import fast_cache
 from harness.probe.sim.fake_code import (
@@ -71,8 +72,7 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh,
     k = knobs(point, mesh)
     if k.autocast_dtype is not None and not emulate_cuda:
         raise ValueError("amp_* precisions are traced with CUDA's autocast policy only")
-    autocast_mode = cu.CudaAutocast(k.autocast_dtype) if k.autocast_dtype is not None else None
-    region = (lambda: cu.autocast_region(autocast_mode)) if autocast_mode else contextlib.nullcontext
+    region = functools.partial(autocast_kernels.region, k.autocast_dtype)  # (None: no autocast)
     tracker = StorageTracker(emulate_cublas_workspace=emulate_cuda,
                              workspace_bytes=cublas.workspace_bytes(point.gpu.capability),
                              geometry=kernels.geometry(point.gpu))
