@@ -59,7 +59,6 @@ BANNED = {"binary_cross_entropy": (
 _AUTOCAST_KEY = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 # the state as torch keeps it (the trace answers user code's questions about it otherwise: cuda_script)
 _is_enabled, _dtype_of, _cache_enabled = torch.is_autocast_enabled, torch.get_autocast_dtype, torch.is_autocast_cache_enabled
-_LOW = (torch.float16, torch.bfloat16)
 
 
 def _op(name: str) -> torch._ops.OpOverload:
@@ -68,14 +67,14 @@ def _op(name: str) -> torch._ops.OpOverload:
 
 
 def below_autocast():
-    """Autocast's key excluded, as the C++ wrapper excludes it for its op and everything that calls."""
+    """Autocast's key excluded, as the C++ wrapper excludes it for its op and everything the op calls."""
     return torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEY)
 
 
 @contextlib.contextmanager
-def _below_autocast():
-    """As the C++ wrapper runs its op: below autocast, and no Python torch function in between (the
-    casts and the op are the dispatcher's calls, not the model's)."""
+def _in_kernel():
+    """As the C++ wrapper runs its casts and op: below autocast, and no Python torch function in
+    between (they are the dispatcher's calls, not the model's)."""
     with below_autocast(), torch._C.DisableTorchFunction():
         yield
 
@@ -163,17 +162,10 @@ def _kernels() -> dict[str, object]:
     """Each op's kernel, by overload name."""
     out: dict[str, object] = {}
 
-    def lower(op):
+    def casting(op, to):  # every argument cast to `to(the arguments)`
         def kernel(*args, **kwargs):
-            with _below_autocast():
-                args, kwargs = cast_all(args, kwargs, _dtype_of("cpu"))
-                return op(*args, **kwargs)
-        return kernel
-
-    def fp32(op):
-        def kernel(*args, **kwargs):
-            with _below_autocast():
-                args, kwargs = cast_all(args, kwargs, torch.float32)
+            with _in_kernel():
+                args, kwargs = cast_all(args, kwargs, to((*args, *kwargs.values())))
                 return op(*args, **kwargs)
         return kernel
 
@@ -184,7 +176,7 @@ def _kernels() -> dict[str, object]:
             op._schema.name.removeprefix("aten::"))
 
         def kernel(*args, **kwargs):
-            with _below_autocast():
+            with _in_kernel():
                 if not _eligible(args[0]):
                     return op(*args, **kwargs)
                 if positional and len(args) > at:
@@ -203,17 +195,10 @@ def _kernels() -> dict[str, object]:
 
     def fp32_appended(op, to):
         def kernel(*args, **kwargs):
-            with _below_autocast():
+            with _in_kernel():
                 if not _eligible(args[0]):
                     return op(*args, **kwargs)
                 return to(*_completed(op, args, kwargs), dtype=torch.float32)
-        return kernel
-
-    def promote(op):
-        def kernel(*args, **kwargs):
-            with _below_autocast():
-                args, kwargs = cast_all(args, kwargs, _promoted(_dtype_of("cpu"), (*args, *kwargs.values())))
-                return op(*args, **kwargs)
         return kernel
 
     def banned(message):
@@ -221,11 +206,11 @@ def _kernels() -> dict[str, object]:
             raise RuntimeError(message)
         return kernel
 
-    out.update((n, lower(_op(n))) for n in LOWER)
-    out.update((n, fp32(_op(n))) for n in FP32)
+    out.update((n, casting(_op(n), lambda _: _dtype_of("cpu"))) for n in LOWER)
+    out.update((n, casting(_op(n), lambda _: torch.float32)) for n in FP32)
     out.update((n, fp32_out(_op(n))) for n in FP32_OUT)
     out.update((n, fp32_appended(_op(n), _op(to))) for n, to in FP32_APPENDED.items())
-    out.update((n, promote(_op(n))) for n in PROMOTE)
+    out.update((n, casting(_op(n), lambda args: _promoted(_dtype_of("cpu"), args))) for n in PROMOTE)
     out.update((n, banned(m)) for n, m in BANNED.items())
     return out
 
