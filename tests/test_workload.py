@@ -25,6 +25,7 @@ SMALL = {
     "examples.leaky:build": {"width": 64},
     "tests.jobs.hf_llama:build": {},
     "tests.jobs.vit_init:build": {},  # torch.nn.init.trunc_normal_ reads values in torch 2.13
+    "tests.jobs.encoder:build": {},  # copy.deepcopy of modules (nn.TransformerEncoder, an EMA teacher)
 }
 
 

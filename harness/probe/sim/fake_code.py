@@ -5,6 +5,7 @@ file and line (the virtual GPU has shapes, not values)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import sys
 import traceback
@@ -59,16 +60,22 @@ def explain(e: Exception, where: str) -> UserCodeError:
 
 @contextlib.contextmanager
 def module_conversion_on_fake_tensors():
-    """Let `model.to(dtype)` work on fake parameters, as it does on real ones.
+    """Let `model.to(dtype)` and `copy.deepcopy(model)` work on fake parameters, as they do on real
+    ones.
 
     nn.Module._apply converts FakeTensor parameters with torch.utils.swap_tensors, which refuses a
     tensor that has a weakref, and FakeTensorMode's own memo keeps weakrefs to the fake tensors it
     made: `.to(torch.bfloat16)` on a model built under FakeTensorMode raises "Couldn't swap". For
     fake tensors, move the converted data into the parameter instead (what _apply does for real
-    tensors): the parameter object stays, its storage is the converted one."""
+    tensors): the parameter object stays, its storage is the converted one.
+
+    Tensor.__deepcopy__ copies a fake tensor's storage through another fake mode, and the first op
+    that meets the copy and the trace's tensors raises "Mixing fake modes" (nn.TransformerEncoder
+    deep-copies its layer, an EMA model its network): a fake tensor is copied in its own mode, a
+    new leaf of the same bytes, as a real copy is."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    original = torch.utils.swap_tensors
+    original, own_deepcopy = torch.utils.swap_tensors, FakeTensor.__dict__.get("__deepcopy__")
 
     def swap(t1, t2):
         if not isinstance(t1, FakeTensor):
@@ -77,11 +84,30 @@ def module_conversion_on_fake_tensors():
             t1.data = t2.data
         return None
 
-    torch.utils.swap_tensors = swap
+    def deepcopy(t, memo):
+        if id(t) in memo:
+            return memo[id(t)]
+        if not t.is_leaf:  # (as Tensor.__deepcopy__ refuses one)
+            return torch.Tensor.__deepcopy__(t, memo)
+        with torch.no_grad():
+            out = t.clone(memory_format=torch.preserve_format)
+        out.requires_grad_(t.requires_grad)
+        if getattr(t, "_is_param", False):  # (a fake parameter: nn.Parameter's isinstance reads it)
+            out._is_param = True
+        memo[id(t)] = out
+        if t.grad is not None:
+            out.grad = copy.deepcopy(t.grad, memo)
+        return out
+
+    torch.utils.swap_tensors, FakeTensor.__deepcopy__ = swap, deepcopy  # type: ignore[method-assign]
     try:
         yield
     finally:
         torch.utils.swap_tensors = original
+        if own_deepcopy is None:
+            del FakeTensor.__deepcopy__
+        else:
+            FakeTensor.__deepcopy__ = own_deepcopy  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
