@@ -155,10 +155,13 @@ class OptimizerScalarReads:
     """torch.optim's own steps may read scalars: Adafactor sizes its update from `.item()` of
     norms and of its step count. On CUDA that is a sync with no allocation of its own, and the
     value only scales the update, so inside a torch.optim step a fake tensor's `.item()` answers a
-    stand-in (1) instead of failing. The user's own value reads still fail, with their file and line."""
+    stand-in (1) instead of failing. So does torch.amp.GradScaler's check for inf or NaN gradients
+    before it steps the optimizer (`found_inf.item()`): none found (0), the step a healthy run takes,
+    its optimizer state made. The user's own value reads still fail, with their file and line."""
 
     def __init__(self):
         self.inside = 0
+        self.scaler_checks = 0
 
     def watch(self, opt) -> None:
         if not type(opt).__module__.startswith("torch.optim"):
@@ -177,16 +180,27 @@ class OptimizerScalarReads:
         from torch._subclasses.fake_tensor import FakeTensor
 
         self._original = original = torch.Tensor.item
+        self._scaler_step = scaler_step = torch.amp.GradScaler._maybe_opt_step
         reads = self
 
         def item(t):
-            if reads.inside and isinstance(t, FakeTensor):
-                return True if t.dtype == torch.bool else 1.0 if t.is_floating_point() else 1
+            if isinstance(t, FakeTensor) and (reads.inside or reads.scaler_checks):
+                value = 1 if reads.inside else 0  # (the optimizer's step, inside the scaler's, first)
+                return bool(value) if t.dtype == torch.bool else float(value) if t.is_floating_point() else value
             return original(t)
 
+        def maybe_step(scaler, *args, **kwargs):
+            reads.scaler_checks += 1
+            try:
+                return scaler_step(scaler, *args, **kwargs)
+            finally:
+                reads.scaler_checks -= 1
+
         torch.Tensor.item = item  # type: ignore[method-assign]  # for the trace, restored on exit
+        torch.amp.GradScaler._maybe_opt_step = maybe_step  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc):
         torch.Tensor.item = self._original  # type: ignore[method-assign]
+        torch.amp.GradScaler._maybe_opt_step = self._scaler_step  # type: ignore[method-assign]
         return False
