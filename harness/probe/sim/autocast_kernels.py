@@ -144,7 +144,8 @@ def cast(t, dtype: torch.dtype):
         held = _cache().get(id(t))
         if held is not None and held[0]() is t:
             return held[1]
-    out = torch.ops.aten.to.dtype(t, dtype)
+    with torch._C.DisableTorchFunction():  # (the dispatcher's cast: no Python torch function sees it)
+        out = torch.ops.aten.to.dtype(t, dtype)
     if cacheable and not torch.is_inference_mode_enabled():
         _cache()[id(t)] = (weakref.ref(t), out)
     return out

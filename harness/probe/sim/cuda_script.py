@@ -179,23 +179,23 @@ def script_autocast(cpu_is_card: bool = False):
     card = ("cuda", "cpu") if cpu_is_card else ("cuda",)
 
     def init(self, device_type, dtype=None, enabled=True, cache_enabled=None):
-        self._harness_card, self._harness_host = device_type in card, device_type == "cpu" and not cpu_is_card
-        if not (self._harness_card or self._harness_host):
+        self._harness = "card" if device_type in card else "host" if device_type == "cpu" else None
+        if self._harness is None:
             return orig_init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
         self.device, self._enabled, self._cache_enabled = device_type, enabled, cache_enabled
         self.fast_dtype = dtype or queries[1]("cuda")  # (the card's default: fp16)
         return None
 
     def enter(self):
-        if not (getattr(self, "_harness_card", False) or getattr(self, "_harness_host", False)):
+        if getattr(self, "_harness", None) is None:
             return orig_enter(self)
         self._harness_stack = contextlib.ExitStack()
-        if self._harness_card:
+        if self._harness == "card":
             self._harness_stack.enter_context(autocast_kernels.region(self.fast_dtype, self._enabled, self._cache_enabled))
         return self
 
     def exit(self, *exc):
-        if not (getattr(self, "_harness_card", False) or getattr(self, "_harness_host", False)):
+        if getattr(self, "_harness", None) is None:
             return orig_exit(self, *exc)
         self._harness_stack.close()
         return False
