@@ -87,7 +87,7 @@ CASES = {
     "float64 left alone": lambda a, b, d: F.linear(a.double(), b.double()),
     # what CUDA's autocast refuses
     "binary_cross_entropy": lambda a, b, d: F.binary_cross_entropy(torch.sigmoid(a), b),
-    "fp16 and bf16 promoted": lambda a, b, d: torch.addcmul(b, a.half(), a.bfloat16()),
+    "fp16 meets bf16 promoted": lambda a, b, d: torch.addcmul(a.bfloat16(), a.half(), b),
     # the code turning autocast off, and asking about it (transformers' rotary embeddings: maybe_autocast)
     "autocast off inside": lambda a, b, d: _off(F.linear, b, b, device=d),
     "asks whether autocast is on": lambda a, b, d: F.linear(b, b).to(torch.get_autocast_dtype(d))
