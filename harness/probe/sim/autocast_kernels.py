@@ -243,7 +243,7 @@ os.register_at_fork(after_in_child=lambda: globals().update(_lock=threading.Lock
 
 
 @functools.cache
-def _cpu_only() -> tuple[str, ...]:
+def cpu_only() -> tuple[str, ...]:
     """The ops CPU's autocast has a kernel for and CUDA's has not (passed through while CUDA's
     policy is registered: cat, stack, cross_entropy_loss, the linalg and fft ops, ...). Read before
     the first registration, which would count ours."""
@@ -272,7 +272,7 @@ def cuda_policy():
 
 
 def _register() -> torch.library.Library:
-    passed = _cpu_only()
+    passed = cpu_only()
     library = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # ("Overriding a previously registered kernel": CPU's, on purpose)
