@@ -223,6 +223,28 @@ def test_the_cast_cache_keeps_what_cached_cast_keeps(weight):
     assert casts(emulated=True) == casts(emulated=False) == (3 if weight == "fp32 leaf" else 4)
 
 
+@pytest.mark.parametrize("modes", [("no_grad", "grad"), ("grad", "no_grad"), ("inference", "grad"),
+                                   ("grad", "inference"), ("no_grad", "inference", "grad")])
+def test_a_cast_kept_under_no_grad_serves_a_later_forward_with_grad_as_cached_cast_does(modes):
+    """torch 2.13's cached_cast makes a kept cast with grad on and keeps none in inference mode: an
+    evaluation pass under no_grad, then a training pass in the same region, trains the weight (CPU
+    autocast's C++ as the oracle, as above). The casts made, and whether each output needs grad."""
+    from harness.probe.sim.autocast_kernels import region
+    from tests.cuda_autocast import Ops
+
+    grad_modes = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference": torch.inference_mode}
+
+    def run(emulated: bool) -> tuple:
+        w, x, log, needs = torch.randn(8, 8, requires_grad=True), torch.randn(4, 8), Ops(), []
+        with (region(torch.bfloat16) if emulated else torch.autocast("cpu", torch.bfloat16)), log:
+            for mode in modes:
+                with grad_modes[mode]():
+                    needs.append(F.linear(x, w).requires_grad)
+        return sum(op == "aten._to_copy.default" for op, _ in log.ops), needs
+
+    assert run(emulated=True) == run(emulated=False)
+
+
 def test_a_real_host_tensors_half_softmax_runs_the_cpus_kernel_inside_cuda_kernels():
     """A script's host work runs on real CPU tensors, whose softmax has no half-to-float kernel."""
     from harness.probe.sim.cuda_emulation import cuda_kernels

@@ -144,9 +144,12 @@ def cast(t, dtype: torch.dtype):
         held = _cache().get(id(t))
         if held is not None and held[0]() is t:
             return held[1]
-    with torch._C.DisableTorchFunction():  # (the dispatcher's cast: no Python torch function sees it)
+    keep = cacheable and not torch.is_inference_mode_enabled()
+    # (a cast kept is made with grad on, as torch 2.13's cached_cast makes it: one kept under no_grad
+    # serves a later forward with grad, pytorch#165068; the dispatcher's cast, no torch function)
+    with torch.enable_grad() if keep else contextlib.nullcontext(), torch._C.DisableTorchFunction():
         out = torch.ops.aten.to.dtype(t, dtype)
-    if cacheable and not torch.is_inference_mode_enabled():
+    if keep:
         _cache()[id(t)] = (weakref.ref(t), out)
     return out
 
