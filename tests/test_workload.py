@@ -27,6 +27,7 @@ SMALL = {
     "tests.jobs.vit_init:build": {},  # torch.nn.init.trunc_normal_ reads values in torch 2.13
     "tests.jobs.encoder:build": {},  # copy.deepcopy of modules (nn.TransformerEncoder, an EMA teacher)
     "tests.jobs.scaled_step:build": {},  # torch.amp.GradScaler's check for inf gradients reads a value
+    "tests.jobs.sampled:build": {},  # torch.distributions' validation reads whether its constraints hold
 }
 
 

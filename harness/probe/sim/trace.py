@@ -42,6 +42,7 @@ from harness.probe.sim.fake_cache import fast_cache
 from harness.probe.sim.fake_code import (
     VALUE_READS,
     OptimizerScalarReads,
+    distribution_checks_pass,
     explain,
     module_conversion_on_fake_tensors,
     plain_constants_taken,
@@ -89,7 +90,8 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh,
     with fake_mode or contextlib.nullcontext(), fast_cache(), cu.unpacked_sequences(), \
             cu.cuda_kernels(point.gpu.capability, tracker.attention_calls) if emulate_cuda else contextlib.nullcontext(), \
             cuda_script_on_cpu(tracker, cpu_is_card=mesh is not None), \
-            cu.checkpoint_keeps_autocast(), OptimizerScalarReads() as scalar_reads, tracker, watching(tracker), \
+            cu.checkpoint_keeps_autocast(), OptimizerScalarReads() as scalar_reads, distribution_checks_pass(), tracker, \
+            watching(tracker), \
             storage_resizes(tracker), virtual_cuda(live), \
             sharded.collectives_own_buffers(tracker) if mesh is not None else contextlib.nullcontext():
         tracker.set_phase("setup")
