@@ -90,9 +90,8 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh,
     with fake_mode or contextlib.nullcontext(), fast_cache(), cu.unpacked_sequences(), \
             cu.cuda_kernels(point.gpu.capability, tracker.attention_calls) if emulate_cuda else contextlib.nullcontext(), \
             cuda_script_on_cpu(tracker, cpu_is_card=mesh is not None), \
-            cu.checkpoint_keeps_autocast(), OptimizerScalarReads() as scalar_reads, distribution_checks_pass(), tracker, \
-            watching(tracker), \
-            storage_resizes(tracker), virtual_cuda(live), \
+            cu.checkpoint_keeps_autocast(), OptimizerScalarReads() as scalar_reads, distribution_checks_pass(), \
+            tracker, watching(tracker), storage_resizes(tracker), virtual_cuda(live), \
             sharded.collectives_own_buffers(tracker) if mesh is not None else contextlib.nullcontext():
         tracker.set_phase("setup")
         try:
