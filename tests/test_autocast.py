@@ -153,6 +153,9 @@ def _config(name: str):
     ("tiny", torch.bfloat16), ("tiny", torch.float16), ("mistral-7b", torch.bfloat16), ("qwen2.5-7b", torch.float16),
     ("gpt2.json", torch.float16), ("bloom.json", torch.bfloat16), ("gemma2.json", torch.bfloat16),
     ("phi3.json", torch.bfloat16), ("olmo2.json", torch.bfloat16), ("mamba.json", torch.bfloat16),
+    ("falcon.json", torch.float16), ("gemma3_text.json", torch.bfloat16), ("glm4.json", torch.bfloat16),
+    ("gpt_neox.json", torch.float16), ("opt.json", torch.bfloat16), ("phi.json", torch.float16),
+    ("starcoder2.json", torch.bfloat16),
 ])
 def test_a_models_forward_and_loss_are_cast_as_cuda_casts_them(name, dtype):
     """Linear layers' weights cast before their inputs (CUDA's casts run last argument first), norms
