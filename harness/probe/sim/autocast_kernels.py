@@ -133,7 +133,9 @@ def _eligible(t) -> bool:
 
 def cast(t, dtype: torch.dtype):
     """cached_cast: a floating tensor (float64 left as it is) to `dtype`, a list's in order; the cast
-    of an fp32 leaf that requires grad to autocast's dtype kept while the region lasts."""
+    of an fp32 leaf that requires grad to autocast's dtype kept while the region lasts, made with grad
+    on as torch 2.13 makes it (one kept under no_grad serves a later pass with grad, pytorch#165068),
+    none kept in inference mode."""
     if isinstance(t, (list, tuple)):
         return type(t)(cast(x, dtype) for x in t) if any(isinstance(x, torch.Tensor) for x in t) else t
     if not _eligible(t) or t.dtype == dtype:
@@ -145,8 +147,7 @@ def cast(t, dtype: torch.dtype):
         if held is not None and held[0]() is t:
             return held[1]
     keep = cacheable and not torch.is_inference_mode_enabled()
-    # (a cast kept is made with grad on, as torch 2.13's cached_cast makes it: one kept under no_grad
-    # serves a later forward with grad, pytorch#165068; the dispatcher's cast, no torch function)
+    # (the dispatcher's cast: no Python torch function sees it)
     with torch.enable_grad() if keep else contextlib.nullcontext(), torch._C.DisableTorchFunction():
         out = torch.ops.aten.to.dtype(t, dtype)
     if keep:
