@@ -92,7 +92,16 @@ CASES = {
     "autocast off inside": lambda a, b, d: _off(F.linear, b, b, device=d),
     "asks whether autocast is on": lambda a, b, d: F.linear(b, b).to(torch.get_autocast_dtype(d))
     if torch.is_autocast_enabled(d) else b,
+    # a host tensor (a script's real CPU tensor among the card's fake ones): CUDA's autocast leaves it
+    "a host tensor left alone": lambda a, b, d: (F.linear(_host(), _host()), F.linear(a, b)),
 }
+
+
+def _host() -> torch.Tensor:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return torch.ones(4, 8)
 
 
 def _off(f, *args, device):

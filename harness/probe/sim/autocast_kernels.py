@@ -93,7 +93,8 @@ def region(dtype: torch.dtype | None, enabled: bool = True, cache_enabled: bool 
         yield
         return
     with cuda_policy():
-        before = _is_enabled("cpu"), _dtype_of("cpu"), _cache_enabled()
+        before = _is_enabled("cpu"), _dtype_of("cpu"), _cache_enabled(), getattr(_local, "fake", False)
+        _local.fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
         torch.set_autocast_enabled("cpu", enabled)
         torch.set_autocast_dtype("cpu", dtype)
         torch.autocast_increment_nesting()
@@ -108,11 +109,14 @@ def region(dtype: torch.dtype | None, enabled: bool = True, cache_enabled: bool 
             torch.set_autocast_enabled("cpu", before[0])
             torch.set_autocast_dtype("cpu", before[1])
             torch.set_autocast_cache_enabled(before[2])
+            _local.fake = before[3]
 
 
 # ---- cached_cast --------------------------------------------------------------------------------
 
-_local = threading.local()  # .cache: the leaf weights' casts (id -> (weakref to the weight, cast))
+# .cache: the leaf weights' casts (id -> (weakref to the weight, cast)); .fake: whether the region
+# was entered under a FakeTensorMode (where a plain real tensor is the host's: a script's host work)
+_local = threading.local()
 
 
 def _cache() -> dict:
@@ -128,7 +132,10 @@ def clear_cache() -> None:
 
 
 def _eligible(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+    """is_eligible: a floating tensor on the card (a trace's host tensors are real ones beside fake
+    ones: CUDA's autocast leaves CPU tensors alone), float64 left as it is."""
+    return (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+            and not (getattr(_local, "fake", False) and type(t) in (torch.Tensor, torch.nn.Parameter)))
 
 
 def cast(t, dtype: torch.dtype):
