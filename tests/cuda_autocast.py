@@ -114,15 +114,17 @@ def placed(model: torch.nn.Module, device: str, dtype: torch.dtype = torch.float
 def _as_run(real: bool, dtype: torch.dtype, autocast: bool = True):
     """CUDA's own autocast to `dtype` on fake CUDA tensors (`real`), else the virtual GPU's emulation
     of CUDA (its kernels and autocast) on fake CPU tensors; autocast off where not `autocast`."""
-    from harness.probe.sim.autocast_kernels import region
+    from harness.probe.sim.autocast_kernels import real_tensors_on_the_host, region
     from harness.probe.sim.cuda_emulation import cuda_kernels
     from harness.probe.sim.cuda_script import script_autocast
 
     if real:
         with autocast_cuda(dtype) if autocast else _indexable():
             yield
-    else:  # (the code's torch.autocast and questions about it as in a trace where the CPU is the card)
-        with cuda_kernels(), script_autocast(cpu_is_card=True), region(dtype if autocast else None):
+    else:  # (the code's torch.autocast and questions about it as in a trace where the CPU is the card;
+        # a plain real tensor is the host's, as in a plain script's trace)
+        with cuda_kernels(), script_autocast(cpu_is_card=True), real_tensors_on_the_host(), \
+                region(dtype if autocast else None):
             yield
 
 

@@ -93,8 +93,7 @@ def region(dtype: torch.dtype | None, enabled: bool = True, cache_enabled: bool 
         yield
         return
     with cuda_policy():
-        before = _is_enabled("cpu"), _dtype_of("cpu"), _cache_enabled(), getattr(_local, "fake", False)
-        _local.fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+        before = _is_enabled("cpu"), _dtype_of("cpu"), _cache_enabled()
         torch.set_autocast_enabled("cpu", enabled)
         torch.set_autocast_dtype("cpu", dtype)
         torch.autocast_increment_nesting()
@@ -109,14 +108,25 @@ def region(dtype: torch.dtype | None, enabled: bool = True, cache_enabled: bool 
             torch.set_autocast_enabled("cpu", before[0])
             torch.set_autocast_dtype("cpu", before[1])
             torch.set_autocast_cache_enabled(before[2])
-            _local.fake = before[3]
 
 
 # ---- cached_cast --------------------------------------------------------------------------------
 
-# .cache: the leaf weights' casts (id -> (weakref to the weight, cast)); .fake: whether the region
-# was entered under a FakeTensorMode (where a plain real tensor is the host's: a script's host work)
+# .cache: the leaf weights' casts (id -> (weakref to the weight, cast)); .real_host: whether a plain
+# real tensor is the host's (real_tensors_on_the_host)
 _local = threading.local()
+
+
+@contextlib.contextmanager
+def real_tensors_on_the_host():
+    """While it lasts, a plain real tensor is the host's (a plain script's trace keeps its small host
+    tensors real beside the card's fake ones): autocast leaves it alone, as CUDA's leaves CPU tensors."""
+    before = getattr(_local, "real_host", False)
+    _local.real_host = True
+    try:
+        yield
+    finally:
+        _local.real_host = before
 
 
 def _cache() -> dict:
@@ -135,7 +145,7 @@ def _eligible(t) -> bool:
     """is_eligible: a floating tensor on the card (a trace's host tensors are real ones beside fake
     ones: CUDA's autocast leaves CPU tensors alone), float64 left as it is."""
     return (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
-            and not (getattr(_local, "fake", False) and type(t) in (torch.Tensor, torch.nn.Parameter)))
+            and not (getattr(_local, "real_host", False) and type(t) in (torch.Tensor, torch.nn.Parameter)))
 
 
 def cast(t, dtype: torch.dtype):

@@ -300,5 +300,6 @@ def cuda_script_on_cpu(tracker, default_host: bool = False, cpu_is_card: bool = 
     # are on its mesh's device)
     reporting = contextlib.nullcontext() if cpu_is_card else card_devices(tracker)
     mode = CudaDevicesOnCpu(tracker, default_host, real_host=default_host, cpu_is_card=cpu_is_card)
-    with script_autocast(cpu_is_card), reporting, backward_inside(mode), mode:
+    host = autocast_kernels.real_tensors_on_the_host() if default_host else contextlib.nullcontext()
+    with script_autocast(cpu_is_card), host, reporting, backward_inside(mode), mode:
         yield
