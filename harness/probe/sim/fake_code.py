@@ -151,34 +151,15 @@ def shape_only_init():
         torch.nn.init.trunc_normal_ = original
 
 
-@contextlib.contextmanager
-def distribution_checks_pass():
-    """torch.distributions checks a distribution's parameters and a scored sample against their
-    constraints (validate_args, on by default), reading whether all hold (`torch._is_all_true`, a
-    sync on CUDA): on fake tensors that is a value read. The check's ops run as they would; its
-    answer is that they hold, as in a healthy run (an invalid one raises ValueError there)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    original = torch._is_all_true
-
-    def is_all_true(t):
-        out = original(t)  # (its 0-dim bool on the card, as the check makes it)
-        return True if isinstance(out, FakeTensor) else out
-
-    torch._is_all_true = is_all_true
-    try:
-        yield
-    finally:
-        torch._is_all_true = original
-
-
-class OptimizerScalarReads:
-    """torch.optim's own steps may read scalars: Adafactor sizes its update from `.item()` of
-    norms and of its step count. On CUDA that is a sync with no allocation of its own, and the
-    value only scales the update, so inside a torch.optim step a fake tensor's `.item()` answers a
-    stand-in (1) instead of failing. So does torch.amp.GradScaler's check for inf or NaN gradients
-    before it steps the optimizer (`found_inf.item()`): none found (0), the step a healthy run takes,
-    its optimizer state made. The user's own value reads still fail, with their file and line."""
+class TorchsOwnReads:
+    """torch's own code may read tensor values where the value does not change memory; on CUDA each
+    is a sync with no allocation of its own, and on fake tensors a value read, answered here as a
+    healthy run answers it. Inside a torch.optim step a fake tensor's `.item()` answers a stand-in
+    (1: Adafactor sizes its update from norms and its step count); torch.amp.GradScaler's check for
+    inf or NaN gradients before it steps the optimizer (`found_inf.item()`) answers none found (0),
+    so the step is taken and its optimizer state made; torch.distributions' validation of parameters
+    and scored samples against their constraints (`torch._is_all_true`, on by default) runs its ops
+    and answers that they hold. The user's own value reads still fail, with their file and line."""
 
     def __init__(self):
         self.inside = 0
@@ -200,15 +181,15 @@ class OptimizerScalarReads:
     def __enter__(self):
         from torch._subclasses.fake_tensor import FakeTensor
 
-        self._original = original = torch.Tensor.item
-        self._scaler_step = scaler_step = torch.amp.GradScaler._maybe_opt_step
+        self._saved = (torch.Tensor.item, torch.amp.GradScaler._maybe_opt_step, torch._is_all_true)
+        item_of, scaler_step, all_true = self._saved
         reads = self
 
         def item(t):
             if isinstance(t, FakeTensor) and (reads.inside or reads.scaler_checks):
                 value = 1 if reads.inside else 0  # (the optimizer's step, inside the scaler's, first)
                 return bool(value) if t.dtype == torch.bool else float(value) if t.is_floating_point() else value
-            return original(t)
+            return item_of(t)
 
         def maybe_step(scaler, *args, **kwargs):
             reads.scaler_checks += 1
@@ -217,11 +198,15 @@ class OptimizerScalarReads:
             finally:
                 reads.scaler_checks -= 1
 
-        torch.Tensor.item = item  # type: ignore[method-assign]  # for the trace, restored on exit
+        def is_all_true(t):
+            out = all_true(t)  # (its 0-dim bool on the card, as the check makes it)
+            return True if isinstance(out, FakeTensor) else out
+
+        # for the trace, restored on exit
+        torch.Tensor.item, torch._is_all_true = item, is_all_true  # type: ignore[method-assign]
         torch.amp.GradScaler._maybe_opt_step = maybe_step  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc):
-        torch.Tensor.item = self._original  # type: ignore[method-assign]
-        torch.amp.GradScaler._maybe_opt_step = self._scaler_step  # type: ignore[method-assign]
+        torch.Tensor.item, torch.amp.GradScaler._maybe_opt_step, torch._is_all_true = self._saved  # type: ignore[method-assign]
         return False
