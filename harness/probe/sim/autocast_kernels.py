@@ -194,8 +194,8 @@ def _kernels() -> dict[str, object]:
     def fp32_out(op):
         at = next(i for i, a in enumerate(op._schema.arguments) if a.name == "dtype")
         positional = not op._schema.arguments[at].kwarg_only
-        fused = {"softmax": torch.ops.aten._softmax.default, "log_softmax": torch.ops.aten._log_softmax.default}.get(
-            op._schema.name.removeprefix("aten::"))
+        name = op._schema.name.removeprefix("aten::")
+        softmax = name in _HALF_TO_FLOAT
 
         def kernel(*args, **kwargs):
             with _in_kernel():
@@ -207,12 +207,8 @@ def _kernels() -> dict[str, object]:
                 elif kwargs.get("dtype") is None:
                     kwargs = {**kwargs, "dtype": torch.float32}
                 dtype = args[at] if positional and len(args) > at else kwargs["dtype"]
-                # CUDA's softmax of a Half input to fp32 is one kernel (SoftMax.cpp, half_to_float);
-                # a script's real host tensors run the CPU's, which has none
-                if fused is not None and dtype == torch.float32 and args[0].dtype == torch.float16 \
-                        and isinstance(args[0], FakeTensor):
-                    return fused(args[0], args[1], True)
-                return op(*args, **kwargs)
+                out = softmax_half_to_float(name, args[0], args[1], dtype) if softmax else None
+                return op(*args, **kwargs) if out is None else out
         return kernel
 
     def fp32_appended(op, to):
@@ -235,6 +231,22 @@ def _kernels() -> dict[str, object]:
     out.update((n, casting(_op(n), lambda args: _promoted(_dtype_of("cpu"), args))) for n in PROMOTE)
     out.update((n, banned(m)) for n, m in BANNED.items())
     return out
+
+
+# softmax's composite as CUDA runs it (SoftMax.cpp): a Half input to fp32 is one kernel (half_to_float),
+# where the CPU's first copies the input to fp32. Autocast's fp32 output reaches it, and so does a
+# call asking for fp32 itself (cuda_emulation.cuda_kernels).
+_HALF_TO_FLOAT = {"softmax": torch.ops.aten._softmax.default, "log_softmax": torch.ops.aten._log_softmax.default}
+
+
+def softmax_half_to_float(name: str, input, dim, dtype) -> torch.Tensor | None:
+    """`name` (softmax or log_softmax) of `input` over `dim` to `dtype` as CUDA's one kernel makes
+    it where it does (a Half fake tensor to fp32; a script's real host tensors run the CPU's, which
+    has none), else None."""
+    if dtype != torch.float32 or input.dtype != torch.float16 or not isinstance(input, FakeTensor) \
+            or not isinstance(dim, int):
+        return None
+    return _HALF_TO_FLOAT[name](input, dim, True)
 
 
 def _completed(op, args: tuple, kwargs: dict) -> tuple:

@@ -25,7 +25,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch._subclasses import fake_impls
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function_variadic
 
 from harness.config import attention
@@ -110,15 +109,7 @@ def cuda_dropout(input, p=0.5, training=True, inplace=False):
     return torch.ops.aten.native_dropout(input, p, True)[0]
 
 
-# ---- autocast ----------------------------------------------------------------------------------
-
-_LOW_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def _given_dtype(args, kwargs) -> torch.dtype | None:
-    """The dtype a call asks for (a keyword, or positional: a torch.dtype is only ever that argument)."""
-    return kwargs.get("dtype") or next((a for a in args[1:] if isinstance(a, torch.dtype)), None)
-
+# ---- grouped GEMM -------------------------------------------------------------------------------
 
 def grouped_mm_output(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     """What CUDA's torch._grouped_mm allocates: its output, its rows padded to 16 bytes as
@@ -185,21 +176,28 @@ def unpacked_sequences():
 
 # ---- kernels whose outputs differ from the CPU's -----------------------------------------------
 
-# softmax and log_softmax of a Half input to fp32: CUDA's is one kernel (SoftMax.cpp, half_to_float),
-# where the CPU's first copies the input to fp32 (an fp32 copy of the scores of eager attention)
-_SOFTMAXES = {f: torch.ops.aten._softmax.default for f in (torch.softmax, torch.Tensor.softmax, F.softmax)} | {
-    f: torch.ops.aten._log_softmax.default for f in (torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax)}
+_LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+# A softmax or log_softmax asking for fp32 of a Half input: CUDA's one kernel
+# (autocast_kernels.softmax_half_to_float; no fp32 copy of eager attention's scores first)
+_SOFTMAXES = {f: "softmax" for f in (torch.softmax, torch.Tensor.softmax, F.softmax)} | {
+    f: "log_softmax" for f in (torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax)}
+
+
+def _given_dtype(args, kwargs) -> torch.dtype | None:
+    """The dtype a call asks for (a keyword, or positional: a torch.dtype is only ever that argument)."""
+    return kwargs.get("dtype") or next((a for a in args[1:] if isinstance(a, torch.dtype)), None)
 
 
 class _HalfToFloat(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        fused = _SOFTMAXES.get(func)
-        # (fake tensors only: a script's real host tensors run the CPU's kernel, which has no such path)
-        if fused is not None and args and isinstance(args[0], FakeTensor) and args[0].dtype == torch.float16:
+        name = _SOFTMAXES.get(func)
+        if name is not None and args and isinstance(args[0], torch.Tensor):
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
-            if _given_dtype(args, kwargs) == torch.float32 and isinstance(dim, int):
-                return fused(args[0], dim, True)
+            out = autocast_kernels.softmax_half_to_float(name, args[0], dim, _given_dtype(args, kwargs))
+            if out is not None:
+                return out
         return func(*args, **kwargs)
 
 
