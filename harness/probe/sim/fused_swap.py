@@ -106,8 +106,7 @@ def _forward(events, i, frm, to, out, resized, keys, dropped) -> int:
         raise ValueError(f"trace row {i}: a fused forward without its outputs ({sorted(roles)})")
     # each of `to`'s small outputs takes the storage freed where it is freed; without grad they go
     # as the call returns: nothing but frees between it and them
-    last = _last_free(events, i, {roles[name].key for name, _ in _SMALL[frm]})
-    paired = _PAIRED[last is None or any(events[j].action != "free" for j in range(i, last))]
+    paired = _PAIRED[not _freed_as_it_returns(events, i, {roles[name].key for name, _ in _SMALL[frm]})]
     paired = {**paired, **{v: k for k, v in paired.items()}}
     made = []
     for name, size in _SMALL[to]:
@@ -127,16 +126,15 @@ def _forward(events, i, frm, to, out, resized, keys, dropped) -> int:
     return i
 
 
-def _last_free(events, i, keys: set[int]) -> int | None:
-    """The row from `i` on at which the last of `keys` is first freed (None: one never is, as where
-    a leaked graph holds it)."""
+def _freed_as_it_returns(events, i, keys: set[int]) -> bool:
+    """Whether each of `keys` is freed in the run of frees from row `i` (the call's return), not
+    after some later allocation nor never (a graph saved them). Only that run is read: a scan to
+    the saved ones' frees in backward made a 70B trace's rewrite quadratic (0.2 s of 0.3 s)."""
     left = set(keys)
-    for j in range(i, len(events)):
-        if events[j].action == "free" and events[j].key in left:
-            left.discard(events[j].key)
-            if not left:
-                return j
-    return None
+    while left and i < len(events) and events[i].action == "free":
+        left.discard(events[i].key)
+        i += 1
+    return not left
 
 
 def _backward(events, i, shape: FusedShape, frm, to, out, keys) -> int:
