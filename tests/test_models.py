@@ -176,3 +176,16 @@ def test_a_mixture_of_experts_in_fp32_takes_cudas_grouped_mm_fallback(tmp_path):
     # checkpointed, its routing runs again in backward (on the card, as in the forward)
     ckpt, _ = run_point(point.replace(checkpointing=True))
     assert ckpt["params_bytes"] == m["params_bytes"] and ckpt["activations_bytes"] < m["activations_bytes"]
+
+
+def test_the_model_built_on_meta_is_kept_for_its_config_and_built_anew_for_another():
+    """models.on_meta hands the last model it built to the next asker of an equal config (a
+    zygote's warm-up builds what its points ask about again); another config gets its own."""
+    from harness.config.models import on_meta
+
+    cfg = model_cfg("7b")
+    first = on_meta(hf_config(cfg))
+    assert on_meta(hf_config(cfg)) is first  # an equal config, made anew
+    shallow = on_meta(hf_config({**cfg, "hf": {**cfg["hf"], "num_hidden_layers": 2}}))
+    assert shallow is not first and len(shallow.model.layers) == 2
+    assert len(on_meta(hf_config(cfg)).model.layers) == 32
