@@ -336,7 +336,7 @@ def test_cards_judged_by_a_rewritten_trace_are_judged_as_by_a_trace_of_their_own
     ways = worker._edges_apart(point, row, AllocSettings(), apart, tmp_path / "rewritten", n, rewritten, sized)
     assert [(how.split(" with ")[0], keys) for how, keys in ways.items()] == \
         [("a trace of their attention kernels", source)] * bool(source) + [(way, [c.key for c in around])]
-    monkeypatch.setattr(fused_swap, "frame", lambda df, to: None)  # as for a trace from before the codes
+    monkeypatch.setattr(fused_swap, "frame", lambda df, to, events=None: None)  # as for a trace from before the codes
     traced: dict[str, tuple] = {}
     ways = worker._edges_apart(point, row, AllocSettings(), apart, tmp_path / "traced", n, traced, sized)
     assert ways == {"a trace of their attention kernels": [c.key for c in apart]}

@@ -15,6 +15,7 @@ from harness.analysis.verdict import verdicts
 from harness.config import cards
 from harness.config.point import Card
 from harness.probe.sim import reserved
+from harness.probe.sim.per_card import Sized
 from harness.probe.sim.trace import run_point
 from harness.record import trace_store
 from harness.report import tables
@@ -134,7 +135,7 @@ def test_a_card_of_fewer_sms_near_its_edge_is_judged_with_its_own_kernel_scratch
               TraceEvent(4, "free", 2, buffer, "temporary", "backward", 0, "")]
     point = train_point().replace(gpu=h200)
     rec = {**base_record(point), "peak_allocated_bytes": tensor + buffer + 512, "attention_calls": None}
-    row = worker._replayed(point, rec, trace_store.to_frame(events), tmp_path, 0.0)
+    row = worker._replayed(point, rec, Sized(trace_store.to_frame(events), events), tmp_path, 0.0)
     assert "t4" in row["fits_cards"] and "t4" not in row["tight_cards"]
     assert row["peak_allocated_bytes"] == tensor + buffer + 512  # the H200's own, as traced
 
@@ -247,7 +248,6 @@ def test_edges_from_lean_replays_within_bounds_are_the_unlimited_replays_edges()
 def test_a_cards_rows_resize_its_kernel_scratch_and_drop_the_launches_it_makes_none_of():
     """per_card.Sized.rows (the traced rows copied, the scratch rows resized) agrees with the frame
     sized for the card (trace_store.sized_for), where a card's launch makes no staging buffer too."""
-    from harness.probe.sim.per_card import Sized
     from harness.probe.sim.tracker import TraceEvent
 
     code = "reduce:0:4,8192,4096,0,1,4"  # 70B's RMSNorm weight gradient: none on a card of one SM
@@ -263,6 +263,22 @@ def test_a_cards_rows_resize_its_kernel_scratch_and_drop_the_launches_it_makes_n
     assert [r.key for r in sized.rows(one_sm)] == [1, 1]
     assert {r.size for r in sized.rows(cards.by_key()["l4"]) if r.key == 2} == {46137344}
 
+
+
+def test_a_traces_rows_made_of_its_events_are_the_ones_read_back_from_its_frame():
+    """per_card.Sized given the events its frame was made of (a fresh trace's: the frame not read
+    back) has every card's rows as one of the frame alone: tags, sizes, streams, placeholders and
+    all (tiny over FSDP2: its communication stream's requests too)."""
+    from harness.config.point import Parallel
+
+    _, tracker = run_point(train_point(batch_size=2, seq_len=64).replace(parallel=Parallel(dp_shard=2)))
+    events = tracker.events
+    df = trace_store.to_frame(events)
+    made, read = Sized(df, events), Sized(df)
+    assert len({r.stream for r in read.rows(None)}) > 1
+    for card in (None, *cards.cards()):
+        assert made.rows(card) == read.rows(card), card
+    assert made.rows(None) == trace_store.replay_rows(df, placeholders=True)
 
 def _from_checkpoints_or_start(rows, settings, checkpoints, capacities) -> tuple[list, list]:
     """Each capacity's lean replay of `rows` (its first OOM and its cache flushes) going on from
@@ -303,7 +319,6 @@ def test_a_cards_lean_replay_goes_on_from_the_points_checkpoints_while_its_state
     the checkpoints kept is the replay from the start; one from every checkpoint is not, but where
     the states are alike."""
     from harness.allocator.model import Device
-    from harness.probe.sim.per_card import Sized
 
     meanwhile = (("alloc", 3, 100),) if scenario == "pool_taken_meanwhile" else (("alloc", 3, 1 / 1024),)  # small pool
     first = 60 if scenario == "cached_too_small" else 200
@@ -331,7 +346,6 @@ def _demo_1b_over_four():
     """demo-1b over 4 A100s (FSDP2, b2 s1024, one layer, two steps) traced once for this module: the
     card, the point, its trace Sized, the default settings and the replay's peaks."""
     from harness.config.point import Parallel
-    from harness.probe.sim.per_card import Sized
     from harness.probe.sim.shortcut import at_depth
 
     a100 = cards.by_key()["a100-80gb"]
@@ -423,7 +437,6 @@ def test_cards_of_another_workspace_are_decided_as_their_own_replay_decides_them
 
     from harness.config import cublas
     from harness.probe import worker
-    from harness.probe.sim.per_card import Sized
 
     a100 = cards.by_key()["a100-80gb"]
     point = train_point(model="tiny", batch_size=16, seq_len=1024).replace(gpu=a100)
@@ -466,7 +479,7 @@ def test_a_larger_workspace_that_costs_a_segment_is_no_fit_on_a_card_the_traced_
     rec = {**base_record(point), "peak_allocated_bytes": big, "attention_calls": None}
     df = trace_store.to_frame(events)
     df.to_parquet(tmp_path / trace_store.TRACE_FILE, index=False)
-    row = worker._replayed(point, rec, df, tmp_path, 0.0)
+    row = worker._replayed(point, rec, Sized(df, events), tmp_path, 0.0)
     assert row["peak_reserved_bytes"] == big
     assert h100.at_worst().room() > big + 16 * GiB  # what any bound on the traced peaks would call room
     assert "h100-80gb" not in row["fits_cards"] and "a100-80gb" in row["fits_cards"]

@@ -13,7 +13,6 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from harness.allocator.replay import Kept, ranges_alike
 from harness.allocator.settings import AllocSettings
@@ -35,9 +34,6 @@ from harness.record.provenance import USER_CODE
 from harness.record.ranks import RANK_RESULT_FILE
 from harness.record.row import CARD_RESERVED, COLUMNS, POINT_FILE, RESULT_FILE, WORKSPACE, base_record, recorded_edge, write_row
 
-if TYPE_CHECKING:
-    import pandas as pd
-
 _COLUMNS = frozenset(COLUMNS)  # what of a trace's measurements a row holds
 # How a card is judged: its edge (reserved.EDGES), and its reserved peak without a limit where a
 # replay of the run as that card makes it found one (None: the traced card's, or an OOM by bounds)
@@ -55,15 +51,16 @@ def run_sim(point: Point, run_dir: Path) -> dict:
 def _run_sim(point: Point, run_dir: Path) -> dict:
     t0 = time.perf_counter()
     rec = base_record(point)
-    df, m, reused = _traced(point, run_dir / trace_store.TRACE_FILE)
+    df, m, reused, events = _traced(point, run_dir / trace_store.TRACE_FILE)
     rec.update(m, trace_reused=reused, device_name=f"virtual {point.gpu.device_name}")
-    return _replayed(point, rec, df, run_dir, t0)
+    return _replayed(point, rec, Sized(df, events), run_dir, t0)
 
 
 def _traced(point: Point, trace_path: Path):
-    """The point's trace, written to `trace_path`, and its measurements (row columns): the one in
-    the sweep's trace cache of a point that differs only in allocator or card (its id then, else
-    None), or a new one (a preset synthesized from a few layers where that is exact), cached."""
+    """The point's trace, written to `trace_path`, its measurements (row columns), the id of the
+    one in the sweep's trace cache it is where it is one of a point that differs only in allocator
+    or card (else None: a new one, a preset's synthesized from a few layers where that is exact,
+    cached), and the events a new one's frame was made of (None for a cached one)."""
     # A trace that read the card is kept for that card and allocator setting only; one without
     # attention calls for every card; one of another card's attention class where this card takes
     # its calls alike (config.attention).
@@ -80,7 +77,7 @@ def _traced(point: Point, trace_path: Path):
             continue
         df, m = cached
         df.to_parquet(trace_path, index=False)
-        return df, m, key
+        return df, m, key, None
     with _reading(point) as read:
         traced = shortcut.trace(point)
     m = _measured(point, traced.measurements, read)
@@ -88,7 +85,7 @@ def _traced(point: Point, trace_path: Path):
     df.to_parquet(trace_path, index=False)
     key = own if traced.findings.get(READS_CARD) else tid if m.get(ATTENTION_CALLS) else anywhere
     trace_store.save_cached(cache, key, trace_path, m)
-    return df, m, None
+    return df, m, None, traced.events
 
 
 def run_cpu(point: Point, run_dir: Path) -> dict:
@@ -108,7 +105,7 @@ def _run_cpu(point: Point, run_dir: Path) -> dict:
     rec.update(_measured(point, m, read), device_name=f"CPU tensors, replayed on {point.gpu.device_name}")
     df = trace_store.to_frame(tracker.events)
     df.to_parquet(run_dir / trace_store.TRACE_FILE, index=False)
-    return _replayed(point, rec, df, run_dir, t0)
+    return _replayed(point, rec, Sized(df), run_dir, t0)
 
 
 def _reading(point: Point):
@@ -124,9 +121,9 @@ def _measured(point: Point, m: dict, read: set[str]) -> dict:
     return out
 
 
-def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
-    """The row of a traced point: the trace replayed through the allocator model on its card and
-    every catalog card."""
+def _replayed(point: Point, rec: dict, sized: Sized, run_dir: Path, t0: float) -> dict:
+    """The row of a traced point: the trace (`sized`) replayed through the allocator model on its
+    card and every catalog card."""
     import torch
     import transformers
 
@@ -137,7 +134,7 @@ def _replayed(point: Point, rec: dict, df, run_dir: Path, t0: float) -> dict:
     # The trace as the point's card runs it: its kernels' scratch sized there (config.kernels; a
     # trace is shared by cards of other SM counts). The storages' peak is the traced one, less
     # what that scratch is smaller by here.
-    cards, sized = catalog.cards(), Sized(df)
+    cards = catalog.cards()
     rows = sized.rows(point.gpu)
     rec["peak_tensor_bytes"] = rec["peak_allocated_bytes"] - sized.shift(point.gpu)[1]
     # The catalog's cards whose attention kernels this trace's calls would not take are judged
@@ -201,26 +198,27 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
     for c in apart:
         alike.setdefault(tuple(attention.kernel(c.capability, call) for call in calls), []).append(c)
     ways: dict[str, list[str]] = {}
-    # the traces at hand, by the kernels their calls took: whose, its frame and its measurements
-    at_hand: dict[tuple, tuple[str, pd.DataFrame, dict]] = {taken: ("this trace", sized.df, rec)}
+    # the traces at hand, by the kernels their calls took: whose, it and its measurements
+    at_hand: dict[tuple, tuple[str, Sized, dict]] = {taken: ("this trace", sized, rec)}
     # cuDNN's calls as flash makes them: what a kernel that holds more than flash holds at least
     as_flash = tuple(FLASH if t == CUDNN else t for t in taken)
     rewrites: dict[tuple, tuple] = {}  # (a trace's kernels, kernel) -> it rewritten for that and its storages' peak
 
-    def rewrite(took: tuple, to: str) -> tuple:
+    def rewrite(took: tuple, to: str) -> tuple[Sized | None, int | None]:
         if (took, to) not in rewrites:
-            df = fused_swap.frame(at_hand[took][1], to)
-            rewrites[took, to] = (df, None if df is None else trace_store.storages_peak(df))
+            traced = at_hand[took][1]
+            made = fused_swap.frame(traced.df, to, traced.events)
+            rewrites[took, to] = (None, None) if made is None else (Sized(*made), trace_store.storages_peak(made[0]))
         return rewrites[took, to]
 
-    def rewritten_for(attending: tuple) -> tuple[str, pd.DataFrame, dict] | None:
+    def rewritten_for(attending: tuple) -> tuple[str, Sized, dict] | None:
         """(whose trace, it rewritten for the kernels `attending`, its measurements) where only flash
         and cuDNN differ: the point's own, else a traced group's."""
-        for took, (whose, _frame, measured) in at_hand.items():
+        for took, (whose, _trace, measured) in at_hand.items():
             to = attention.swapped_to(attending, took)
-            df, peak = (None, None) if to is None else rewrite(took, to)
-            if df is not None:
-                return whose, df, {**measured, "peak_allocated_bytes": peak}
+            made, peak = (None, None) if to is None else rewrite(took, to)
+            if made is not None:
+                return whose, made, {**measured, "peak_allocated_bytes": peak}
         return None
 
     # (groups of cuDNN calls last: a flash group's trace, traced first, may judge them rewritten)
@@ -242,18 +240,19 @@ def _edges_apart(point: Point, rec: dict, settings: AllocSettings, apart: list, 
         path = trace_store.apart_path(run_dir / trace_store.TRACE_FILE, group[0].key)
         found = rewritten_for(attending)
         if found is not None:
-            whose, df, m = found
-            df.to_parquet(path, index=False)
+            whose, theirs, m = found
+            theirs.df.to_parquet(path, index=False)
             how = f"{whose} with its fused attention's rows as their kernel makes them"
         else:
-            df, m, _ = _traced(_on_card(point, group[0]), path)
-            at_hand[attending] = (f"{group[0].key}'s trace", df, m)
+            df, m, _, events = _traced(_on_card(point, group[0]), path)
+            theirs = Sized(df, events)
+            at_hand[attending] = (f"{group[0].key}'s trace", theirs, m)
             how = "a trace of their attention kernels"
         ways.setdefault(how, []).extend(c.key for c in group)
         for c in group[1:]:  # each card's trace where a plan with a margin looks for it (plan.fit)
             trace_store.apart_path(path, c.key).unlink(missing_ok=True)
             os.link(path, trace_store.apart_path(path, c.key))
-        edges.update(_edges_by_sizes(Sized(df), settings, _on_card(point, group[0]), group, m))
+        edges.update(_edges_by_sizes(theirs, settings, _on_card(point, group[0]), group, m))
     return ways
 
 

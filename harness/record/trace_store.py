@@ -150,13 +150,25 @@ def replay_rows(df: pd.DataFrame, placeholders: bool = False) -> list[ReplayRow]
         df = df[df["size"] != 0]
     # Python lists, not Series: iterating a Series boxes every value (seconds for a 100k-event trace)
     cols = {c: df[c].tolist() for c in ("phase", "step", "module", "kind", "action", "key")}
+    streams = df["stream"].astype("int64").tolist() if "stream" in df else [0] * len(df)  # (one stream before)
+    return _rows(cols["action"], cols["key"], df["size"].astype("int64").tolist(), cols["phase"], cols["step"],
+                 cols["module"], cols["kind"], streams)
+
+
+def replay_rows_of(events: list[TraceEvent]) -> list[ReplayRow]:
+    """replay_rows(to_frame(events), placeholders=True), without the frame (its columns read back
+    cost a 70B rank's 92k rows 0.07 s)."""
+    if not events:
+        return []
+    _seq, action, key, size, kind, phase, step, module, stream, _kernel = zip(*events, strict=True)
+    return _rows(action, key, size, phase, step, module, kind, stream)
+
+
+def _rows(action, key, size, phase, step, module, kind, stream) -> list[ReplayRow]:
     # One tag per distinct place (a few hundred in a trace of tens of thousands of events)
     places: dict[tuple, EventTag] = {}
-    tags = (places.get(p) or places.setdefault(p, EventTag._make(p))
-            for p in zip(cols["phase"], cols["step"], cols["module"], cols["kind"]))
-    streams = df["stream"].astype("int64").tolist() if "stream" in df else [0] * len(df)  # (one stream before)
-    return list(map(ReplayRow._make, zip(cols["action"], cols["key"], df["size"].astype("int64").tolist(), tags,
-                                         streams)))
+    tags = (places.get(p) or places.setdefault(p, EventTag._make(p)) for p in zip(phase, step, module, kind))
+    return list(map(ReplayRow._make, zip(action, key, size, tags, stream)))
 
 
 def _is_workspace(r: ReplayRow) -> bool:

@@ -38,16 +38,19 @@ _PAIRED = {True: {"rng": "offset", "unused": "seed"}, False: {"unused": "offset"
 _CUDNN_FORWARD_SCRATCH = 256
 
 
-def frame(df: pd.DataFrame, to: str) -> pd.DataFrame | None:
-    """A trace's frame with each fused call's rows as kernel `to` makes them; None for a trace
-    whose rows do not say which are its fused calls' (from before they did), or do not lie as
-    `swapped` knows them (the caller traces the card instead)."""
+def frame(df: pd.DataFrame, to: str, events: list[TraceEvent] | None = None
+          ) -> tuple[pd.DataFrame, list[TraceEvent]] | None:
+    """A trace's frame with each fused call's rows as kernel `to` makes them, and its events
+    (`events`: the frame's own, where at hand, else read from it); None for a trace whose rows do not
+    say which are its fused calls' (from before they did), or do not lie as `swapped` knows them
+    (the caller traces the card instead)."""
     if "kernel" not in df or not df["kernel"].str.startswith(FUSED_PREFIX).any():
         return None
     try:
-        return trace_store.to_frame(swapped(trace_store.events(df), to))
+        rewritten = swapped(trace_store.events(df) if events is None else events, to)
     except ValueError:
         return None
+    return trace_store.to_frame(rewritten), rewritten
 
 
 def swapped(events: list[TraceEvent], to: str) -> list[TraceEvent]:

@@ -16,8 +16,10 @@ from harness.record import trace_store
 class Sized:
     """A trace (its frame) and its replay rows per card."""
 
-    def __init__(self, df) -> None:
-        self.df = df
+    def __init__(self, df, events: list | None = None) -> None:
+        """`events`: the trace's events the frame was made of (trace_store.to_frame), where at hand:
+        its rows are made of them rather than read back from the frame."""
+        self.df, self.events = df, events
         self.codes = trace_store.kernel_codes(df)  # code -> bytes on the card traced
         self._sizes: dict[tuple, tuple[int, ...]] = {}
         self._rows: dict[tuple, list[ReplayRow]] = {}  # (sizes, each workspace's bytes or None) -> rows
@@ -70,7 +72,8 @@ class Sized:
     def _framed_rows(self) -> list[ReplayRow]:
         """Every row of the frame, a launch's placeholders (0 B as traced: kernel_scratch) too."""
         if self._framed is None:
-            self._framed = trace_store.replay_rows(self.df, placeholders=True)
+            self._framed = (trace_store.replay_rows(self.df, placeholders=True) if self.events is None
+                            else trace_store.replay_rows_of(self.events))
         return self._framed
 
     def _workspace_rows(self) -> list[int]:
