@@ -182,3 +182,60 @@ def test_a_plan_groups_label_says_which_checkpointing_it_keeps_from_a_frame_row_
     labels = [group_label(r) for _, r in df.iterrows()]
     assert labels == [group_label(r) for r in df.itertuples(index=False)]
     assert [label.split(",")[0] for label in labels] == ["7b train bf16", "7b train bf16 ckpt", "7b train bf16 ckpt=op"]
+
+
+def _wide_table(n_runs: int = 3):
+    """A fits table of key columns and six cards, two pairs of them alike in every run, and its
+    fit_long (run_id, card, edge)."""
+    from harness.report import tables
+
+    cards_ = ["l4", "a10g", "rtx4090", "a100-80gb", "h100-80gb", "h100-pcie"]
+    edges = {"l4": ["oom", "oom", "tight"], "a10g": ["oom", "oom", "tight"], "rtx4090": ["oom", "after_retry", "room"],
+             "a100-80gb": ["oom", "room", "room"], "h100-80gb": ["after_retry", "room", "room"],
+             "h100-pcie": ["after_retry", "room", "room"]}
+    long = pd.DataFrame([{"run_id": f"r{i}", "card": c, "edge": edges[c][i], "headroom_pct": 12.0}
+                         for i in range(n_runs) for c in cards_])
+    header = ["GPUs", "status", "kind", "alloc GiB", "reserved GiB", *cards_]
+    rows = [[f"{8 * 2 ** i} FSDP2", "ok", "activations", "80.32", "98.08",
+             *[tables._cell(edges[c][i], 12.0) for c in cards_]] for i in range(n_runs)]
+    return (header, rows), long
+
+
+def test_cards_a_terminal_cannot_show_whole_go_to_the_caption_alike_ones_first():
+    """report.tables.fold_to_width: the shown columns fit the width, each whole; a card whose edge
+    in every run is that of a card to its left goes first, then cards from the right; the runs' own
+    cards stay; a table that fits is left alone."""
+    from harness.report import tables
+
+    table, long = _wide_table()
+    widths = [max(len(h), *(len(r[i]) for r in table[1])) for i, h in enumerate(table[0])]
+    whole = sum(w + 3 for w in widths) + 1
+    assert tables.fold_to_width(table, long, set(), whole) == (table, "")
+    (header, rows), caption = tables.fold_to_width(table, long, set(), whole - 1)
+    assert header == table[0][:-1] and caption.endswith("h100-pcie as h100-80gb")  # the last twin first
+    (header, rows), caption = tables.fold_to_width(table, long, {"a10g"}, whole - 40)
+    shown = sum(max(len(h), *(len(r[i]) for r in rows)) + 3 for i, h in enumerate(header)) + 1
+    assert shown <= whole - 40 and header[:5] == table[0][:5] and "a10g" in header
+    assert all(len(r) == len(header) for r in rows)
+    assert set(table[0]) - set(header) == {c.split(" as ")[0] for c in caption.split(": ")[1].split(", ")}
+
+
+def test_the_terminals_fit_table_keeps_the_runs_figures_whole_on_a_narrow_console(monkeypatch, capsys):
+    """The words a user reads: on a console too narrow for every card the runs' own columns are
+    printed whole ("alloc GiB", "8 FSDP2") and the cards left out are named under the table."""
+    import rich.console
+
+    from harness.report import console
+
+    table, long = _wide_table()
+    df = pd.DataFrame([{"run_id": f"r{i}", "model": "70b", "workload": "train", "batch_size": 1, "seq_len": 4096,
+                        "precision": "bf16", "checkpointing": True, "dp_shard": 8 * 2 ** i, "world_size": 8 * 2 ** i,
+                        "optimizer": "adamw",
+                        "optimizer_impl": "auto", "allocator_conf": None, "gpu": "A100 80GB", "backend": "sim",
+                        "status": "ok", "kind": "activations", "peak_allocated_bytes": 80 * 2**30,
+                        "peak_reserved_bytes": 98 * 2**30} for i in range(3)])
+    monkeypatch.setattr(console, "_console", lambda: rich.console.Console(width=110, force_terminal=False))
+    console.render(df, long, "title")
+    out = capsys.readouterr().out
+    assert "alloc GiB" in out and "reserved GiB" in out and "8 FSDP2" in out and "activations" in out
+    assert "not shown for the terminal's width:" in out.replace("\n", " ")

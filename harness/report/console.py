@@ -74,8 +74,10 @@ def render(df: pd.DataFrame, fit_long: pd.DataFrame, title: str) -> None:
     table, same = tables.fold_constant(tables.fits_table(df, fit_long), columns=tables.FITS_IDENTITY_COLUMNS)
     own = {c.key for c in catalog.cards() if c.name in set(df["gpu"].astype(str))}
     table, uniform = tables.fold_uniform_cards(table, fit_long, own)  # 20 cards do not fit a terminal
+    table, narrow = tables.fold_to_width(table, fit_long, own, _console().width)  # nor do 14 that differ
     first_number = table[0].index("alloc GiB")
-    caption = FITS_CAPTION + "; GiB = 1024^3 B" + (f"\n{uniform} (report.html has every card)" if uniform else "")
+    folded = "; ".join(c for c in (uniform, narrow) if c)
+    caption = FITS_CAPTION + "; GiB = 1024^3 B" + (f"\n{folded} (report.html has every card)" if folded else "")
     _print(table, f"{title}\n{same}" if same else title, caption, right_from=first_number)
     console = _console()
     counts = df["status"].value_counts().to_dict()

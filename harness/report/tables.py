@@ -123,6 +123,42 @@ def fold_uniform_cards(table: Table, fit_long: pd.DataFrame, keep: set[str]) -> 
     return ([header[i] for i in kept], [[r[i] for i in kept] for r in rows]), caption
 
 
+
+def fold_to_width(table: Table, fit_long: pd.DataFrame, keep: set[str], width: int) -> tuple[Table, str]:
+    """Card columns that a terminal of `width` characters cannot show beside the rest, each column
+    whole, moved into a caption (rich squeezes every column to fit, the runs' own figures too:
+    "allo" for "alloc GiB", "o" for "oom"): first those whose edge in every run is that of a card
+    shown to their left ("h100-pcie as h100-80gb"), then from the right (the cards of most memory);
+    the `keep` cards (the runs' own) stay."""
+    header, rows = table
+    if not rows or fit_long.empty:
+        return table, ""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    shown = list(range(len(header)))
+
+    def over() -> bool:  # each column's padding and rule beside its text, and the table's last rule
+        return sum(widths[i] + 3 for i in shown) + 1 > width
+
+    if not over():
+        return table, ""
+    edges = {card: dict(zip(g["run_id"], g["edge"], strict=True)) for card, g in fit_long.groupby("card", sort=False)}
+    cards = [i for i, h in enumerate(header) if h in edges and h not in keep]
+    alike: dict[int, str] = {}  # a card's column -> the card to its left whose edges it has
+    for n, i in enumerate(cards):
+        twin = next((header[j] for j in cards[:n] if edges[header[j]] == edges[header[i]]), None)
+        if twin is not None:
+            alike[i] = twin
+    dropped = []
+    for i in [*reversed(list(alike)), *reversed([i for i in cards if i not in alike])]:
+        if not over():
+            break
+        shown.remove(i)
+        dropped.append(i)
+    told = [f"{header[i]} as {alike[i]}" if i in alike and alike[i] in {header[j] for j in shown} else header[i]
+            for i in sorted(dropped)]
+    caption = f"not shown for the terminal's width: {', '.join(told)}" if told else ""
+    return ([header[i] for i in shown], [[r[i] for i in shown] for r in rows]), caption
+
 def math_path_table(df: pd.DataFrame) -> Table:
     """Each run whose attention takes the math path on its card, and why (analysis.attention_path)."""
     rows = [[job_label(r), str(r["gpu"]), math_path(p, str(r["gpu"]))]
