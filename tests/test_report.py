@@ -222,7 +222,8 @@ def test_cards_a_terminal_cannot_show_whole_go_to_the_caption_alike_ones_first()
 
 def test_the_terminals_fit_table_keeps_the_runs_figures_whole_on_a_narrow_console(monkeypatch, capsys):
     """The words a user reads: on a console too narrow for every card the runs' own columns are
-    printed whole ("alloc GiB", "8 FSDP2") and the cards left out are named under the table."""
+    printed whole ("alloc GiB", "8 FSDP2") and the cards left out are named under the table; a sweep
+    over GPU counts then prints the fewest of them each card holds."""
     import rich.console
 
     from harness.report import console
@@ -239,3 +240,37 @@ def test_the_terminals_fit_table_keeps_the_runs_figures_whole_on_a_narrow_consol
     out = capsys.readouterr().out
     assert "alloc GiB" in out and "reserved GiB" in out and "8 FSDP2" in out and "activations" in out
     assert "not shown for the terminal's width:" in out.replace("\n", " ")
+    console.render_capacity(*_spread_rows())  # and the answer to "how many of which card", a card group a row
+    out = capsys.readouterr().out
+    assert "Cards x count" in out and "l4, a10g" in out and "16 FSDP2 tight" in out
+
+
+def _spread_rows(batches=(1,), counts=(8, 16)):
+    """Rows of a 70B job over FSDP2 counts (one per batch and count) and their fit_long: l4 and a10g
+    alike (tight over 16 only), a100-80gb and h100-80gb alike (over 8 and 16), t4 never."""
+    rows, long = [], []
+    for b in batches:
+        for n in counts:
+            rid = f"b{b}-{n}"
+            rows.append({"run_id": rid, "model": "70b", "workload": "train", "batch_size": b, "seq_len": 4096,
+                         "precision": "bf16", "checkpointing": True, "world_size": n, "dp_shard": n,
+                         "optimizer": "adamw", "optimizer_impl": "auto", "allocator_conf": None, "gpu": "A100 80GB",
+                         "backend": "sim", "status": "ok", "kind": "activations", "peak_allocated_bytes": 2**30,
+                         "peak_reserved_bytes": 2**30})
+            edges = {"t4": "oom", "l4": "tight" if n == 16 and b == 1 else "oom",
+                     "a10g": "tight" if n == 16 and b == 1 else "oom", "a100-80gb": "room", "h100-80gb": "room"}
+            long += [{"run_id": rid, "card": c, "edge": e, "headroom_pct": 10.0} for c, e in edges.items()]
+    return pd.DataFrame(rows), pd.DataFrame(long)
+
+
+def test_the_cards_x_count_answer_groups_the_cards_of_one_answer_and_turns_for_one_job():
+    """report.tables.cards_by_count: a column per set of cards that answer alike for every job, a
+    row per job (its knobs that differ); tables.turned puts one job's answers down the page."""
+    from harness.report import tables
+
+    (header, rows), same = tables.cards_by_count(*_spread_rows(batches=(1, 2)))
+    assert header == ["job", "t4", "l4, a10g", "a100-80gb, h100-80gb"] and "model 70b" in same
+    assert rows == [["batch per GPU 1", "-", "16 FSDP2 tight", "8 FSDP2"], ["batch per GPU 2", "-", "-", "8 FSDP2"]]
+    table, _ = tables.cards_by_count(*_spread_rows())
+    assert tables.turned(table) == (["job", "fewest GPUs"], [["t4", "-"], ["l4, a10g", "16 FSDP2 tight"],
+                                                          ["a100-80gb, h100-80gb", "8 FSDP2"]])

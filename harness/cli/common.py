@@ -187,6 +187,7 @@ def aggregate(path: Path, expected: int | None = None, asked: list[str] | None =
                           more_gpus=more_gpus)
     try:
         console.render(df, fit_long, title=f"{out}")
+        console.render_capacity(df, fit_long)
         console.render_verdicts(judged, more_gpus)
         console.render_frontier(frontier)
         gone = None

@@ -92,6 +92,29 @@ def capacity_table(df: pd.DataFrame, fit_long: pd.DataFrame) -> Table:
     return header, rows
 
 
+
+def cards_by_count(df: pd.DataFrame, fit_long: pd.DataFrame) -> tuple[Table, str]:
+    """capacity_table for a terminal: its cards of the same answer for every job in one column (in
+    the catalog's order: "l4, a10g"), a row per job named by its knobs that differ ("fewest GPUs"
+    for a sweep of one job); and the knobs every job shares (fold_constant's)."""
+    (header, rows), same = fold_constant(capacity_table(df, fit_long), CAPACITY_IDENTITY_COLUMNS)
+    n_cards = len(dict.fromkeys(fit_long["card"])) if not fit_long.empty else 0
+    keys = len(header) - n_cards
+    by_answer: dict[tuple, list[str]] = {}
+    for i, card in enumerate(header[keys:], keys):
+        by_answer.setdefault(tuple(r[i] for r in rows), []).append(card)
+    jobs = [", ".join(f"{h} {v}" for h, v in zip(header[:keys], r[:keys], strict=True)) or "fewest GPUs" for r in rows]
+    answers = list(by_answer)
+    return (["job", *(", ".join(cards) for cards in by_answer.values())],
+            [[job, *(a[j] for a in answers)] for j, job in enumerate(jobs)]), same
+
+
+def turned(table: Table) -> Table:
+    """The table's columns as rows (its first column's cells the header): one job's answers down
+    the page rather than across it."""
+    header, rows = table
+    return [header[0], *(r[0] for r in rows)], [[h, *(r[i] for r in rows)] for i, h in enumerate(header) if i]
+
 CAPACITY_IDENTITY_COLUMNS = 10  # model .. leak
 
 
