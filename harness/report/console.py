@@ -119,7 +119,8 @@ def render_frontier(fr: pd.DataFrame) -> None:
     if fr is None or fr.empty:
         return
     _print(tables.frontier_table(fr), "Frontiers: the largest value that fits each card (searched, "
-           "each checked at its boundary)", FRONTIER_CAPTION, right_from=4)
+           "each checked at its boundary)", FRONTIER_CAPTION, right_from=4,
+           wrap=("group",))  # (a long label: wrapped, not every figure beside it cut short)
     from rich.markup import escape
 
     for err in dict.fromkeys(fr.loc[fr["status"] != "ok", "error"]):
