@@ -243,6 +243,8 @@ def test_the_terminals_fit_table_keeps_the_runs_figures_whole_on_a_narrow_consol
     console.render_capacity(*_spread_rows())  # and the answer to "how many of which card", a card group a row
     out = capsys.readouterr().out
     assert "Cards x count" in out and "l4, a10g" in out and "16 FSDP2 tight" in out
+    console.render_capacity(*_spread_rows(counts=(8,)))  # one count: the fit table says it all
+    assert capsys.readouterr().out == ""
 
 
 def _spread_rows(batches=(1,), counts=(8, 16)):

@@ -91,9 +91,10 @@ def render(df: pd.DataFrame, fit_long: pd.DataFrame, title: str) -> None:
 
 
 def render_capacity(df: pd.DataFrame, fit_long: pd.DataFrame) -> None:
-    """Where the sweep spreads its jobs over GPUs: the fewest of its counts each card holds each job
-    on (the report's "Cards x count", a row per answer), the answer to "how many of which card"."""
-    if "world_size" not in df or not (df["world_size"].fillna(1) > 1).any():
+    """Where the sweep spreads its jobs over several GPU counts: the fewest of them each card holds
+    each job on (the report's "Cards x count", the cards of one answer together), the answer to "how
+    many of which card" (over one count the fit table says it all)."""
+    if "world_size" not in df or df["world_size"].fillna(1).nunique() < 2:
         return
     table, same = tables.cards_by_count(df, fit_long)
     if len(table[1]) == 1:  # one job: its cards down the page
