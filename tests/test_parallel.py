@@ -178,6 +178,21 @@ def test_the_job_over_ddp_is_a_remedy_with_its_layout_and_all_reduce_traffic():
     assert "all-reduces 4.06 MiB" in words.sharding({**change, "layout": "TP", "all_reduce_bytes": 4_259_840})
 
 
+
+def test_of_one_layout_over_several_counts_the_fewest_gpus_that_fit_is_the_remedy():
+    """FSDP2 over 16, 32 and 64 GPUs each fit the card: the remedy is over 16 (more GPUs of one
+    layout only cost more), and the verdict's other places go to remedies that differ (HSDP)."""
+    import pandas as pd
+
+    from harness.analysis.verdict import verdicts
+    from tests.test_verdict import _row
+
+    spread = [_row(run_id=f"fsdp{n}", batch_size=1, world_size=n, dp_shard=n, status="ok", fits_cards=["t4"])
+              for n in (64, 16, 32)]
+    hsdp = _row(run_id="hsdp", batch_size=1, world_size=16, dp_shard=8, dp_replicate=2, status="ok", fits_cards=["t4"])
+    v = verdicts(pd.DataFrame([_row(run_id="one", batch_size=1), *spread, hsdp])).set_index("run_id").loc["one"]
+    assert [r["run_id"] for r in v["remedies"]] == ["fsdp16", "hsdp"]
+
 class _Groups(TorchDispatchMode):
     """The process groups a trace's collectives run on, by name (c10d's ops carry the group,
     functional collectives its name)."""

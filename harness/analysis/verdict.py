@@ -165,6 +165,13 @@ def _comparable(job, other, ran: bool = True) -> bool:
     return same and divides and no_new_leak and keeps_checkpointing
 
 
+
+def _remedy_key(changes: list[dict]) -> str:
+    """What tells remedies apart: each change's kind, value and steps, but a spread's count (more GPUs
+    of one layout cost more: the fewest that fit is the remedy, over 16 GPUs rather than 32 too)."""
+    return repr([(c["kind"], c.get("layout"), c["key"], c.get("reshard_after_forward"), c.get("batch_per_gpu"))
+                 if c["kind"] == "sharding" else (c["kind"], c["value"], c["steps"]) for c in changes])
+
 def verdicts(df: pd.DataFrame, missing: Sequence[dict] = ()) -> pd.DataFrame:
     """One row per (job, card) that does not fit: the verdict, the remedies in the sweep that fit
     (up to three, cheapest and fewest changes first: the fitting run and its changes), or the
@@ -188,11 +195,13 @@ def verdicts(df: pd.DataFrame, missing: Sequence[dict] = ()) -> pd.DataFrame:
                 # the fewest GPUs (over 2 before over 16)
                 rank = (sum(COSTS[c["kind"]][0] for c in changes) + len(changes) * 10 + (100 if where == "tight" else 0),
                         spread(other)[0])
-                key = repr([(c["kind"], c["value"], c["steps"]) for c in changes])  # one per distinct remedy
+                key = _remedy_key(changes)
+                if key in found and found[key][0] <= rank:
+                    continue
                 reserved = reserved_on(other, card.key) or 0
-                found.setdefault(key, (rank, {"run_id": other.get("run_id"), "changes": changes, "edge": where,
-                                              "peak_reserved_bytes": reserved,
-                                              "headroom_bytes": nccl.on_rows_rank(card, other).room() - reserved}))
+                found[key] = (rank, {"run_id": other.get("run_id"), "changes": changes, "edge": where,
+                                     "peak_reserved_bytes": reserved,
+                                     "headroom_bytes": nccl.on_rows_rank(card, other).room() - reserved})
         remedies = [r for _rank, r in sorted(found.values(), key=lambda x: (x[0], repr(x[1]["changes"])))[:3]]
         entry = {"run_id": job.get("run_id"), "card": card.key.removeprefix(_OWN), "kind": job.get("kind"),
                  "remedies": remedies, "card_needed": None, "card_count": None, "card_headroom_bytes": None,
