@@ -3,6 +3,7 @@ in gloo processes (backend=cpu), launched as NCCL ranks on GPUs are (tests/test_
 on Slurm, one task per rank (tests/test_slurm.py)."""
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -50,14 +51,38 @@ def test_a_cpu_run_over_two_ranks_is_one_row_the_larger_rank_and_rank_0_is_the_f
 
 
 def _rank_pid(rank_dir: Path) -> int | None:
+    """The process of the rank in `rank_dir`: the one whose output goes to its worker.log (a rank
+    forked from the zygote has the zygote's command line)."""
+    log = str(rank_dir / "worker.log")
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and str(rank_dir) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+            if proc.name.isdigit() and os.readlink(proc / "fd" / "1") == log:
                 return int(proc.name)
         except OSError:
             continue
     return None
 
+
+
+def test_a_cpu_rank_forks_from_the_zygote_and_a_killed_one_has_vanished(tmp_path):
+    """launch.ranks.start: a CPU rank is a child of the zygote (torch imported there), its output
+    its worker.log as a fresh interpreter's is; rank 0 alone waits at the rendezvous for its peer;
+    killed, it ends without an answer (VANISHED: its status is the zygote's, its parent's)."""
+    from harness.launch import zygote
+    from harness.launch.exits import VANISHED
+
+    point = _cpu(dp_shard=2)
+    env = {**ranks.process_env(point, None, dict(os.environ), 2),
+           **ranks.torch_env(0, 2, 0, 2, "127.0.0.1", ranks._free_port())}
+    rank0 = ranks.start(point, tmp_path, 0, env, forked=True)
+    assert isinstance(rank0, zygote.Forked)
+    deadline = time.monotonic() + 60
+    while _rank_pid(tmp_path / "rank0") is None:  # its output is its worker.log, as a fresh one's is
+        assert rank0.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    assert rank0.wait(1.0) is None  # waiting for rank 1
+    rank0.kill()
+    assert rank0.wait() is VANISHED and rank0.poll() is VANISHED
 
 @pytest.mark.slow
 def test_a_rank_that_dies_is_the_points_error_not_its_peers_lost_connection(tmp_path, monkeypatch):

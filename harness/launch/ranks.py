@@ -25,11 +25,12 @@ from pathlib import Path
 from harness.config.compose import cores
 from harness.config.point import Backend, Point
 from harness.errors import ConfigError
-from harness.launch import gpus
+from harness.launch import gpus, zygote
 from harness.launch.exits import describe_exit, leave_job_warning
 from harness.record.ranks import DIED, RANK_RESULT_FILE, STOPPED, merge, rank_dir
 from harness.record.row import POINT_FILE, base_record, write_row
 
+Worker = subprocess.Popen | zygote.Forked  # a rank's process, as it is waited on
 GRACE_S = 10.0  # after a rank failed: its peers' time to end on their own before they are stopped
 POLL_S = 0.5
 
@@ -72,11 +73,12 @@ def run_here(point: Point, run_dir: Path, devices: list[str] | None) -> dict:
     world = point.parallel.world_size
     port = _free_port()
     deadline = time.monotonic() + point.timeout_s
-    procs: dict[int, subprocess.Popen] = {}
+    procs: dict[int, Worker] = {}
     try:
         for r in range(world):
             env = process_env(point, devices[r] if devices else None, dict(os.environ), world)
-            procs[r] = start(point, run_dir, r, {**env, **torch_env(r, world, r, world, "127.0.0.1", port)})
+            procs[r] = start(point, run_dir, r, {**env, **torch_env(r, world, r, world, "127.0.0.1", port)},
+                             forked=point.backend != Backend.cuda)
     except BaseException:
         _kill(procs)
         raise
@@ -119,17 +121,23 @@ def run_task(point: Point, run_dir: Path) -> tuple[int, dict]:
                      "job's logs)")
 
 
-def start(point: Point, run_dir: Path, rank: int, env: dict) -> subprocess.Popen:
-    """Rank `rank`'s worker, in run_dir/rank<r>/ (its point.json, worker.log and row)."""
+def start(point: Point, run_dir: Path, rank: int, env: dict, forked: bool = False) -> Worker:
+    """Rank `rank`'s worker, in run_dir/rank<r>/ (its point.json, worker.log and row); `forked`: from
+    the zygote where one can be had (a CPU rank: torch and transformers imported, 4-5 s a rank less),
+    else a fresh interpreter (a cuda rank's: CUDA reads its card and allocator settings at start)."""
     where = rank_dir(run_dir, rank)
     where.mkdir(parents=True, exist_ok=True)
     (where / POINT_FILE).write_text(json.dumps(point.to_dict(), indent=1, default=str))
+    if forked and zygote.enabled():
+        child = zygote.fork(where, {**env, zygote.RANK_REQUEST: "1"})
+        if child is not None:
+            return child
     with open(where / "worker.log", "w") as log:
         return subprocess.Popen([sys.executable, "-m", "harness.probe.worker", str(where)], stdout=log,
                                 stderr=subprocess.STDOUT, env=env, preexec_fn=leave_job_warning)
 
 
-def supervise(procs: dict[int, subprocess.Popen], point: Point, run_dir: Path, deadline: float) -> None:
+def supervise(procs: dict[int, Worker], point: Point, run_dir: Path, deadline: float) -> None:
     """Until each of this machine's ranks (`procs`) has ended: stopped GRACE_S after any rank of the
     job failed, all at `deadline` (time.monotonic()). Each leaves a row, its own or one written here."""
     world = point.parallel.world_size
@@ -197,7 +205,7 @@ def _rank_row(point: Point, run_dir: Path, rank: int, status: str, error: str, s
     write_row(rank_dir(run_dir, rank), rec, RANK_RESULT_FILE)
 
 
-def _stop(running: dict[int, subprocess.Popen], point: Point, run_dir: Path, status: str, error: str,
+def _stop(running: dict[int, Worker], point: Point, run_dir: Path, status: str, error: str,
           stopped_for: int | None = None) -> None:
     _kill(running)
     for r in running:
@@ -206,7 +214,7 @@ def _stop(running: dict[int, subprocess.Popen], point: Point, run_dir: Path, sta
     running.clear()
 
 
-def _kill(procs: dict[int, subprocess.Popen]) -> None:
+def _kill(procs: dict[int, Worker]) -> None:
     for p in procs.values():
         if p.poll() is None:
             p.kill()

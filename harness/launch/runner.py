@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
-import signal
 import subprocess
 import sys
 import threading
@@ -20,7 +18,7 @@ from pathlib import Path
 
 from harness.config.point import Backend, Point
 from harness.launch import gpus, ranks, zygote
-from harness.launch.exits import NO_ZYGOTE, TIMED_OUT, VANISHED, describe_exit, leave_job_warning
+from harness.launch.exits import NO_ZYGOTE, TIMED_OUT, describe_exit, leave_job_warning
 from harness.launch.threads import POLL_S
 from harness.probe.rank import runs_as_ranks
 from harness.record.results import find_done
@@ -59,7 +57,7 @@ def run_point(point: Point, run_dir: Path, results_dir: Path | None = None,
             rc = _run_subprocess(run_dir, log, point.timeout_s, gpus.worker_env(device, point.allocator.conf))
     else:
         t0 = time.perf_counter()
-        rc = _run_forked(run_dir, point.timeout_s) if _zygote_enabled() else NO_ZYGOTE
+        rc = _run_forked(run_dir, point.timeout_s) if zygote.enabled() else NO_ZYGOTE
         if rc is NO_ZYGOTE:  # one thread, as a zygote's child has (launch.zygote: a point a core)
             rc = _run_subprocess(run_dir, log, point.timeout_s, {"OMP_NUM_THREADS": "1", **os.environ})
     if STOPPING.is_set():
@@ -95,10 +93,6 @@ def _run_ranks(point: Point, run_dir: Path) -> dict:
         raise Stopped(str(run_dir))
     rec["wall_s"] = time.perf_counter() - t0
     return write_row(run_dir, rec)
-
-
-def _zygote_enabled() -> bool:
-    return os.environ.get("HARNESS_ZYGOTE", "1") != "0"
 
 
 # The launching CLI's devices (a local sweep or run), as CUDA_VISIBLE_DEVICES names them there; the
@@ -158,30 +152,17 @@ def _run_subprocess(run_dir: Path, log: Path, timeout_s: float, env: dict | None
 
 def _run_forked(run_dir: Path, timeout_s: float):
     """The point in a child forked from the zygote (torch already imported): its exit code,
-    TIMED_OUT, or NO_ZYGOTE when none could be had."""
-    conn = zygote.connect()
-    if conn is None:
+    TIMED_OUT, or NO_ZYGOTE when none could be had (VANISHED: it died without saying, killed)."""
+    forked = zygote.fork(run_dir)
+    if forked is None:
         return NO_ZYGOTE
     deadline = time.monotonic() + timeout_s
-    with conn:
-        conn.sendall(zygote.request(run_dir))
-        reader = conn.makefile("rb")
-        pid = None
+    with forked:
         while True:
             remaining = deadline - time.monotonic()
-            if remaining > 0 and not select.select([conn], [], [], min(remaining, POLL_S))[0]:
-                continue  # nothing yet: awake for signals every POLL_S (launch.threads)
             if remaining <= 0:
-                if pid is not None:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                forked.kill()
                 return TIMED_OUT
-            line = reader.readline().decode().split()
-            if not line:  # the child died without answering: killed (the host's OOM killer?)
-                return VANISHED
-            if line[0] == "pid":
-                pid = int(line[1])
-            elif line[0] == "rc":
-                return int(line[1])
+            rc = forked.wait(min(remaining, POLL_S))  # awake for signals every POLL_S (launch.threads)
+            if rc is not None:
+                return rc

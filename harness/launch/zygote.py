@@ -12,7 +12,9 @@ keyed by the code it loaded, so an edit to harness starts a fresh one.
 Protocol on a Unix socket: the client sends the run dir and its environment (a JSON line: the
 point runs in the client's environment, not in the one of whichever client started the zygote);
 the forked child answers "pid N", runs the point (stdout and stderr to worker.log) and answers
-"rc N" when done.
+"rc N" when done. A rank of a job run here over CPU processes (launch.ranks) is asked for with
+RANK_REQUEST in its environment: it takes no run slot (its peers wait for it in their collectives)
+and as many threads as its OMP_NUM_THREADS (the host's cores shared among the job's ranks).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import fcntl
 import hashlib
 import json
 import os
+import select
 import signal
 import socket
 import socketserver
@@ -32,6 +35,7 @@ import time
 from pathlib import Path
 
 from harness.launch import slots
+from harness.launch.exits import VANISHED
 
 IDLE_S = 90
 START_TIMEOUT_S = 60
@@ -57,9 +61,95 @@ def socket_path() -> Path:
     return Path(tempfile.gettempdir()) / f"harness-zygote-{os.getuid()}-{_code_key()}.sock"
 
 
-def request(run_dir: Path) -> bytes:
-    """What a client sends for a point: its run dir, and its environment."""
-    return f"{run_dir}\n{json.dumps(dict(os.environ))}\n".encode()
+RANK_REQUEST = "HARNESS_ZYGOTE_RANK"  # in a request's environment: one rank of a job of several
+
+
+def enabled() -> bool:
+    """Whether points fork from a zygote (HARNESS_ZYGOTE=0: a fresh interpreter each)."""
+    return os.environ.get("HARNESS_ZYGOTE", "1") != "0"
+
+
+def request(run_dir: Path, env: dict | None = None) -> bytes:
+    """What a client sends for a point: its run dir, and the environment it runs in (`env`, else
+    this process's)."""
+    return f"{run_dir}\n{json.dumps(dict(os.environ) if env is None else env)}\n".encode()
+
+
+def fork(run_dir: Path, env: dict | None = None) -> Forked | None:
+    """The point in run_dir forked from the zygote (starting one if needed), in `env` (else this
+    process's environment); None where no zygote can be had."""
+    conn = connect()
+    if conn is None:
+        return None
+    try:
+        conn.sendall(request(run_dir, env))
+    except OSError:
+        conn.close()
+        return None
+    return Forked(conn)
+
+
+class Forked:
+    """A point forked from the zygote, waited on as subprocess.Popen's are: `poll`, `wait`, `kill`.
+    Its exit code is the one its answer says; VANISHED where it ended without one (killed: its
+    status goes to the zygote, its parent, not to us). Closing it ends the point (_die_with_client)."""
+
+    def __init__(self, conn: socket.socket):
+        self.conn = conn
+        self.pid: int | None = None
+        self.returncode: int | object | None = None  # (VANISHED: an object)
+        self._said = b""
+
+    def _hear(self, timeout: float | None) -> None:
+        """What the child said within `timeout` seconds (None: until it says something)."""
+        if self.returncode is not None or not select.select([self.conn], [], [], timeout)[0]:
+            return
+        try:
+            data = self.conn.recv(4096)
+        except OSError:
+            data = b""
+        self._said += data
+        while b"\n" in self._said:
+            line, self._said = self._said.split(b"\n", 1)
+            word, _, value = line.decode().partition(" ")
+            if word == "pid":
+                self.pid = int(value)
+            elif word == "rc":
+                self.returncode = int(value)
+        if not data and self.returncode is None:
+            self.returncode = VANISHED
+        if self.returncode is not None:  # it has ended: nothing more to hear
+            self.conn.close()
+
+    def poll(self):
+        self._hear(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None):
+        """Its exit code, or None where it has not ended within `timeout` seconds (None: waits)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            self._hear(left)
+        return self.returncode
+
+    def kill(self) -> None:
+        while self.pid is None and self.returncode is None:  # (it says its pid first thing)
+            self._hear(None)
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> Forked:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _take_slot(slots_dir: Path, n: int):
@@ -80,14 +170,19 @@ class _Handler(socketserver.StreamRequestHandler):
         log = os.open(run_dir / "worker.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        # Points beyond the cores wait here: a sweep may start more at once than there are cores
-        # without oversubscribing the CPU.
-        slot = _take_slot(self.server.slots_dir, self.server.slots)  # noqa: F841 (held until exit)
         import torch
 
-        # A slot is a core: torch's pool of one thread per core in each point would spin on the
-        # others' cores (the default 7B grid on 2 cores: 46 s -> 39-42 s with one thread a point)
-        torch.set_num_threads(1)
+        if os.environ.pop(RANK_REQUEST, None) is not None:
+            # a rank: its peers wait for it in their collectives, so it takes no slot (a job of
+            # more ranks than slots would wait forever); the host's cores shared as torchrun shares them
+            torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or 1)))
+        else:
+            # Points beyond the cores wait here: a sweep may start more at once than there are cores
+            # without oversubscribing the CPU.
+            slot = _take_slot(self.server.slots_dir, self.server.slots)  # noqa: F841 (held until exit)
+            # A slot is a core: torch's pool of one thread per core in each point would spin on the
+            # others' cores (the default 7B grid on 2 cores: 46 s -> 39-42 s with one thread a point)
+            torch.set_num_threads(1)
         from harness.probe import worker
 
         try:
