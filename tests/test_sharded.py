@@ -260,15 +260,16 @@ def test_the_job_sharded_over_more_gpus_that_fit_the_card_is_a_code_problem_with
     """Batch 8 on one T4 OOMs; the same 8 sequences a step as 1 per GPU over 8 GPUs fit a T4: the
     remedy is sharding (the batch per GPU follows from it, no accumulation), with what each GPU
     all-gathers and reduce-scatters per step and its reserved bytes on the card. Batch 8 per GPU
-    over 8 GPUs is another job (64 sequences a step)."""
+    over 8 GPUs, which also fits, is not named beside it: of one layout the job's own sequences a
+    step (8, not 64)."""
     import pandas as pd
 
     from harness.analysis.verdict import verdicts
     from harness.config import cards
     from harness.report import words
     _row, over = _spread_rows()
-    df = pd.DataFrame([_row(run_id="one"), over(8, run_id="eight", batch_size=1, status="ok", fits_cards=["t4"]),
-                       over(8, run_id="eight-b8", status="ok", fits_cards=["t4"])])
+    df = pd.DataFrame([_row(run_id="one"), over(8, run_id="eight-b8", status="ok", fits_cards=["t4"]),
+                       over(8, run_id="eight", batch_size=1, status="ok", fits_cards=["t4"])])  # (in either order)
     v = verdicts(df).set_index("run_id").loc["one"]
     assert v["verdict"] == "code problem"
     (remedy,) = v["remedies"]

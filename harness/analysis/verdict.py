@@ -167,9 +167,10 @@ def _comparable(job, other, ran: bool = True) -> bool:
 
 
 def _remedy_key(changes: list[dict]) -> str:
-    """What tells remedies apart: each change's kind, value and steps, but a spread's count (more GPUs
-    of one layout cost more: the fewest that fit is the remedy, over 16 GPUs rather than 32 too)."""
-    return repr([(c["kind"], c.get("layout"), c["key"], c.get("reshard_after_forward"), c.get("batch_per_gpu"))
+    """What tells remedies apart: each change's kind, value and steps; a spread's layout alone (more
+    GPUs of one layout cost more: the fewest that fit is the remedy, over 16 GPUs and not 32 too;
+    and of those the job's own sequences a step, 1 per GPU over 8 GPUs for a batch of 8, not 8)."""
+    return repr([(c["kind"], c.get("layout"), c["key"], c.get("reshard_after_forward"))
                  if c["kind"] == "sharding" else (c["kind"], c["value"], c["steps"]) for c in changes])
 
 def verdicts(df: pd.DataFrame, missing: Sequence[dict] = ()) -> pd.DataFrame:
@@ -192,9 +193,9 @@ def verdicts(df: pd.DataFrame, missing: Sequence[dict] = ()) -> pd.DataFrame:
             if changes and _fits(other, card.key):
                 where = _edge(other, card.key)
                 # fewer changes first; a remedy inside the card's uncertainty after every sure one; then
-                # the fewest GPUs (over 2 before over 16)
+                # the fewest GPUs (over 2 before over 16); then the job's own sequences a step
                 rank = (sum(COSTS[c["kind"]][0] for c in changes) + len(changes) * 10 + (100 if where == "tight" else 0),
-                        spread(other)[0])
+                        spread(other)[0], global_batch(other) != global_batch(job))
                 key = _remedy_key(changes)
                 if key in found and found[key][0] <= rank:
                     continue
