@@ -187,7 +187,7 @@ def verdicts(df: pd.DataFrame, missing: Sequence[dict] = ()) -> pd.DataFrame:
         if job.get("status") != "oom":
             continue
         card = by_name.get(job.get("gpu")) or _own_card(job)
-        found: dict[str, tuple[tuple[int, int], dict]] = {}
+        found: dict[str, tuple[tuple[int, int, bool], dict]] = {}
         alike = [(other, remedy_changes(job, other)) for other in rows if _comparable(job, other)]
         for other, changes in alike:
             if changes and _fits(other, card.key):
