@@ -165,13 +165,13 @@ def _comparable(job, other, ran: bool = True) -> bool:
     return same and divides and no_new_leak and keeps_checkpointing
 
 
-
 def _remedy_key(changes: list[dict]) -> str:
     """What tells remedies apart: each change's kind, value and steps; a spread's layout alone (more
     GPUs of one layout cost more: the fewest that fit is the remedy, over 16 GPUs and not 32 too;
     and of those the job's own sequences a step, 1 per GPU over 8 GPUs for a batch of 8, not 8)."""
     return repr([(c["kind"], c.get("layout"), c["key"], c.get("reshard_after_forward"))
                  if c["kind"] == "sharding" else (c["kind"], c["value"], c["steps"]) for c in changes])
+
 
 def verdicts(df: pd.DataFrame, missing: Sequence[dict] = ()) -> pd.DataFrame:
     """One row per (job, card) that does not fit: the verdict, the remedies in the sweep that fit

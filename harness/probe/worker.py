@@ -57,10 +57,10 @@ def _run_sim(point: Point, run_dir: Path) -> dict:
 
 
 def _traced(point: Point, trace_path: Path):
-    """The point's trace, written to `trace_path`, its measurements (row columns), the id of the
-    one in the sweep's trace cache it is where it is one of a point that differs only in allocator
-    or card (else None: a new one, a preset's synthesized from a few layers where that is exact,
-    cached), and the events a new one's frame was made of (None for a cached one)."""
+    """The point's trace, written to `trace_path`; its measurements (row columns); the cache id of
+    the trace it reused (a point's that differs only in allocator or card), else None for a new one
+    (a preset's synthesized from a few layers where that is exact, then cached); and the events a
+    new one's frame was made of (None for a reused one)."""
     # A trace that read the card is kept for that card and allocator setting only; one without
     # attention calls for every card; one of another card's attention class where this card takes
     # its calls alike (config.attention).
