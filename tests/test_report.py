@@ -267,12 +267,13 @@ def _spread_rows(batches=(1,), counts=(8, 16)):
 
 def test_the_cards_x_count_answer_groups_the_cards_of_one_answer_and_turns_for_one_job():
     """report.tables.cards_by_count: a column per set of cards that answer alike for every job, a
-    row per job (its knobs that differ); tables.turned puts one job's answers down the page."""
+    row per job (its knobs that differ, as a short label says them); tables.turned puts one job's
+    answers down the page."""
     from harness.report import tables
 
     (header, rows), same = tables.cards_by_count(*_spread_rows(batches=(1, 2)))
     assert header == ["job", "t4", "l4, a10g", "a100-80gb, h100-80gb"] and "model 70b" in same
-    assert rows == [["batch per GPU 1", "-", "16 FSDP2 tight", "8 FSDP2"], ["batch per GPU 2", "-", "-", "8 FSDP2"]]
+    assert rows == [["b1", "-", "16 FSDP2 tight", "8 FSDP2"], ["b2", "-", "-", "8 FSDP2"]]  # (its batch per GPU)
     table, _ = tables.cards_by_count(*_spread_rows())
     assert tables.turned(table) == (["job", "fewest GPUs"], [["t4", "-"], ["l4, a10g", "16 FSDP2 tight"],
                                                           ["a100-80gb, h100-80gb", "8 FSDP2"]])

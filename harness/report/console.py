@@ -102,7 +102,7 @@ def render_capacity(df: pd.DataFrame, fit_long: pd.DataFrame) -> None:
         table[0][0] = "cards"
     _print(table, "Cards x count: the fewest of the sweep's GPU counts that hold each job, per card",
            (f"{same}; " if same else "") + '"-": none of the counts; tight: only as the card is estimated',
-           wrap=tuple(table[0]))
+           wrap=tuple(table[0][1:]))  # (the cards' lists wrap; each job or card group on one line)
 
 def render_verdicts(judged: pd.DataFrame, more_gpus: str | None = None) -> None:
     """Code problem or card problem, for each point that does not fit its card; `more_gpus`: where

@@ -103,11 +103,20 @@ def cards_by_count(df: pd.DataFrame, fit_long: pd.DataFrame) -> tuple[Table, str
     by_answer: dict[tuple, list[str]] = {}
     for i, card in enumerate(header[keys:], keys):
         by_answer.setdefault(tuple(r[i] for r in rows), []).append(card)
-    jobs = [", ".join(f"{h} {v}" for h, v in zip(header[:keys], r[:keys], strict=True)) or "fewest GPUs" for r in rows]
+    jobs = [" ".join(_short(h, v) for h, v in zip(header[:keys], r[:keys], strict=True)) or "fewest GPUs" for r in rows]
     answers = list(by_answer)
     return (["job", *(", ".join(cards) for cards in by_answer.values())],
             [[job, *(a[j] for a in answers)] for j, job in enumerate(jobs)]), same
 
+
+
+# A job's knob in a short label's form, as words.job_label writes them ("b1 s512 amp_bf16 ckpt=no")
+_SHORT = {"batch per GPU": "b{}", "seq": "s{}", "ckpt": "ckpt={}", "allocator": "allocator {}", "leak": "leak {}",
+          "args": "args {}"}
+
+
+def _short(header: str, value: str) -> str:
+    return _SHORT.get(header, "{}").format(value)
 
 def turned(table: Table) -> Table:
     """The table's columns as rows (its first column's cells the header): one job's answers down
