@@ -105,7 +105,7 @@ def _run_cpu(point: Point, run_dir: Path) -> dict:
     rec.update(_measured(point, m, read), device_name=f"CPU tensors, replayed on {point.gpu.device_name}")
     df = trace_store.to_frame(tracker.events)
     df.to_parquet(run_dir / trace_store.TRACE_FILE, index=False)
-    return _replayed(point, rec, Sized(df), run_dir, t0)
+    return _replayed(point, rec, Sized(df, tracker.events), run_dir, t0)
 
 
 def _reading(point: Point):

@@ -89,7 +89,6 @@ def render(df: pd.DataFrame, fit_long: pd.DataFrame, title: str) -> None:
         console.print(f"[yellow]{n} run(s):[/] {escape(str(sentence))}")
 
 
-
 def render_capacity(df: pd.DataFrame, fit_long: pd.DataFrame) -> None:
     """Where the sweep spreads its jobs over several GPU counts: the fewest of them each card holds
     each job on (the report's "Cards x count", the cards of one answer together), the answer to "how
@@ -98,11 +97,11 @@ def render_capacity(df: pd.DataFrame, fit_long: pd.DataFrame) -> None:
         return
     table, same = tables.cards_by_count(df, fit_long)
     if len(table[1]) == 1:  # one job: its cards down the page
-        table = tables.turned(table)
-        table[0][0] = "cards"
+        table = tables.turned(table, "cards")
     _print(table, "Cards x count: the fewest of the sweep's GPU counts that hold each job, per card",
            (f"{same}; " if same else "") + '"-": none of the counts; tight: only as the card is estimated',
            wrap=tuple(table[0][1:]))  # (the cards' lists wrap; each job or card group on one line)
+
 
 def render_verdicts(judged: pd.DataFrame, more_gpus: str | None = None) -> None:
     """Code problem or card problem, for each point that does not fit its card; `more_gpus`: where

@@ -92,7 +92,6 @@ def capacity_table(df: pd.DataFrame, fit_long: pd.DataFrame) -> Table:
     return header, rows
 
 
-
 def cards_by_count(df: pd.DataFrame, fit_long: pd.DataFrame) -> tuple[Table, str]:
     """capacity_table for a terminal: its cards of the same answer for every job in one column (in
     the catalog's order: "l4, a10g"), a row per job named by its knobs that differ ("fewest GPUs"
@@ -109,7 +108,6 @@ def cards_by_count(df: pd.DataFrame, fit_long: pd.DataFrame) -> tuple[Table, str
             [[job, *(a[j] for a in answers)] for j, job in enumerate(jobs)]), same
 
 
-
 # A job's knob in a short label's form, as words.job_label writes them ("b1 s512 amp_bf16 ckpt=no")
 _SHORT = {"batch per GPU": "b{}", "seq": "s{}", "ckpt": "ckpt={}", "allocator": "allocator {}", "leak": "leak {}",
           "args": "args {}"}
@@ -118,11 +116,14 @@ _SHORT = {"batch per GPU": "b{}", "seq": "s{}", "ckpt": "ckpt={}", "allocator": 
 def _short(header: str, value: str) -> str:
     return _SHORT.get(header, "{}").format(value)
 
-def turned(table: Table) -> Table:
-    """The table's columns as rows (its first column's cells the header): one job's answers down
-    the page rather than across it."""
+
+def turned(table: Table, corner: str | None = None) -> Table:
+    """The table's columns as rows (its first column's cells the header, headed `corner`, else as
+    that column was): one job's answers down the page rather than across it."""
     header, rows = table
-    return [header[0], *(r[0] for r in rows)], [[h, *(r[i] for r in rows)] for i, h in enumerate(header) if i]
+    return ([header[0] if corner is None else corner, *(r[0] for r in rows)],
+            [[h, *(r[i] for r in rows)] for i, h in enumerate(header) if i])
+
 
 CAPACITY_IDENTITY_COLUMNS = 10  # model .. leak
 
@@ -134,8 +135,13 @@ def fold_constant(table: Table, columns: int) -> tuple[Table, str]:
         return table, ""
     same = [i for i in range(columns) if len({r[i] for r in rows}) == 1 and header[i] != "status"]
     caption = ", ".join(f"{header[i]} {rows[0][i]}" for i in same)
-    keep = [i for i in range(len(header)) if i not in same]
-    return ([header[i] for i in keep], [[r[i] for i in keep] for r in rows]), caption
+    return _columns(table, [i for i in range(len(header)) if i not in same]), caption
+
+
+def _columns(table: Table, kept: list[int]) -> Table:
+    """The table's columns `kept` (their places), in that order."""
+    header, rows = table
+    return [header[i] for i in kept], [[r[i] for i in kept] for r in rows]
 
 
 def fold_uniform_cards(table: Table, fit_long: pd.DataFrame, keep: set[str]) -> tuple[Table, str]:
@@ -150,10 +156,8 @@ def fold_uniform_cards(table: Table, fit_long: pd.DataFrame, keep: set[str]) -> 
     folded = {what: [c for c, e in edges.items() if e == kinds and c not in keep and c in header]
               for what, kinds in uniform.items()}
     drop = {header.index(c) for cards in folded.values() for c in cards}
-    kept = [i for i in range(len(header)) if i not in drop]
     caption = "; ".join(f"{what}: {', '.join(cards)}" for what, cards in folded.items() if cards)
-    return ([header[i] for i in kept], [[r[i] for i in kept] for r in rows]), caption
-
+    return _columns(table, [i for i in range(len(header)) if i not in drop]), caption
 
 
 def fold_to_width(table: Table, fit_long: pd.DataFrame, keep: set[str], width: int) -> tuple[Table, str]:
@@ -189,7 +193,8 @@ def fold_to_width(table: Table, fit_long: pd.DataFrame, keep: set[str], width: i
     told = [f"{header[i]} as {alike[i]}" if i in alike and alike[i] in {header[j] for j in shown} else header[i]
             for i in sorted(dropped)]
     caption = f"not shown for the terminal's width: {', '.join(told)}" if told else ""
-    return ([header[i] for i in shown], [[r[i] for i in shown] for r in rows]), caption
+    return _columns(table, shown), caption
+
 
 def math_path_table(df: pd.DataFrame) -> Table:
     """Each run whose attention takes the math path on its card, and why (analysis.attention_path)."""
