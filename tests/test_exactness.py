@@ -435,3 +435,83 @@ def test_a_gemms_output_comes_before_its_handles_workspace():
         _ = a @ b
         seen = [(e.size, e.kind) for e in tr.events[start:]]
     assert seen == [(262144, "activation"), (33554432, "workspace")]
+
+
+# ---- the embedding's backward -------------------------------------------------------------------
+
+def _embedding_backward(card: str, tokens: int, rows: int, width: int, dtype=torch.bfloat16, scale=False):
+    """The allocations of one nn.Embedding's weight gradient on `card`'s virtual GPU, in order."""
+    from harness.config import cards, kernels
+
+    tr = StorageTracker(emulate_cublas_workspace=False, geometry=kernels.geometry(cards.by_key()[card]))
+    with FakeTensorMode(), tr:
+        weight = torch.randn(rows, width, dtype=dtype, requires_grad=True)
+        ids = torch.randint(0, rows, (tokens,))
+        out = F.embedding(ids, weight, scale_grad_by_freq=scale)
+        ones = torch.ones_like(out)
+        start = len(tr.events)
+        (grad,) = torch.autograd.grad(out, weight, ones)
+        seen = [(e.action, e.size, e.kernel) for e in tr.events[start:] if e.size]
+    assert grad.shape == (rows, width)
+    return seen
+
+
+def test_an_embedding_backward_past_3072_indices_sorts_them_and_sums_each_run_as_cudas_kernel_does():
+    """Embedding.cu and EmbeddingBackwardKernel.cu: up to 3,072 indices one kernel makes the gradient
+    and nothing else; past that the sort before it (sorted indices, their positions, the range they
+    are sorted by and CUB's storage, freed as it returns) and each run's bookkeeping and the partial
+    sums after it (fp32 for bf16: 8,192 tokens of a 4,096-wide 32,000-row table take 9,011 partial
+    runs, 147,636,224 B), all freed as it returns, last first."""
+    from harness.config import embedding_kernels as ek
+
+    assert _embedding_backward("h200", 3072, 32000, 4096) == [("alloc", 32000 * 4096 * 2, "")]
+    seen = _embedding_backward("h200", 8192, 32000, 4096)
+    n = 8192 * 8
+    sort = ek.radix_sort_pairs_bytes(8192, 8, 8)
+    assert sort == 16384 + 3072 + 65536 + 65536 + 256 + 255  # histograms, lookback, keys, values, counters
+    e = ek.EmbeddingBackward(8192, 32000, 4096, 2, 8, False)
+    partial_sums = ("alloc", 9011 * 4096 * 4, ek.code(e, 2))
+    assert partial_sums[1] == 147636224
+    allocs = [(a, s) for a, s, _ in seen if a == "alloc"]
+    assert allocs == [("alloc", s) for s in (
+        n, n, n, sort, 32000 * 4096 * 2, n, 8, n, ek.tile_states_bytes(8192), n, n, ek.tile_states_bytes(8192), 8,
+        (819 + 8192) * 8, partial_sums[1])]
+    assert partial_sums in seen
+    frees = [s for a, s, _ in seen if a == "free"]
+    assert frees[:2] == [sort, n]  # the sort's storage, then the range
+    assert frees[-9:] == [partial_sums[1], (819 + 8192) * 8, 8, n, n, 8, n, n, n]
+    assert len(frees) == len(allocs) - 1  # all but the gradient
+
+
+def test_an_embedding_backwards_sum_is_the_cards_and_deterministic_algorithms_take_the_two_pass_one():
+    """The atomic sum where the two-pass sum's grid (a block a row here) would leave the SMs idle and
+    the partial runs outnumber it 4 to 1: 120 rows of 64 over 4,096 tokens are atomic on an H200 (132
+    SMs: 528 blocks) and a T4 (160), two-pass on an RTX 3060 (28 SMs: 112); the atomic sum's map and
+    fp32 gradient where the two-pass sum makes its partial sums. Each card's bytes from one code."""
+    from harness.config import cards, kernels
+    from harness.config import embedding_kernels as ek
+
+    e = ek.EmbeddingBackward(4096, 120, 64, 2, 8, False)
+    atomic, two_pass = (529 * 8, 120 * 64 * 4, 0), (0, 0, 529 * 64 * 4)
+    for card, expected in (("h200", atomic), ("t4", atomic), ("rtx3060-12gb", two_pass)):
+        g = kernels.geometry(cards.by_key()[card])
+        assert tuple(kernels.scratch_bytes(ek.code(e, part), g) for part in range(3)) == expected, card
+    seen = _embedding_backward("h200", 4096, 120, 64)
+    assert [s for a, s, c in seen if c.startswith(ek.CODE_PREFIX)] == [529 * 8, 120 * 64 * 4]
+    torch.use_deterministic_algorithms(True)
+    try:
+        seen = _embedding_backward("h200", 4096, 120, 64)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert [s for a, s, c in seen if c.startswith(ek.CODE_PREFIX)] == [529 * 64 * 4]
+
+
+def test_an_embedding_backward_scaled_by_frequency_counts_each_index_even_under_3072():
+    """scale_grad_by_freq takes the sort at any count: each index's count after it, with two scans."""
+    from harness.config import embedding_kernels as ek
+
+    seen = _embedding_backward("a100-80gb", 1000, 32000, 256, dtype=torch.float32, scale=True)
+    allocs = [s for a, s, _ in seen if a == "alloc"]
+    assert allocs[:8] == [8000, 8000, 8000, ek.radix_sort_pairs_bytes(1000, 8, 8), 8000, ek.tile_states_bytes(1000),
+                          ek.tile_states_bytes(1000), 32000 * 256 * 4]
+    assert allocs[-1] == (100 + 1000) * 256 * 4  # fp32's partial sums in fp32

@@ -38,7 +38,7 @@ import functools
 import math
 from typing import NamedTuple
 
-from harness.config import attention
+from harness.config import attention, embedding_kernels
 from harness.config.attention import FusedShape
 from harness.config.point import Card
 
@@ -331,6 +331,8 @@ def scratch_bytes(code: str, g: Geometry) -> int:
         return split_copy_table([int(v) for v in sizes.split(",")], int(num_chunks), g)
     if kind == "chunk_cat":
         return chunk_cat_table([int(v) for v in args.split(",")])
+    if kind == embedding_kernels.CODE_PREFIX[:-1]:
+        return embedding_kernels.bytes_of(args, int(part), g.multiprocessors, g.warp)
     raise ValueError(f"a trace's kernel scratch {code!r} is none this harness sizes")
 
 

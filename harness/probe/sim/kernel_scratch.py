@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
-from harness.config import attention, kernels
+from harness.config import attention, embedding_kernels, kernels
 from harness.config.kernels import Geometry, Reduction
 
 _aten = torch.ops.aten
@@ -30,10 +30,12 @@ _aten = torch.ops.aten
 class Scratch(NamedTuple):
     """One allocation a kernel makes for itself: bytes on the traced card, its launch's code, and
     where it is freed: right after the op's scratch allocation of that index is made (the kernel's
-    own order), else as the op returns."""
+    own order), else as the op returns. `early`: made before the op's outputs (those first in the
+    list), else after them."""
     bytes: int
     code: str
     freed_after: int | None = None
+    early: bool = False
 
 
 def _fused_shape(q, k, v) -> attention.FusedShape:
@@ -151,6 +153,41 @@ def _reduction_scratch(r: Reduction | None, g: Geometry) -> list[tuple[int, str]
     return [(found[0], kernels.reduce_code(r, 0)), (found[1], kernels.reduce_code(r, 1))]
 
 
+# ---- the embedding's backward -------------------------------------------------------------------
+
+def _embedding_backward(args, g) -> list[Scratch]:
+    """embedding_dense_backward_cuda's own allocations (config.embedding_kernels), in its order: the
+    contiguous copies of its indices and gradient where they are not, and past the single kernel's
+    reach the sort before its output, the runs' bookkeeping and the sum after it."""
+    grad, indices, rows, scale = args[0], args[1], int(args[2]), bool(args[4]) if len(args) > 4 else False
+    n, k = indices.numel(), indices.element_size()
+    early = [Scratch(n * k, "", early=True)] if not indices.is_contiguous() else []
+    if not grad.is_contiguous():
+        early.append(Scratch(grad.numel() * grad.element_size(), "", early=True))
+    if n <= embedding_kernels.DIRECT_MAX_INDICES and not scale:
+        return early
+    e = embedding_kernels.EmbeddingBackward(n, rows, grad.shape[-1], grad.element_size(), k,
+                                            torch.are_deterministic_algorithms_enabled())
+    at = len(early)
+    out = early + [Scratch(n * k, "", early=True), Scratch(n * k, "", early=True),  # sorted, their positions
+                   Scratch(n * k, "", at + 3, True),  # the range sorted by (freed with the sort)
+                   Scratch(embedding_kernels.radix_sort_pairs_bytes(n, k, k), "", at + 3, True)]
+    if scale:  # each index's count: two scans by key
+        scans = len(out) + 1
+        out += [Scratch(n * k, "", early=True),
+                Scratch(embedding_kernels.tile_states_bytes(n), "", scans, True),
+                Scratch(embedding_kernels.tile_states_bytes(n), "", scans + 1, True)]
+    runs, partial = embedding_kernels.max_runs(e), embedding_kernels.max_partial_runs(e)
+    unique = len(out) + 3
+    out += [Scratch(n * k, ""), Scratch(8, ""),  # each run's start and their count
+            Scratch(n * k, "", unique), Scratch(embedding_kernels.tile_states_bytes(n), "", unique),
+            Scratch(runs * k, ""), Scratch(runs * k, ""),  # partial runs per run, their offsets
+            Scratch(embedding_kernels.tile_states_bytes(runs), "", len(out) + 6),
+            Scratch(8, ""), Scratch(partial * k, "")]  # the partial runs' count and starts
+    sums = embedding_kernels.sum_bytes(e, g.multiprocessors, g.warp)
+    return out + [Scratch(b, embedding_kernels.code(e, part)) for part, b in enumerate(sums)]
+
+
 # ---- FSDP2's copies -----------------------------------------------------------------------------
 
 def _chunk_cat(args, g, out) -> list[tuple[int, str]]:
@@ -198,6 +235,7 @@ _BY_ARGS = {
     _aten.amin.default: _extremum(1),
     _aten.max.default: _extremum(None),
     _aten.min.default: _extremum(None),
+    _aten.embedding_dense_backward.default: _embedding_backward,
 }
 
 

@@ -492,15 +492,17 @@ class StorageTracker(TorchDispatchMode):
         else:
             made = [(t, "") for t in _tensors((out,))]
         scratch = [] if host else kernel_scratch.of(func, args, kwargs, self.geometry)
-        # the op's scratch comes after its outputs; flash's forward makes its split-KV accumulators
-        # after its output and log-sum-exp, before its RNG state and unused tensor (mha_fwd; an
-        # H200's memory history)
+        # the op's scratch comes after its outputs but what it makes first (the embedding's sort);
+        # flash's forward makes its split-KV accumulators after its output and log-sum-exp, before
+        # its RNG state and unused tensor (mha_fwd; an H200's memory history)
+        first = sum(1 for s in scratch if s.early)
+        keys: dict[int, int] = {}
+        self._scratch_made(scratch, keys, 0, first)
         before = 2 if func is _FLASH_FORWARD and scratch else len(made)
-        keys: list[int] | None = None
         owners = self._owner(args, len(made)) if self._owners and self._phase() == "optimizer" else None
         for i, (t, code) in enumerate(made):
             if i == before:
-                keys = self._scratch_made(scratch)
+                self._scratch_made(scratch, keys, first, len(scratch))
             if t.device.type != "meta":
                 self.track(t, kind, host or (self.real_is_host and not isinstance(t, FakeTensor)), code,
                            owners[i] if owners else None)
@@ -509,8 +511,10 @@ class StorageTracker(TorchDispatchMode):
         if self.emulate_cublas_workspace and not host and func.overloadpacket.__name__ in _GEMM_OPS:
             self._workspace(func)
         if scratch:
-            keys = self._scratch_made(scratch) if keys is None else keys
-            for key in keys if kernel_scratch.freed_in_order(func) else reversed(keys):  # before the op returns
+            if before >= len(made):
+                self._scratch_made(scratch, keys, first, len(scratch))
+            left = list(keys.values())
+            for key in left if kernel_scratch.freed_in_order(func) else reversed(left):  # before the op returns
                 self._record_free(key)
         return out
 
@@ -525,17 +529,17 @@ class StorageTracker(TorchDispatchMode):
         lists = [a for a in args if isinstance(a, (list, tuple)) and len(a) == n]
         return [next((m for m in (of(x[i]) for x in lists) if m), first) for i in range(n)]
 
-    def _scratch_made(self, made: list[kernel_scratch.Scratch]) -> list[int]:
-        """A kernel's own allocations, recorded in order, each freed where the kernel frees it
-        (Scratch.freed_after: those of one index last first); the keys of those left, in order."""
-        keys: dict[int, int] = {}
-        for i, s in enumerate(made):
+    def _scratch_made(self, made: list[kernel_scratch.Scratch], keys: dict[int, int], start: int, end: int) -> None:
+        """A kernel's own allocations `start` to `end`, recorded in order, each freed where the
+        kernel frees it (Scratch.freed_after: those of one index last first); `keys`: those not
+        freed yet (by index: their order)."""
+        for i in range(start, end):
+            s = made[i]
             if kernel_scratch.recorded(s.bytes, s.code):  # (0 B: a placeholder)
                 keys[i] = self._synthetic_key()
                 self._record_alloc(keys[i], s.bytes, "temporary", s.code)
             for j in sorted((j for j in keys if made[j].freed_after == i), reverse=True):
                 self._record_free(keys.pop(j))
-        return list(keys.values())
 
     # ---- module attribution ----------------------------------------------------------
     def _backward_module(self) -> str:
