@@ -369,3 +369,49 @@ def test_an_fp32_call_over_grouped_heads_takes_the_kernel_and_memory_the_virtual
     chosen = attention.kernel((props.major, props.minor), attention.call_of(q, k, v, is_causal=True, enable_gqa=True))
     print(f"\n[gpu-check] fp32 grouped {b}x{heads}/{kv_heads}x{s}: {chosen}; real {real} | virtual {virtual}")
     assert real == virtual
+
+
+@pytest.mark.parametrize("tokens,rows,width,deterministic", [(3072, 32000, 4096, False), (8192, 32000, 4096, False),
+                                                             (4096, 120, 64, False), (4096, 120, 64, True)])
+def test_an_embedding_backward_allocates_what_the_virtual_gpu_says(tokens, rows, width, deterministic):
+    """nn.Embedding's weight gradient in bf16 (config.embedding_kernels): the card's memory history of
+    the call is the virtual GPU's on this card's SMs, but for CUB's storage (allocated and freed at
+    once), whose size the model estimates: within 16 KiB each."""
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from harness.config import kernels
+    from harness.probe.sim.tracker import StorageTracker
+
+    def call(device=None):
+        weight = torch.randn(rows, width, dtype=torch.bfloat16, device=device, requires_grad=True)
+        ids = torch.randint(0, rows, (tokens,), device=device)
+        out = F.embedding(ids, weight)
+        return out, weight, torch.ones_like(out)
+
+    def transient(seq: list[str]) -> list[bool]:  # allocated and freed at once (CUB's storage), and its free
+        at_once = [s[0] == "a" and i + 1 < len(seq) and seq[i + 1] == "f" + s[1:] for i, s in enumerate(seq)]
+        return [a or (i > 0 and at_once[i - 1]) for i, a in enumerate(at_once)]
+
+    props = torch.cuda.get_device_properties(0)
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        out, weight, ones = call("cuda")
+        real = _history_of(lambda: torch.autograd.grad(out, weight, ones)).split()
+        g = kernels.Geometry(props.multi_processor_count, kernels.threads_per_multiprocessor((props.major, props.minor)))
+        tr = StorageTracker(emulate_cublas_workspace=False, geometry=g)
+        with FakeTensorMode(), tr:
+            out, weight, ones = call()
+            start = len(tr.events)
+            grad = torch.autograd.grad(out, weight, ones)  # (kept, as above)
+            virtual = [f"{e.action[0]}{e.size}" for e in tr.events[start:] if e.size]
+            del grad
+    finally:
+        torch.use_deterministic_algorithms(False)
+    print(f"\n[gpu-check] embedding backward {tokens}x{rows}x{width} det={deterministic}: real {' '.join(real)} | "
+          f"virtual {' '.join(virtual)}")
+    assert len(real) == len(virtual)
+    for r, v, estimated in zip(real, virtual, transient(virtual), strict=True):
+        assert r[0] == v[0]
+        assert abs(int(r[1:]) - int(v[1:])) <= (16384 if estimated else 0), (r, v)
