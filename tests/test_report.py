@@ -247,6 +247,50 @@ def test_the_terminals_fit_table_keeps_the_runs_figures_whole_on_a_narrow_consol
     assert capsys.readouterr().out == ""
 
 
+def test_a_narrow_terminal_gets_each_verdict_on_lines_of_its_own_and_no_cell_cut_short(monkeypatch, capsys):
+    """On a terminal narrower than the verdict table each answer is a block: its job, card, kind and
+    verdict on one line, then where it runs out and each remedy on a line of its own, wrapped beside
+    its name within the terminal; a pipe still gets the table. A table whose unwrapped columns alone
+    are wider than the terminal is printed whole (the terminal wraps it), no cell cut short."""
+    import rich.console
+
+    from harness.report import console
+
+    remedies = ["fits with micro-batch 1 x 4 accumulation steps (same effective batch; more, smaller steps)",
+                "fits with activation checkpointing (about 20-33% more compute (one more forward per layer))"]
+    judged = pd.DataFrame([{"job": "7b train b4 s2048 bf16 ckpt=no", "card": "a100-80gb", "kind": "activations",
+                            "runs_out": "forward of step 2 at model.layers.28.input_layernorm",
+                            "verdict": "code problem", "detail": " | ".join(remedies)}])
+
+    def terminal(width):
+        monkeypatch.setattr(console, "_console", lambda: rich.console.Console(
+            width=width, force_terminal=True, color_system=None))
+
+    terminal(80)
+    console.render_verdicts(judged)
+    lines = [line.rstrip() for line in capsys.readouterr().out.splitlines()]
+    assert max(map(len, lines)) <= 80 and not any("┃" in line for line in lines)
+    assert lines[1] == "7b train b4 s2048 bf16 ckpt=no  a100-80gb  activations  code problem"
+    what = next(i for i, line in enumerate(lines) if line.lstrip().startswith("what fits:"))
+    column = lines[what].index("fits with")
+    said = " ".join(line[column:] for line in lines[what:])  # each remedy wrapped in its own column
+    assert said.split(" fits with ") == [remedies[0], remedies[1][len("fits with "):]]
+    monkeypatch.setattr(console, "_console", lambda: rich.console.Console(width=200, force_terminal=False))
+    console.render_verdicts(judged)
+    assert "┃ job" in capsys.readouterr().out  # a pipe: the table
+
+    table, long = _wide_table()
+    df = pd.DataFrame([{"run_id": f"r{i}", "model": "70b", "workload": "train", "batch_size": 1, "seq_len": 512 * i,
+                        "precision": ("amp_bf16", "bf16")[i % 2], "checkpointing": True, "optimizer": "adamw",
+                        "optimizer_impl": "auto", "allocator_conf": None, "gpu": "A100 80GB", "backend": "sim",
+                        "status": "ok", "kind": "activations", "peak_allocated_bytes": 80 * 2**30,
+                        "peak_reserved_bytes": 98 * 2**30} for i in range(3)])
+    terminal(40)
+    console.render(df, long, "title")
+    out = capsys.readouterr().out
+    assert "amp_bf16" in out and " 1024 " in out and "activations" in out and "alloc GiB" in out
+
+
 def _spread_rows(batches=(1,), counts=(8, 16)):
     """Rows of a 70B job over FSDP2 counts (one per batch and count) and their fit_long: l4 and a10g
     alike (tight over 16 only), a100-80gb and h100-80gb alike (over 8 and 16), t4 never."""

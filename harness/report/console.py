@@ -12,8 +12,11 @@ from harness.report import tables
 
 
 def _console():
+    """A terminal's own width (each table folds its cards or wraps its text to it); 200 columns
+    for a pipe or a log, where nothing wraps a line, so that a table of many cards stays whole."""
     console = _console_class()
-    return console(width=max(200, console().width))  # 10 cards: keep every column whole
+    plain = console()
+    return plain if plain.is_terminal else console(width=max(200, plain.width))
 
 
 @functools.cache
@@ -29,19 +32,66 @@ def _console_class():
     return _Console
 
 
-def _print(table: tables.Table, title: str, caption: str | None = None, right_from: int = 99,
-           wrap: tuple[str, ...] = ()) -> None:
+def _rich_table(table: tables.Table, right_from: int = 99, wrap: tuple[str, ...] = ()):
+    """`wrap`: the columns whose text wraps where the console is narrower than the table."""
     from rich.markup import escape
     from rich.table import Table
 
     header, rows = table
-    t = Table(title=title, caption=caption)
+    t = Table()
     for i, h in enumerate(header):
         t.add_column(h, justify="right" if i >= right_from else "left", no_wrap=h not in wrap,
                      overflow="fold")
     for row in rows:
         t.add_row(*[_style(escape(c)) for c in row])
-    _console().print(t)
+    return t
+
+
+def _print(table: tables.Table, title: str, caption: str | None = None, right_from: int = 99,
+           wrap: tuple[str, ...] = ()) -> None:
+    t = _rich_table(table, right_from, wrap)
+    console = _console()
+    if _natural(console, t).minimum > console.width:
+        # its unwrapped columns alone are wider than the terminal: printed whole at 200 columns (the
+        # terminal wraps its lines), not with cells cut short (a sequence length of 512 read as 51)
+        console = _console_class()(width=max(200, console.width))
+    # a title or caption wider than the table goes above or below it as lines of its own, not
+    # folded to the table's width (a results path broken in two, a caption of twelve short lines)
+    width = console.measure(t).maximum
+    above = max(map(len, title.splitlines())) > width
+    below = caption is not None and max(map(len, caption.splitlines())) > width
+    t.title, t.caption = (None if above else title), (None if below else caption)
+    if above:
+        console.print(title, markup=False, highlight=False)
+    console.print(t)
+    if below:
+        console.print(caption, markup=False, highlight=False)
+
+
+def _natural(console, table):
+    """The table's width unbounded by the console's (rich's Measurement: minimum, maximum)."""
+    return console.measure(table, options=console.options.update_width(10**6))
+
+
+def _print_records(table: tables.Table, title: str, lead: tuple[str, ...]) -> None:
+    """Each row as lines: its `lead` cells on one, then each other cell beside its column's name,
+    a cell's alternatives (" | ") one a line, wrapped beside the name."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = _console()
+    header, rows = table
+    console.print(title, markup=False, highlight=False)
+    for row in rows:
+        cells = dict(zip(header, row, strict=True))
+        console.print("  ".join(_style(escape(cells[h])) for h in lead), highlight=False)
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(no_wrap=True)
+        grid.add_column()
+        for h in (h for h in header if h not in lead):
+            for i, part in enumerate(cells[h].split(" | ")):
+                grid.add_row(f"    {escape(h)}:" if i == 0 else "", _style(escape(part)))
+        console.print(grid, highlight=False)
 
 
 def _style(cell: str) -> str:
@@ -107,8 +157,14 @@ def render_verdicts(judged: pd.DataFrame, more_gpus: str | None = None) -> None:
     """Code problem or card problem, for each point that does not fit its card; `more_gpus`: where
     the sweep cannot say how many GPUs (words.more_gpus)."""
     if not judged.empty:
-        _print(tables.verdict_table(judged), "Code problem or card problem? (each point that OOMs on its card)",
-               wrap=("job", "runs out in", "what fits"))
+        table, title = tables.verdict_table(judged), "Code problem or card problem? (each point that OOMs on its card)"
+        wrap, console = ("job", "runs out in", "what fits"), _console()
+        if console.is_terminal and _natural(console, _rich_table(table, wrap=wrap)).maximum > console.width:
+            # a terminal narrower than the table: each answer on lines of its own, not in a column
+            # of a few words a line
+            _print_records(table, title, lead=("job", "card", "kind", "verdict"))
+        else:
+            _print(table, title, wrap=wrap)
     if more_gpus:
         from rich.markup import escape
 
