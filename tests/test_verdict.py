@@ -231,6 +231,12 @@ def test_every_key_that_varies_is_in_the_label_and_a_column():
     labels = words.job_labels(df)
     assert len(set(labels.values())) == len(df)  # no two runs under one label
     assert "sgd/auto" in labels["s"] and "width=512" in labels["w2"] and "num_hidden_layers=4" in labels["h2"]
+    # a job over several GPU counts (a plan's probes, whose overrides differ in a plan's own words
+    # and the results dir): told apart by its GPUs
+    spread = pd.DataFrame([_row(run_id=f"n{n}", world_size=n, dp_shard=n, overrides=f"x=1 results_dir=/r{n}")
+                           for n in (1, 8)])
+    assert words.job_labels(spread) == {"n1": "m train b8 s2048 bf16 ckpt=no GPUs 1",
+                                        "n8": "m train b8 s2048 bf16 ckpt=no GPUs 8 FSDP2"}
     fit_long = pd.DataFrame([{"run_id": r, "card": "t4", "fits": True, "edge": "room", "headroom_pct": 5.0}
                              for r in df["run_id"]])
     for col in ("gpu", "backend", "kind", "peak_allocated_bytes", "peak_reserved_bytes"):

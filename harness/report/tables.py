@@ -5,9 +5,9 @@ from __future__ import annotations
 import pandas as pd
 
 from harness.analysis.attention_path import math_paths
-from harness.analysis.verdict import layout, spread
+from harness.analysis.verdict import spread
 from harness.config.point import WorkloadName
-from harness.report.words import ckpt_word, job_args, job_label, math_path
+from harness.report.words import ckpt_word, gpus, job_args, job_label, math_path
 from harness.units import GiB
 
 Table = tuple[list[str], list[list[str]]]
@@ -58,13 +58,6 @@ def _knob_cells(r) -> list[str]:
     """optimizer ("-" when serving: none runs), args, allocator, leak."""
     optimizer = "-" if r["workload"] == WorkloadName.infer else f"{r['optimizer']}/{r['optimizer_impl']}"
     return [optimizer, job_args(r) or "-", str(r["allocator_conf"] or "default"), str(r.get("leak") or "none")]
-
-
-def gpus(row) -> str:
-    """How many GPUs the run is spread over, and how ("8 FSDP2", "2 DDP", "8 FSDP2 4 x TP 2"; "1"):
-    its figures are one GPU's."""
-    world, reshard = spread(row)
-    return "1" if world == 1 else f"{world} {layout(row)}{'' if reshard else ' (no reshard)'}"
 
 
 def capacity_table(df: pd.DataFrame, fit_long: pd.DataFrame) -> Table:

@@ -8,7 +8,7 @@ import pandas as pd
 from harness.analysis.attention_path import MathPath
 from harness.analysis.kinds import KindReading, ShapeReading
 from harness.analysis.oom_text import OomReading
-from harness.analysis.verdict import leak_of
+from harness.analysis.verdict import layout, leak_of, spread
 from harness.config import alloc_conf
 from harness.record.row import TRAFFIC, checkpointing_of
 from harness.units import gib, gib_or_mib
@@ -31,6 +31,7 @@ COST_WORDS = {
 # checkpointing_policy's values (config.point.CheckpointingPolicy)
 CHECKPOINTING_WORDS = {"full": "each layer recomputed whole", "op": "torchtitan's per-op policy: matmuls and attention kept"}
 VARYING_KEYS = ("optimizer", "optimizer_impl", "workload_args", "allocator_conf", "leak", "gpu", "backend")
+GPUS = "gpus"  # (words.gpus: how many GPUs a job is spread over, and how)
 
 
 def _missing(v) -> bool:
@@ -50,6 +51,13 @@ def job_label(row, varying=frozenset()) -> str:
     """A run in words: model, workload, batch, sequence, precision, checkpointing; the allocator
     and leak where set; and each key of `varying` (VARYING_KEYS that differ among the runs shown)."""
     return f"{row['model']} {row['workload']} b{row['batch_size']} s{row['seq_len']} {variant_label(row, varying)}"
+
+
+def gpus(row) -> str:
+    """How many GPUs the run is spread over, and how ("8 FSDP2", "2 DDP", "8 FSDP2 4 x TP 2"; "1"):
+    its figures are one GPU's."""
+    world, reshard = spread(row)
+    return "1" if world == 1 else f"{world} {layout(row)}{'' if reshard else ' (no reshard)'}"
 
 
 def ckpt_word(row) -> str:
@@ -72,14 +80,17 @@ def variant_label(row, varying=frozenset()) -> str:
     for key in ("gpu", "backend"):
         if key in varying and not _missing(row.get(key)):
             parts.append(f"{key}={row[key]}")
+    if GPUS in varying:
+        parts.append(f"GPUs {gpus(row)}")
     return " ".join(parts)
 
 
 def varying_keys(rows) -> frozenset[str]:
-    """The VARYING_KEYS whose value differs among `rows` (dicts or a DataFrame)."""
+    """The VARYING_KEYS whose value differs among `rows` (dicts or a DataFrame), and GPUS where
+    the GPUs their jobs are spread over do."""
     records = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else list(rows)
-    return frozenset(k for k in VARYING_KEYS
-                     if len({None if _missing(r.get(k)) else str(r.get(k)) for r in records}) > 1)
+    keys = {k for k in VARYING_KEYS if len({None if _missing(r.get(k)) else str(r.get(k)) for r in records}) > 1}
+    return frozenset(keys | ({GPUS} if len({gpus(r) for r in records}) > 1 else set()))
 
 
 def job_labels(rows) -> dict[str, str]:
