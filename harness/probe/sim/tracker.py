@@ -492,8 +492,8 @@ class StorageTracker(TorchDispatchMode):
         else:
             made = [(t, "") for t in _tensors((out,))]
         scratch = [] if host else kernel_scratch.of(func, args, kwargs, self.geometry)
-        # the op's scratch comes after its outputs but what it makes first (the embedding's sort);
-        # flash's forward makes its split-KV accumulators after its output and log-sum-exp, before
+        # the op's scratch comes after its outputs, but for what it makes before them (the
+        # embedding's backward: its sort); flash's forward makes its split-KV accumulators after its output and log-sum-exp, before
         # its RNG state and unused tensor (mha_fwd; an H200's memory history)
         first = sum(1 for s in scratch if s.early)
         keys: dict[int, int] = {}
