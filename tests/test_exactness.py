@@ -515,3 +515,30 @@ def test_an_embedding_backward_scaled_by_frequency_counts_each_index_even_under_
     assert allocs[:8] == [8000, 8000, 8000, ek.radix_sort_pairs_bytes(1000, 8, 8), 8000, ek.tile_states_bytes(1000),
                           ek.tile_states_bytes(1000), 32000 * 256 * 4]
     assert allocs[-1] == (100 + 1000) * 256 * 4  # fp32's partial sums in fp32
+
+
+def test_an_embedding_backwards_sum_judged_on_another_card_is_that_cards_own_trace():
+    """An RTX 3060 (28 SMs) sums 120 rows of 64 over 4,096 tokens in two passes where an H200 sums
+    them atomically: the 3060's trace holds the atomic sum's two allocations as 0-B placeholders,
+    and its rows sized for the H200 are those of the H200's own trace."""
+    from harness.config import cards, kernels
+    from harness.record import trace_store
+
+    def traced(key: str):
+        tr = StorageTracker(emulate_cublas_workspace=False, geometry=kernels.geometry(cards.by_key()[key]))
+        with FakeTensorMode(), tr:
+            weight = torch.randn(120, 64, dtype=torch.bfloat16, requires_grad=True)
+            out = F.embedding(torch.randint(0, 120, (4096,)), weight)
+            torch.autograd.grad(out, weight, torch.ones_like(out))
+        return trace_store.to_frame(tr.events)
+
+    def alike(rows):  # keys by first appearance (a storage's key is its address in this process)
+        order: dict = {}
+        return [(r.action, order.setdefault(r.key, len(order)), r.size, r.tag, r.stream) for r in rows]
+
+    on_3060, on_h200 = traced("rtx3060-12gb"), traced("h200")
+    placeholders = on_3060[(on_3060["size"] == 0) & (on_3060["action"] == "alloc")]
+    assert placeholders["kernel"].str.startswith("embbwd:").sum() == 2
+    h200 = cards.by_key()["h200"]
+    assert alike(trace_store.replay_rows(trace_store.sized_for(on_3060, h200))) == alike(
+        trace_store.replay_rows(on_h200))

@@ -493,8 +493,9 @@ class StorageTracker(TorchDispatchMode):
             made = [(t, "") for t in _tensors((out,))]
         scratch = [] if host else kernel_scratch.of(func, args, kwargs, self.geometry)
         # the op's scratch comes after its outputs, but for what it makes before them (the
-        # embedding's backward: its sort); flash's forward makes its split-KV accumulators after its output and log-sum-exp, before
-        # its RNG state and unused tensor (mha_fwd; an H200's memory history)
+        # embedding's backward: its sort); flash's forward makes its split-KV accumulators after its
+        # output and log-sum-exp, before its RNG state and unused tensor (mha_fwd; an H200's memory
+        # history)
         first = sum(1 for s in scratch if s.early)
         keys: dict[int, int] = {}
         self._scratch_made(scratch, keys, 0, first)
