@@ -51,21 +51,30 @@ def _print(table: tables.Table, title: str, caption: str | None = None, right_fr
            wrap: tuple[str, ...] = ()) -> None:
     t = _rich_table(table, right_from, wrap)
     console = _console()
-    if _natural(console, t).minimum > console.width:
+    if _least_width(table, wrap) > console.width:
         # its unwrapped columns alone are wider than the terminal: printed whole at 200 columns (the
         # terminal wraps its lines), not with cells cut short (a sequence length of 512 read as 51)
         console = _console_class()(width=max(200, console.width))
     # a title or caption wider than the table goes above or below it as lines of its own, not
     # folded to the table's width (a results path broken in two, a caption of twelve short lines)
     width = console.measure(t).maximum
-    above = max(map(len, title.splitlines())) > width
-    below = caption is not None and max(map(len, caption.splitlines())) > width
-    t.title, t.caption = (None if above else title), (None if below else caption)
+    above = max(map(len, title.splitlines()), default=0) > width
+    below = caption is not None and max(map(len, caption.splitlines()), default=0) > width
+    t.title, t.caption = (None if above or not title else title), (None if below else caption)
     if above:
         console.print(title, markup=False, highlight=False)
     console.print(t)
     if below:
         console.print(caption, markup=False, highlight=False)
+
+
+def _least_width(table: tables.Table, wrap: tuple[str, ...]) -> int:
+    """The narrowest the table prints without cutting a cell: its unwrapped columns whole, the
+    wrapped ones at their longest word (rich's box: 3 columns a column, and 1)."""
+    header, rows = table
+    widths = [max(len(w) for c in (h, *(r[i] for r in rows)) for w in (c.split() if h in wrap else [c]) or [""])
+              for i, h in enumerate(header)]
+    return sum(w + 3 for w in widths) + 1
 
 
 def _natural(console, table):
