@@ -75,6 +75,7 @@ def main(args: list[str]) -> int:
         print(f"harness: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     from harness.config import alloc_conf
+    from harness.report import words
 
     found = alloc_conf.from_environment(os.environ)
     if source is None and found and found[1] != settings.conf:
@@ -93,6 +94,8 @@ def main(args: list[str]) -> int:
     if run.value_reads:
         print(f"harness: values read from tensors (first at {run.value_reads[0]}) are stand-ins (0, or True): "
               "the virtual GPU has shapes, not values", file=sys.stderr)
+    if run.unmodelled:
+        print(f"harness: {words.unmodelled(', '.join(run.unmodelled))}", file=sys.stderr)
     if run.compiled:
         print(f"harness: torch.compile (first at {run.compiled[0]}) ran the code eagerly: these are eager "
               "peaks; a compiled graph's can be lower", file=sys.stderr)

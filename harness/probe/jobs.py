@@ -68,6 +68,21 @@ def job_name(job: Job) -> str:
     return job.name or (type(job.model).__name__ if job.model is not None else "step")
 
 
+# What a GPU runs through a library kernel whose own memory the virtual GPU does not model: the
+# layer is traced as the CPU runs it (README, "Known differences")
+UNMODELLED = "unmodelled"  # the row's column: each such layer, "<class> at <module>", "; " between
+CUDNN_RNN = (torch.nn.RNNBase,)  # nn.LSTM, nn.GRU, nn.RNN: cuDNN's RNN, its workspace and reserve
+
+
+def unmodelled_layers(job: Job) -> list[str]:
+    """The job's layers that run a kernel whose own memory is not modelled, each as "<class> at
+    <its name in the model>"."""
+    if job.model is None:
+        return []
+    return [f"{type(m).__name__} at {name or '(the model)'}" for name, m in job.model.named_modules()
+            if isinstance(m, CUDNN_RNN)]
+
+
 def parameters(job: Job) -> list:
     """The job's model's parameters (none without a model)."""
     return list(job.model.parameters()) if job.model is not None else []

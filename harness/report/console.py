@@ -146,6 +146,8 @@ def render(df: pd.DataFrame, fit_long: pd.DataFrame, title: str) -> None:
     # each reason a run's attention takes the math path on its card, once, with how many runs it holds for
     for sentence, n in collections.Counter(r[2] for r in tables.math_path_table(df)[1]).items():
         console.print(f"[yellow]{n} run(s):[/] {escape(str(sentence))}")
+    for sentence, n in collections.Counter(r[1] for r in tables.unmodelled_table(df)[1]).items():
+        console.print(f"[yellow]{n} run(s):[/] {escape(sentence)}")
 
 
 def render_capacity(df: pd.DataFrame, fit_long: pd.DataFrame) -> None:

@@ -7,7 +7,7 @@ import pandas as pd
 from harness.analysis.attention_path import math_paths
 from harness.analysis.verdict import spread
 from harness.config.point import WorkloadName
-from harness.report.words import ckpt_word, gpus, job_args, job_label, math_path
+from harness.report.words import ckpt_word, gpus, job_args, job_label, math_path, unmodelled
 from harness.units import GiB
 
 Table = tuple[list[str], list[list[str]]]
@@ -194,6 +194,13 @@ def math_path_table(df: pd.DataFrame) -> Table:
     rows = [[job_label(r), str(r["gpu"]), math_path(p, str(r["gpu"]))]
             for r in df.to_dict("records") for p in math_paths(r)]
     return ["job", "card", "why"], rows
+
+
+def unmodelled_table(df: pd.DataFrame) -> Table:
+    """Each run with layers whose GPU kernel's own memory is not modelled, and what that means."""
+    rows = [[job_label(r), unmodelled(str(r["unmodelled"]))] for r in df.to_dict("records")
+            if isinstance(r.get("unmodelled"), str) and r["unmodelled"]]
+    return ["job", "not modelled"], rows
 
 
 def verdict_table(judged: pd.DataFrame) -> Table:

@@ -279,6 +279,13 @@ _LIFTS = {"grouped_heads": "K and V expanded to every query head (transformers d
 _PRECISIONS = {"bfloat16": "bf16 (precision=bf16 or amp_bf16)", "float16": "fp16 (precision=fp16 or amp_fp16)"}
 
 
+def unmodelled(layers: str) -> str:
+    """Why a job's figures may be off on a GPU: its layers (a row's `unmodelled`) run a kernel whose
+    own memory the virtual GPU does not model."""
+    return (f"{layers}: a GPU runs cuDNN's RNN there, whose workspace and reserve space the virtual GPU "
+            "does not model (the layer is traced as the CPU runs it): the figures may be off by them")
+
+
 def math_path(p: MathPath, card: str) -> str:
     """Why an attention call takes the math path on `card`, and what would give it a fused kernel."""
     c = p.call

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from harness.allocator.settings import AllocSettings
 from harness.config import cublas, kernels
 from harness.config.point import Card
-from harness.probe.jobs import prepare_optimizer
+from harness.probe.jobs import CUDNN_RNN, prepare_optimizer
 from harness.probe.sim import cuda_emulation as cu
 from harness.probe.sim.cuda_script import cuda_script_on_cpu
 from harness.probe.sim.fake_cache import fast_cache
@@ -50,6 +50,7 @@ class ScriptRun:
     error: BaseException | None = None  # what the script raised (SystemExit aside)
     value_reads: list[str] = field(default_factory=list)  # file:line of the first value read, if any
     compiled: list[str] = field(default_factory=list)  # file:line of the first torch.compile, run eagerly
+    unmodelled: list[str] = field(default_factory=list)  # layers whose GPU kernel's memory is not modelled
     settings: AllocSettings = field(default_factory=AllocSettings)  # what it ended under (it may set them: LiveAllocator)
 
 
@@ -122,6 +123,24 @@ def _eager_compile(notes: list[str]):
 
 
 @contextlib.contextmanager
+def _unmodelled_layers(notes: list[str]):
+    """Each layer class the script runs whose GPU kernel's own memory is not modelled
+    (probe.jobs.UNMODELLED: cuDNN's RNN), with the script's line of its first call."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    def seen(module, _args):
+        name = type(module).__name__
+        if isinstance(module, CUDNN_RNN) and not any(n.startswith(f"{name} ") for n in notes):
+            notes.append(f"{name} (first at {user_line()})")
+
+    hook = register_module_forward_pre_hook(seen)
+    try:
+        yield
+    finally:
+        hook.remove()
+
+
+@contextlib.contextmanager
 def _host_profiler():
     """torch.profiler profiles the host side only: the virtual GPU runs no kernels to time (asked
     for CUDA activity, the CPU build warns with a stack trace at every op)."""
@@ -170,7 +189,8 @@ def run_script(path: Path, argv: list[str], card: Card, settings: AllocSettings,
     with FakeTensorMode(allow_non_fake_inputs=True), fast_cache(), cu.unpacked_sequences(), cu.cuda_kernels(card.capability), \
             cuda_script_on_cpu(tracker, default_host=True), cu.checkpoint_keeps_autocast(), \
             module_conversion_on_fake_tensors(), shape_only_init(), tracker, stand_ins, _cuda_optimizers(stand_ins), \
-            virtual_cuda(live), _eager_compile(run.compiled), _host_profiler(), _as_main(path, argv):
+            virtual_cuda(live), _eager_compile(run.compiled), _unmodelled_layers(run.unmodelled), _host_profiler(), \
+            _as_main(path, argv):
         try:
             runpy.run_path(str(path), run_name="__main__")
         except SystemExit as e:

@@ -23,6 +23,7 @@ from harness.config import attention, cublas, kernels, nccl
 from harness.config.attention import ATTENTION_CALLS
 from harness.config.point import Leak, Point, WorkloadName
 from harness.probe.jobs import (
+    UNMODELLED,
     apply_checkpointing,
     build_function,
     check_job,
@@ -33,6 +34,7 @@ from harness.probe.jobs import (
     optimizer_phases,
     parameters,
     prepare_optimizer,
+    unmodelled_layers,
     watching,
 )
 from harness.probe.sim import autocast_kernels, sharded
@@ -174,6 +176,7 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh,
         m[ATTENTION_CALLS] = attention.to_column(tracker.attention_calls, point.gpu.capability)
         if custom:  # the job names itself; a preset's row keeps the config's names
             m["model"] = job_name(job)
+            m[UNMODELLED] = "; ".join(unmodelled_layers(job)) or None
             m["optimizer"] = type(opt).__name__ if opt is not None else None
     return m, tracker
 
