@@ -329,13 +329,14 @@ def test_a_traced_job_that_changes_the_allocators_settings_is_refused_at_its_lin
 
 
 def test_a_scripts_recurrent_layer_is_said_to_be_traced_as_the_cpu_runs_it(tmp_path, capsys):
-    """A GRU the script runs on the card: cuDNN's RNN on a GPU, not modelled; the harness says which
-    layer, where the script first called it, and what that means; a script without one hears nothing."""
+    """A GRU the script runs on the card: cuDNN's RNN on a GPU, its memory not modelled; the harness
+    says which layer, where the script first called it, and what that means; a script without one
+    hears nothing."""
     script = tmp_path / "gru.py"
     script.write_text("import torch\nrnn = torch.nn.GRU(16, 16, batch_first=True).cuda()\n"
                       "for _ in range(2):\n    rnn(torch.randn(2, 8, 16, device='cuda'))[0].sum().backward()\n")
     rc, _, said = _script(capsys, script)
-    assert rc == 0 and f"GRU (first at {script}:4): a GPU runs cuDNN's RNN" in said
-    assert said.count("cuDNN's RNN") == 1  # once, however many calls
+    assert rc == 0 and f"GRU (first at {script}:4): a GPU runs these through cuDNN" in said
+    assert said.count("through cuDNN") == 1  # once, however many calls
     script.write_text("import torch\nx = torch.randn(2, 8, 16, device='cuda')\n")
     assert "cuDNN" not in _script(capsys, script)[2]

@@ -207,14 +207,17 @@ def test_an_error_in_the_users_step_names_their_file_and_line(tmp_path):
     assert row["status"] == "error" and row["error"].startswith(f"{REPO / 'tests/jobs/raises.py'}:{line}: RuntimeError")
 
 
-def test_recurrent_layers_are_named_as_not_modelled_in_the_row_the_report_and_the_terminal(capsys):
-    """nn.LSTM and nn.GRU run cuDNN's RNN on a GPU, whose workspace and reserve space the virtual
-    GPU does not model: the row names each such layer (`unmodelled`), and the terminal and the
-    report say what that means; a job without one names none."""
+def test_layers_run_through_cudnn_are_named_as_not_modelled_in_the_row_the_report_and_the_terminal(capsys):
+    """nn.LSTM and nn.GRU run cuDNN's RNN on a GPU, convolutions cuDNN's convolution, whose own
+    memory (workspace, reserve space) the virtual GPU does not model: the row names each such layer
+    class, where it first is and how many more (`unmodelled`), and the terminal and the report say
+    what that means; a job without one names none."""
     from harness.report import console, tables
 
     m, _ = run_point(custom_point("tests.jobs.recurrent:build", batch_size=2, seq_len=16))
     assert m["unmodelled"] == "LSTM at encoder; GRU at decoder"
+    resnet, _ = run_point(custom_point("examples.resnet:build", SMALL["examples.resnet:build"], batch_size=2, seq_len=1))
+    assert resnet["unmodelled"] == "Conv2d at stem.0 and 19 more"  # 1 + 8 blocks x 2 + 3 shortcuts
     plain, _ = run_point(custom_point("examples.gpt:build", SMALL["examples.gpt:build"], batch_size=2, seq_len=16))
     assert plain["unmodelled"] is None
     df = pd.DataFrame([{**m, "run_id": "r", "model": "Tagger", "workload": "custom", "batch_size": 2, "seq_len": 16,
@@ -222,9 +225,9 @@ def test_recurrent_layers_are_named_as_not_modelled_in_the_row_the_report_and_th
                        {**plain, "run_id": "p", "model": "GPT", "workload": "custom", "batch_size": 2, "seq_len": 16,
                         "precision": "fp32", "checkpointing": False, "gpu": "A100 80GB"}])
     header, rows = tables.unmodelled_table(df)
-    assert [r[0].split()[0] for r in rows] == ["Tagger"] and "cuDNN's RNN" in rows[0][1]
+    assert [r[0].split()[0] for r in rows] == ["Tagger"] and "through cuDNN" in rows[0][1]
     console.render(df.assign(status="ok", kind="fits", backend="sim", optimizer="AdamW", optimizer_impl="auto",
                              allocator_conf=None, leak="none", peak_reserved_bytes=df["peak_allocated_bytes"]),
                    pd.DataFrame(columns=["run_id", "card", "edge", "headroom_pct"]), "t")
     said = capsys.readouterr().out.replace("\n", " ")
-    assert "1 run(s): LSTM at encoder; GRU at decoder: a GPU runs cuDNN's RNN" in said
+    assert "1 run(s): LSTM at encoder; GRU at decoder: a GPU runs these through cuDNN" in said

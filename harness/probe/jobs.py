@@ -68,19 +68,25 @@ def job_name(job: Job) -> str:
     return job.name or (type(job.model).__name__ if job.model is not None else "step")
 
 
-# What a GPU runs through a library kernel whose own memory the virtual GPU does not model: the
-# layer is traced as the CPU runs it (README, "Known differences")
-UNMODELLED = "unmodelled"  # the row's column: each such layer, "<class> at <module>", "; " between
-CUDNN_RNN = (torch.nn.RNNBase,)  # nn.LSTM, nn.GRU, nn.RNN: cuDNN's RNN, its workspace and reserve
+# What a GPU runs through cuDNN, whose own memory the virtual GPU does not model: the layer is
+# traced as the CPU runs it (README, "Known differences")
+UNMODELLED = "unmodelled"  # the row's column: "<class> at <module>[ and N more]" a class, "; " between
+# nn.LSTM, nn.GRU, nn.RNN: cuDNN's RNN (its workspace and reserve space); nn.Conv*d and their
+# transposes: cuDNN's convolution (the workspace of the algorithm it picks, freed after each call)
+CUDNN_LAYERS = (torch.nn.RNNBase, torch.nn.modules.conv._ConvNd)
 
 
 def unmodelled_layers(job: Job) -> list[str]:
-    """The job's layers that run a kernel whose own memory is not modelled, each as "<class> at
-    <its name in the model>"."""
+    """The job's layers that run through cuDNN, each class once: "<class> at <its first module's
+    name>", and how many more of it there are."""
     if job.model is None:
         return []
-    return [f"{type(m).__name__} at {name or '(the model)'}" for name, m in job.model.named_modules()
-            if isinstance(m, CUDNN_RNN)]
+    found: dict[str, list[str]] = {}
+    for name, m in job.model.named_modules():
+        if isinstance(m, CUDNN_LAYERS):
+            found.setdefault(type(m).__name__, []).append(name or "(the model)")
+    return [f"{cls} at {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+            for cls, names in found.items()]
 
 
 def parameters(job: Job) -> list:

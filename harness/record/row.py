@@ -56,7 +56,7 @@ COLUMNS = (
     "trace_path", "trace_reused", "trace_method",
     "attention_calls",  # each distinct attention call and the kernel it took on the card (config.attention; JSON)
     "cublas_workspace_bytes",  # one cuBLAS workspace in the trace (the card's: config.cublas); None: none
-    "unmodelled",  # a job's layers whose GPU kernel's own memory is not modelled (probe.jobs.UNMODELLED)
+    "unmodelled",  # a job's layers run through cuDNN, whose own memory is not modelled (probe.jobs.UNMODELLED)
     "snapshot_path", "reused_from", "overrides", "job_id",
 )
 

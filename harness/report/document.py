@@ -126,8 +126,8 @@ def build(df: pd.DataFrame, fit_long: pd.DataFrame, judged: pd.DataFrame, fr: pd
                                 "B x H x S x S scores are activations the card pays for.", (header, rows)))
     header, rows = tables.unmodelled_table(df)
     if rows:
-        sections.append(Section("Not modelled", "Runs with layers a GPU runs through a library kernel whose own "
-                                "memory the virtual GPU does not model.", (header, rows)))
+        sections.append(Section("Not modelled", "Runs with layers a GPU runs through cuDNN, whose own memory "
+                                "the virtual GPU does not model.", (header, rows)))
     if "world_size" in df and (df["world_size"].fillna(1) > 1).any():
         table, same = tables.fold_constant(tables.capacity_table(df, fit_long), tables.CAPACITY_IDENTITY_COLUMNS)
         sections.append(Section("Cards x count", "Per job (its batch per GPU) and card, the fewest GPUs of the "

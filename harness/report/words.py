@@ -280,10 +280,11 @@ _PRECISIONS = {"bfloat16": "bf16 (precision=bf16 or amp_bf16)", "float16": "fp16
 
 
 def unmodelled(layers: str) -> str:
-    """Why a job's figures may be off on a GPU: its layers (a row's `unmodelled`) run a kernel whose
-    own memory the virtual GPU does not model."""
-    return (f"{layers}: a GPU runs cuDNN's RNN there, whose workspace and reserve space the virtual GPU "
-            "does not model (the layer is traced as the CPU runs it): the figures may be off by them")
+    """Why a job's figures may be off on a GPU: its layers (a row's `unmodelled`) run through cuDNN,
+    whose own memory the virtual GPU does not model."""
+    return (f"{layers}: a GPU runs these through cuDNN, whose own memory the virtual GPU does not model "
+            "(an RNN's workspace and reserve space, a convolution's workspace; the layers are traced as "
+            "the CPU runs them): the figures may be off by it")
 
 
 def math_path(p: MathPath, card: str) -> str:

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from harness.allocator.settings import AllocSettings
 from harness.config import cublas, kernels
 from harness.config.point import Card
-from harness.probe.jobs import CUDNN_RNN, prepare_optimizer
+from harness.probe.jobs import CUDNN_LAYERS, prepare_optimizer
 from harness.probe.sim import cuda_emulation as cu
 from harness.probe.sim.cuda_script import cuda_script_on_cpu
 from harness.probe.sim.fake_cache import fast_cache
@@ -50,7 +50,7 @@ class ScriptRun:
     error: BaseException | None = None  # what the script raised (SystemExit aside)
     value_reads: list[str] = field(default_factory=list)  # file:line of the first value read, if any
     compiled: list[str] = field(default_factory=list)  # file:line of the first torch.compile, run eagerly
-    unmodelled: list[str] = field(default_factory=list)  # layers whose GPU kernel's memory is not modelled
+    unmodelled: list[str] = field(default_factory=list)  # layers run through cuDNN: its memory is not modelled
     settings: AllocSettings = field(default_factory=AllocSettings)  # what it ended under (it may set them: LiveAllocator)
 
 
@@ -124,13 +124,13 @@ def _eager_compile(notes: list[str]):
 
 @contextlib.contextmanager
 def _unmodelled_layers(notes: list[str]):
-    """Each layer class the script runs whose GPU kernel's own memory is not modelled
-    (probe.jobs.UNMODELLED: cuDNN's RNN), with the script's line of its first call."""
+    """Each layer class the script runs through cuDNN, whose own memory is not modelled
+    (probe.jobs.UNMODELLED), with the script's line of its first call."""
     from torch.nn.modules.module import register_module_forward_pre_hook
 
     def seen(module, _args):
         name = type(module).__name__
-        if isinstance(module, CUDNN_RNN) and not any(n.startswith(f"{name} ") for n in notes):
+        if isinstance(module, CUDNN_LAYERS) and not any(n.startswith(f"{name} ") for n in notes):
             notes.append(f"{name} (first at {user_line()})")
 
     hook = register_module_forward_pre_hook(seen)
