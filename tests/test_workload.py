@@ -218,6 +218,12 @@ def test_layers_run_through_cudnn_are_named_as_not_modelled_in_the_row_the_repor
     assert m["unmodelled"] == "LSTM at encoder; GRU at decoder"
     resnet, _ = run_point(custom_point("examples.resnet:build", SMALL["examples.resnet:build"], batch_size=2, seq_len=1))
     assert resnet["unmodelled"] == "Conv2d at stem.0 and 19 more"  # 1 + 8 blocks x 2 + 3 shortcuts
+    from harness.probe.sim import shortcut
+    from tests.test_repeat import _on_architecture
+
+    # a preset's, of the model at its depth (its shallow traces have fewer layers): Mamba's causal convolutions
+    mamba = _on_architecture("mamba", num_hidden_layers=3)
+    assert shortcut.trace(mamba).measurements["unmodelled"] == "Conv1d at backbone.layers.0.mixer.conv1d and 2 more"
     plain, _ = run_point(custom_point("examples.gpt:build", SMALL["examples.gpt:build"], batch_size=2, seq_len=16))
     assert plain["unmodelled"] is None
     df = pd.DataFrame([{**m, "run_id": "r", "model": "Tagger", "workload": "custom", "batch_size": 2, "seq_len": 16,

@@ -38,8 +38,9 @@ from pathlib import Path
 
 from harness.config import attention, kernels
 from harness.config.attention import ATTENTION_CALLS, FUSED_PREFIX, FusedShape
-from harness.config.models import attention_shape, hf_config, model_key
+from harness.config.models import attention_shape, hf_config, model_key, on_meta
 from harness.config.point import Leak, Point, Precision, WorkloadName
+from harness.probe.jobs import UNMODELLED, unmodelled_layers
 from harness.probe.sim import ddp_setup, layers, repeat, replicas, shard_counts
 from harness.probe.sim import steps as stepwise
 from harness.probe.sim.kernel_scratch import recorded
@@ -63,7 +64,22 @@ def trace(point: Point) -> Traced:
     """The point's measurements and trace, synthesized where that is exact, else traced in full
     (the collector off between the traces: trace.collector)."""
     with collector(on=False):
-        return _trace(point)
+        traced = _trace(point)
+    if point.workload.name != WorkloadName.custom:  # (a job's own: named by its full trace)
+        traced.measurements[UNMODELLED] = _unmodelled(point)
+    return traced
+
+
+_UNMODELLED: dict[str, str | None] = {}  # model_key -> its layers run through cuDNN (probe.jobs.UNMODELLED)
+
+
+def _unmodelled(point: Point) -> str | None:
+    """A preset's layers run through cuDNN, of the model at its depth (a shallow trace's has fewer):
+    built on the meta device once a process (tens of ms)."""
+    key = model_key(point.model)
+    if key not in _UNMODELLED:
+        _UNMODELLED[key] = "; ".join(unmodelled_layers(on_meta(hf_config(point.model)))) or None
+    return _UNMODELLED[key]
 
 
 def _trace(point: Point) -> Traced:

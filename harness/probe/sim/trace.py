@@ -176,7 +176,7 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh,
         m[ATTENTION_CALLS] = attention.to_column(tracker.attention_calls, point.gpu.capability)
         if custom:  # the job names itself; a preset's row keeps the config's names
             m["model"] = job_name(job)
-            m[UNMODELLED] = "; ".join(unmodelled_layers(job)) or None
+            m[UNMODELLED] = "; ".join(unmodelled_layers(job.model)) or None
             m["optimizer"] = type(opt).__name__ if opt is not None else None
     return m, tracker
 
