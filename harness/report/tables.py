@@ -197,7 +197,8 @@ def math_path_table(df: pd.DataFrame) -> Table:
 
 
 def unmodelled_table(df: pd.DataFrame) -> Table:
-    """Each run with layers whose GPU kernel's own memory is not modelled, and what that means."""
+    """Each run with layers a GPU runs through cuDNN, whose own memory is not modelled, and what
+    that means (a row's `unmodelled`)."""
     rows = [[job_label(r), unmodelled(str(r["unmodelled"]))] for r in df.to_dict("records")
             if isinstance(r.get("unmodelled"), str) and r["unmodelled"]]
     return ["job", "not modelled"], rows
