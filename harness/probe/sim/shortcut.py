@@ -65,7 +65,7 @@ def trace(point: Point) -> Traced:
     (the collector off between the traces: trace.collector)."""
     with collector(on=False):
         traced = _trace(point)
-    if point.workload.name != WorkloadName.custom:  # (a job's own: named by its full trace)
+    if UNMODELLED not in traced.measurements:  # (made of shallow traces: named from the model at its depth)
         traced.measurements[UNMODELLED] = _unmodelled(point)
     return traced
 
