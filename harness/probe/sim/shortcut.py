@@ -64,10 +64,7 @@ def trace(point: Point) -> Traced:
     """The point's measurements and trace, synthesized where that is exact, else traced in full
     (the collector off between the traces: trace.collector)."""
     with collector(on=False):
-        traced = _trace(point)
-    if UNMODELLED not in traced.measurements:  # (made of shallow traces: named from the model at its depth)
-        traced.measurements[UNMODELLED] = _unmodelled(point)
-    return traced
+        return _trace(point)
 
 
 _UNMODELLED: dict[str, str | None] = {}  # model_key -> its layers run through cuDNN (probe.jobs.UNMODELLED)
@@ -122,6 +119,7 @@ def _measured(point: Point, journal: list[TraceEvent], scalars: dict, holder, ca
     its trace (the allocs and frees)."""
     m = measurements(journal, holder=holder, **scalars)
     m[ATTENTION_CALLS] = attention.to_column(attention.from_dicts(calls), point.gpu.capability)
+    m[UNMODELLED] = _unmodelled(point)  # (of the model at its depth: the shallow traces have fewer layers)
     return m, [e for e in journal if e.action in ("alloc", "free")]
 
 
