@@ -316,12 +316,13 @@ def _warm_up(model: str | None = None) -> list[str]:
     """One layer of `model` (the preset a sweep or plan asked for) traced on fake tensors at a small
     batch, else the tiny preset: torch's lazy imports either way, and with the preset's layer its
     parameters' ops in FakeTensor's dispatch cache for each of its points (their shapes are the
-    same at every batch and length: ~0.4 s of a 7B point's tracing), and which of its layers a
-    synthesized trace copies (shortcut.template_depth). Returns the presets traced."""
+    same at every batch and length: ~0.4 s of a 7B point's tracing), which of its layers a
+    synthesized trace copies (shortcut.template_depth) and which it runs through cuDNN
+    (shortcut.unmodelled). Returns the presets traced."""
     from harness.config import cards
     from harness.config.compose import CONF_DIR
     from harness.config.point import Point
-    from harness.probe.sim.shortcut import at_depth, template_depth
+    from harness.probe.sim.shortcut import at_depth, template_depth, unmodelled
     from harness.probe.sim.trace import run_point
 
     workload = {"name": "train", "steps": 2} if _autograd_settled_on_the_host() else {"name": "infer", "new_tokens": 2}
@@ -335,6 +336,7 @@ def _warm_up(model: str | None = None) -> list[str]:
         try:
             if name == asked:
                 template_depth(point(name, 2, 64))  # (its layers compared once, not in each point)
+                unmodelled(point(name, 2, 64))  # (its model at full depth built once, not in each point)
             run_point(at_depth(point(name, 2, 64), 1) if name == asked else point(name, 1, 16))
             return [name]
         except Exception:  # a warm-up only: a point that fails this way will say why in its own row

@@ -70,9 +70,9 @@ def trace(point: Point) -> Traced:
 _UNMODELLED: dict[str, str | None] = {}  # model_key -> its layers run through cuDNN (probe.jobs.UNMODELLED)
 
 
-def _unmodelled(point: Point) -> str | None:
+def unmodelled(point: Point) -> str | None:
     """A preset's layers run through cuDNN, of the model at its depth (a shallow trace's has fewer):
-    built on the meta device once a process (tens of ms)."""
+    built on the meta device once a process (tens of ms; a zygote's before it forks the points)."""
     key = model_key(point.model)
     if key not in _UNMODELLED:
         _UNMODELLED[key] = "; ".join(unmodelled_layers(on_meta(hf_config(point.model)))) or None
@@ -119,7 +119,7 @@ def _measured(point: Point, journal: list[TraceEvent], scalars: dict, holder, ca
     its trace (the allocs and frees)."""
     m = measurements(journal, holder=holder, **scalars)
     m[ATTENTION_CALLS] = attention.to_column(attention.from_dicts(calls), point.gpu.capability)
-    m[UNMODELLED] = _unmodelled(point)  # (of the model at its depth: the shallow traces have fewer layers)
+    m[UNMODELLED] = unmodelled(point)  # (of the model at its depth: the shallow traces have fewer layers)
     return m, [e for e in journal if e.action in ("alloc", "free")]
 
 
