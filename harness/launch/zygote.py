@@ -334,9 +334,10 @@ def _warm_up(model: str | None = None) -> list[str]:
     asked = model if model and "/" not in model and (CONF_DIR / "model" / f"{model}.yaml").is_file() else None
     for name in ([asked] if asked else []) + ["tiny"]:
         try:
-            if name == asked:
-                template_depth(point(name, 2, 64))  # (its layers compared once, not in each point)
-                unmodelled(point(name, 2, 64))  # (its model at full depth built once, not in each point)
+            if name == asked:  # each once, not in each point; the model at its depth built on the
+                # meta device once for both (config.models.on_meta keeps the last it built)
+                unmodelled(point(name, 2, 64))
+                template_depth(point(name, 2, 64))
             run_point(at_depth(point(name, 2, 64), 1) if name == asked else point(name, 1, 16))
             return [name]
         except Exception:  # a warm-up only: a point that fails this way will say why in its own row

@@ -32,7 +32,8 @@ def _console_class():
     return _Console
 
 
-def _rich_table(table: tables.Table, right_from: int = 99, wrap: tuple[str, ...] = ()):
+def _print(table: tables.Table, title: str, caption: str | None = None, right_from: int = 99,
+           wrap: tuple[str, ...] = ()) -> None:
     """`wrap`: the columns whose text wraps where the console is narrower than the table."""
     from rich.markup import escape
     from rich.table import Table
@@ -44,14 +45,8 @@ def _rich_table(table: tables.Table, right_from: int = 99, wrap: tuple[str, ...]
                      overflow="fold")
     for row in rows:
         t.add_row(*[_style(escape(c)) for c in row])
-    return t
-
-
-def _print(table: tables.Table, title: str, caption: str | None = None, right_from: int = 99,
-           wrap: tuple[str, ...] = ()) -> None:
-    t = _rich_table(table, right_from, wrap)
     console = _console()
-    if _least_width(table, wrap) > console.width:
+    if tables.ruled_width(tables.column_widths(table, wrap)) > console.width:
         # its unwrapped columns alone are wider than the terminal: printed whole at 200 columns (the
         # terminal wraps its lines), not with cells cut short (a sequence length of 512 read as 51)
         console = _console_class()(width=max(200, console.width))
@@ -66,20 +61,6 @@ def _print(table: tables.Table, title: str, caption: str | None = None, right_fr
     console.print(t)
     if below:
         console.print(caption, markup=False, highlight=False)
-
-
-def _least_width(table: tables.Table, wrap: tuple[str, ...]) -> int:
-    """The narrowest the table prints without cutting a cell: its unwrapped columns whole, the
-    wrapped ones at their longest word (rich's box: 3 columns a column, and 1)."""
-    header, rows = table
-    widths = [max(len(w) for c in (h, *(r[i] for r in rows)) for w in (c.split() if h in wrap else [c]) or [""])
-              for i, h in enumerate(header)]
-    return sum(w + 3 for w in widths) + 1
-
-
-def _natural(console, table):
-    """The table's width unbounded by the console's (rich's Measurement: minimum, maximum)."""
-    return console.measure(table, options=console.options.update_width(10**6))
 
 
 def _print_records(table: tables.Table, title: str, lead: tuple[str, ...]) -> None:
@@ -170,7 +151,7 @@ def render_verdicts(judged: pd.DataFrame, more_gpus: str | None = None) -> None:
     if not judged.empty:
         table, title = tables.verdict_table(judged), "Code problem or card problem? (each point that OOMs on its card)"
         wrap, console = ("job", "runs out in", "what fits"), _console()
-        if console.is_terminal and _natural(console, _rich_table(table, wrap=wrap)).maximum > console.width:
+        if console.is_terminal and tables.ruled_width(tables.column_widths(table)) > console.width:
             # a terminal narrower than the table: each answer on lines of its own, not in a column
             # of a few words a line
             _print_records(table, title, lead=("job", "card", "kind", "verdict"))

@@ -153,6 +153,20 @@ def fold_uniform_cards(table: Table, fit_long: pd.DataFrame, keep: set[str]) -> 
     return _columns(table, [i for i in range(len(header)) if i not in drop]), caption
 
 
+def column_widths(table: Table, wrap: tuple[str, ...] = ()) -> list[int]:
+    """Each column's width as printed whole: its longest cell or header, or for a column in `wrap`
+    (its text wrapped) its longest word."""
+    header, rows = table
+    return [max(len(w) for c in (h, *(r[i] for r in rows)) for w in (c.split() if h in wrap else [c]) or [""])
+            for i, h in enumerate(header)]
+
+
+def ruled_width(widths: list[int]) -> int:
+    """A table's width on the terminal, its columns `widths` wide: each column's padding and rule
+    beside its text, and the last rule (rich's box)."""
+    return sum(w + 3 for w in widths) + 1
+
+
 def fold_to_width(table: Table, fit_long: pd.DataFrame, keep: set[str], width: int) -> tuple[Table, str]:
     """Card columns that a terminal of `width` characters cannot show beside the rest, each column
     whole, moved into a caption (rich squeezes every column to fit, the runs' own figures too:
@@ -162,11 +176,11 @@ def fold_to_width(table: Table, fit_long: pd.DataFrame, keep: set[str], width: i
     header, rows = table
     if not rows or fit_long.empty:
         return table, ""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    widths = column_widths(table)
     shown = list(range(len(header)))
 
-    def over() -> bool:  # each column's padding and rule beside its text, and the table's last rule
-        return sum(widths[i] + 3 for i in shown) + 1 > width
+    def over() -> bool:
+        return ruled_width([widths[i] for i in shown]) > width
 
     if not over():
         return table, ""

@@ -128,12 +128,15 @@ def _unmodelled_layers(notes: list[str]):
     (probe.jobs.UNMODELLED), with the script's line of its first call."""
     from torch.nn.modules.module import register_module_forward_pre_hook
 
-    def seen(module, _args):
+    seen: set[str] = set()
+
+    def called(module, _args):
         name = type(module).__name__
-        if isinstance(module, CUDNN_LAYERS) and not any(n.startswith(f"{name} ") for n in notes):
+        if isinstance(module, CUDNN_LAYERS) and name not in seen:
+            seen.add(name)
             notes.append(f"{name} (first at {user_line()})")
 
-    hook = register_module_forward_pre_hook(seen)
+    hook = register_module_forward_pre_hook(called)
     try:
         yield
     finally:
