@@ -415,3 +415,23 @@ def test_an_embedding_backward_allocates_what_the_virtual_gpu_says(tokens, rows,
     for r, v, estimated in zip(real, virtual, transient(virtual), strict=True):
         assert r[0] == v[0]
         assert abs(int(r[1:]) - int(v[1:])) <= (16384 if estimated else 0), (r, v)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_clip_grad_norm_allocates_what_the_virtual_gpu_says(dtype):
+    """clip_grad_norm_ over a 7B layer's gradients and an embedding's (one _foreach_norm: its chunks'
+    partial norms, then the norms; the total and the clip after): the card's memory history of the
+    call is the virtual GPU's, byte for byte (probe.sim.kernel_scratch._foreach_norm)."""
+    import torch
+
+    from tests.test_exactness import _clipped
+
+    shapes = [(32000, 4096), (11008, 4096), (4096, 4096), (4096,)]
+    on = getattr(torch, dtype)
+    params = [torch.nn.Parameter(torch.randn(s, dtype=on, device="cuda")) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    real = _history_of(lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)).split()
+    virtual = _clipped(shapes, dtype=on)
+    print(f"\n[gpu-check] clip_grad_norm_ {dtype}: real {' '.join(real)} | virtual {' '.join(virtual)}")
+    assert real == virtual

@@ -542,3 +542,50 @@ def test_an_embedding_backwards_sum_judged_on_another_card_is_that_cards_own_tra
     h200 = cards.by_key()["h200"]
     assert alike(trace_store.replay_rows(trace_store.sized_for(on_3060, h200))) == alike(
         trace_store.replay_rows(on_h200))
+
+
+# ---- clip_grad_norm_ ----------------------------------------------------------------------------
+
+def _clipped(shapes, dtype=torch.bfloat16, emulate=True):
+    """The allocations of clip_grad_norm_ over gradients of `shapes` ("a<bytes>"/"f<bytes>") on the
+    virtual GPU, CUDA's kernels emulated (or not)."""
+    from harness.probe.sim.cuda_emulation import cuda_kernels
+
+    def clip():
+        params = [torch.nn.Parameter(torch.randn(s, dtype=dtype)) for s in shapes]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        return params, lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)
+
+    tr = StorageTracker(emulate_cublas_workspace=False)
+    with FakeTensorMode(), tr, cuda_kernels() if emulate else contextlib.nullcontext():
+        _params, call = clip()
+        start = len(tr.events)
+        _total = call()  # (held, as a caller holds it)
+        return [f"{e.action[0]}{e.size}" for e in tr.events[start:] if e.size]
+
+
+def test_clip_grad_norm_takes_one_foreach_norm_with_its_chunks_partial_norms_as_cuda_does():
+    """A CUDA tensor takes torch's foreach path, a FakeTensor the for-loop (a vector norm and its
+    reduction's scratch each): on the virtual GPU one _foreach_norm, whose kernel first makes a
+    partial norm per 65,536-element chunk of the largest gradient for every gradient (fp32 for
+    bf16: 3 x 2,000 x 4 B for a 32,000 x 4,096 embedding's), then the norms, and frees them as it
+    returns (ForeachReduceOp.cu)."""
+    from harness.probe.sim import kernel_scratch
+
+    shapes = [(32000, 4096), (11008, 4096), (4096,)]
+    chunks = -(-32000 * 4096 // kernel_scratch.FOREACH_CHUNK)
+    assert chunks == 2000
+    seen = _clipped(shapes)
+    assert seen[:5] == [f"a{3 * chunks * 4}", "a2", "a2", "a2", f"f{3 * chunks * 4}"]
+    assert sum(1 for s in seen if s == f"a{3 * chunks * 4}") == 1
+    loop = _clipped(shapes, emulate=False)  # a vector norm each: their norms apart
+    assert loop[0] == "a2" and f"a{3 * chunks * 4}" not in loop
+    # fp32 gradients: fp32 partial norms and norms
+    assert _clipped([(70000,), (10,)], dtype=torch.float32)[:4] == ["a16", "a4", "a4", "f16"]
+    # the kernel's slow path (an order other than 1, 2 and inf; tensors of two dtypes): no chunks
+    args = [torch.empty(70000), torch.empty(10)]
+    assert kernel_scratch._foreach_norm((args, 3), {}) == []
+    assert kernel_scratch._foreach_norm(([args[0], torch.empty(10, dtype=torch.float64)], 2), {}) == []
+    assert kernel_scratch._foreach_norm((args, float("inf")), {"dtype": torch.float64}) == [
+        kernel_scratch.Scratch(2 * 2 * 8, "", early=True)]

@@ -5,6 +5,8 @@ context manager so nothing leaks out of the trace:
 
 - optimizers: CUDA defaults to the foreach path (fused=False); on fake tensors torch picks the
   for-loop path, whose temporaries are one parameter's, not all of them (13% of a 7B peak);
+- clip_grad_norm_ (and clip_grad_value_): CUDA's tensors take one _foreach_norm (its chunks' partial
+  norms: probe.sim.kernel_scratch), a FakeTensor a vector norm each (a reduction's scratch each);
 - scaled-dot-product attention: CUDA's kernel choice on the card (config.attention: cuDNN first
   on sm90/sm10x, flash for fp16/bf16 without a mask from sm80 on, memory-efficient otherwise,
   math where none takes the call, a bf16 one on a T4) instead of the CPU kernels; each kernel's
@@ -220,15 +222,27 @@ def cuda_kernels(capability: tuple[int, int] | None = None, calls: list | None =
     """Route F.scaled_dot_product_attention and F.dropout through CUDA's kernels while tracing, the
     attention kernel chosen as on a card of `capability` (None: an A100's), each distinct attention
     call appended to `calls` (config.attention.Call); a Half softmax to fp32 fused, and layer norm's
-    statistics in fp32, as CUDA's kernels make them."""
+    statistics in fp32, as CUDA's kernels make them; torch's foreach paths taken where a CUDA
+    tensor takes them."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils import _foreach_utils
+
     F.scaled_dot_product_attention, F.dropout = cuda_sdpa, cuda_dropout
     saved = dict(_attention)
     _attention.update(capability=capability, calls=calls)
     _fake_impl(_layer_norm_statistics_in_fp32)
+    # torch's foreach paths take a plain tensor (type(t) is Tensor): a FakeTensor stands for one
+    # (one list, in place: torch.optim imports it by name)
+    foreach_types = _foreach_utils._foreach_supported_types
+    added = FakeTensor not in foreach_types
+    if added:
+        foreach_types.append(FakeTensor)
     try:
         with _HalfToFloat():
             yield
     finally:
+        if added:
+            foreach_types.remove(FakeTensor)
         F.scaled_dot_product_attention, F.dropout = _original_sdpa, _original_dropout
         _attention.update(saved)
         _fake_impl(_TORCHS_LAYER_NORM)
