@@ -291,6 +291,37 @@ def test_a_narrow_terminal_gets_each_verdict_on_lines_of_its_own_and_no_cell_cut
     assert "amp_bf16" in out and " 1024 " in out and "activations" in out and "alloc GiB" in out
 
 
+
+def test_a_narrow_terminal_gets_a_frontier_a_group_at_a_time_its_search_above_its_cards(monkeypatch, capsys):
+    """plan's frontier on an 80-column terminal: each group's search (axis, margin, probes) in a
+    line above a table of its cards' answers within the width, every figure whole; a pipe still
+    gets the one table of every group and card."""
+    import rich.console
+
+    from harness.report import console, tables
+
+    fr = pd.DataFrame([{"status": "ok", "axis": "batch_size", "margin": 0.05, "card": card, "largest": largest,
+                        "first_oom": largest + 1, "monotone": True, "cache_flushes": 0, "probes": 11,
+                        "grid_points": 64, "peak_reserved_bytes": 131.37 * 2**30, "headroom_bytes": 2**29,
+                        "edge": edge, "model": "7b", "workload": "train", "precision": "bf16", "checkpointing": ckpt,
+                        "seq_len": 2048, "batch_size": None, "allocator_conf": "", "error": None}
+                       for ckpt in (False, True) for card, largest, edge in
+                       (("h100-80gb", 2, "room"), ("gh200", 4, "after_retry"), ("h200", 7, "room"))])
+    assert tables.ruled_width(tables.column_widths(tables.frontier_table(fr), ("group",))) > 80
+    monkeypatch.setattr(console, "_console", lambda: rich.console.Console(width=80, force_terminal=True,
+                                                                          color_system=None))
+    console.render_frontier(fr)
+    lines = [line.rstrip() for line in capsys.readouterr().out.splitlines()]
+    assert max(map(len, lines)) <= 80
+    searches = [line.strip() for line in lines if "probes" in line]
+    assert searches == [f"7b train bf16{c}, seq 2048: batch_size searched, margin 5%, 11 / 64 probes"
+                        for c in ("", " ckpt")]
+    assert sum("131.37" in line for line in lines) == 6 and sum("│ h200" in line for line in lines) == 2
+    monkeypatch.setattr(console, "_console", lambda: rich.console.Console(width=200, force_terminal=False))
+    console.render_frontier(fr)
+    out = capsys.readouterr().out
+    assert "probes" in out and "11 / 64 probes" not in out and out.count("│ 7b train bf16") == 6  # a pipe: one table
+
 def _spread_rows(batches=(1,), counts=(8, 16)):
     """Rows of a 70B job over FSDP2 counts (one per batch and count) and their fit_long: l4 and a10g
     alike (tight over 16 only), a100-80gb and h100-80gb alike (over 8 and 16), t4 never."""

@@ -166,9 +166,19 @@ def render_verdicts(judged: pd.DataFrame, more_gpus: str | None = None) -> None:
 def render_frontier(fr: pd.DataFrame) -> None:
     if fr is None or fr.empty:
         return
-    _print(tables.frontier_table(fr), "Frontiers: the largest value that fits each card (searched, "
-           "each checked at its boundary)", FRONTIER_CAPTION, right_from=4,
-           wrap=("group",))  # (a long label: wrapped, not every figure beside it cut short)
+    table, title = tables.frontier_table(fr), "Frontiers: the largest value that fits each card (searched, " \
+        "each checked at its boundary)"
+    console = _console()
+    if console.is_terminal and tables.ruled_width(tables.column_widths(table, ("group",))) > console.width:
+        # a terminal narrower than the table: a group at a time, its search in a line above its
+        # cards (a row of 200 columns, wrapped by the terminal, reads as two)
+        console.print(title, markup=False, highlight=False)
+        for search, cards in tables.frontier_by_group(table):
+            _print(cards, search, right_from=1, wrap=tuple(cards[0][1:]))  # (headers and words wrap, numbers whole)
+        console.print(FRONTIER_CAPTION, markup=False, highlight=False)
+    else:
+        _print(table, title, FRONTIER_CAPTION, right_from=4,
+               wrap=("group",))  # (a long label: wrapped, not every figure beside it cut short)
     from rich.markup import escape
 
     for err in dict.fromkeys(fr.loc[fr["status"] != "ok", "error"]):

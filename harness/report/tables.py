@@ -303,6 +303,24 @@ def frontier_table(fr: pd.DataFrame) -> Table:
     return header, rows
 
 
+# a frontier's columns that hold one value for all of a group's cards (the search's)
+_FRONTIER_SEARCH = ("group", "axis", "margin", "probes / grid")
+
+
+def frontier_by_group(table: Table) -> list[tuple[str, Table]]:
+    """frontier_table's rows a group at a time: the search's columns (the group, its axis, margin
+    and probes) in a title, its cards' in a table of their own."""
+    header, rows = table
+    search = [header.index(h) for h in _FRONTIER_SEARCH]
+    own = [i for i in range(len(header)) if i not in search]
+    groups: dict[tuple, list[list[str]]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r[i] for i in search), []).append(r)
+    return [(f"{label}: {axis} searched, margin {margin}, {probes} probes",
+             ([header[i] for i in own], [[r[i] for i in own] for r in same]))
+            for (label, axis, margin, probes), same in groups.items()]
+
+
 def serving_table(fr: pd.DataFrame) -> Table:
     """Serving groups: the harness's frontier beside vLLM's startup arithmetic."""
     if "vllm_largest" not in fr.columns:
