@@ -204,13 +204,16 @@ def test_a_grids_search_bounds_follow_the_axis_searched():
 
 def test_a_plans_groups_that_differ_only_beside_the_searched_axis_are_told_apart(tmp_path):
     """Two optimizers, each traced on two cards, searched alike: the plan ends (its frontier figure
-    raised on groups of one label) and each group's label names its optimizer and card."""
+    raised on groups of one label) and each group's label names its optimizer and card. Its rows go
+    where hydra.sweep.dir says, as a sweep's do, and no probe's line names it."""
     from harness.report.tables import group_labels
 
     r = run_cli("plan", "sweeps=smoke", "seq_len=32", "optimizer=adamw,sgd", "gpu=t4,l4", "plan.cards=[t4]",
-                "plan.hi=8", f"results_dir={tmp_path}")
+                "plan.hi=8", f"results_dir={tmp_path}", f"hydra.sweep.dir={tmp_path}/mine")
     assert r.returncode == 0, r.stderr
-    labels = group_labels(pd.read_parquet(_only_dir(tmp_path) / "frontier.parquet"))
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == ["mine"]
+    assert "hydra" not in r.stderr.replace(str(tmp_path), "")
+    labels = group_labels(pd.read_parquet(tmp_path / "mine" / "frontier.parquet"))
     assert len(set(labels)) == len(labels) == 4
     assert {label.split(", ", 2)[2] for label in labels} == {f"optimizer {o}, traced on {c}" for o in ("adamw", "sgd")
                                                              for c in ("T4", "L4")}

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from harness.analysis import calibration
-from harness.cli.common import aggregate, make_out_dir, prepare, unknown_flag
+from harness.cli.common import aggregate, make_out_dir, own_out_dir, prepare, unknown_flag
 from harness.config import cards as catalog
 from harness.config.compose import compose, parallelism
 from harness.errors import EXIT_USAGE, ConfigError
@@ -32,6 +32,7 @@ def main(overrides: list[str]) -> int:
     if unknown_flag(overrides):
         print(f"harness: error: {unknown_flag(overrides)}: unknown flag (calibrate takes overrides only)", file=sys.stderr)
         return EXIT_USAGE
+    given, out_key, overrides = own_out_dir(overrides)
     try:
         if any(o.split("=", 1)[0].lstrip("+~") == "backend" for o in overrides):
             raise ConfigError("backend", "calibrate runs every point on both backends; leave backend unset")
@@ -43,8 +44,8 @@ def main(overrides: list[str]) -> int:
         points, base = prepared.points, prepared.base
         check_cards(list(prepared.built.values()), gpus.describe(devices))
         results_dir = Path(base.results_dir).expanduser().resolve()
-        out = results_dir / base.sweep / f"calibrate-{dt.datetime.now().strftime('%Y%m%d-%H%M%S-%f')}"
-        make_out_dir(out)
+        out = given or results_dir / base.sweep / f"calibrate-{dt.datetime.now().strftime('%Y%m%d-%H%M%S-%f')}"
+        make_out_dir(out, out_key)
     except ConfigError as e:
         print(f"harness: error: {e}", file=sys.stderr)
         return EXIT_USAGE

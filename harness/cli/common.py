@@ -51,6 +51,22 @@ def without(overrides: list[str], added: list[str]) -> list[str]:
     return [o for o in overrides if _key(o) not in keys]
 
 
+# Hydra's own output directories: where a command's rows go when the user names one
+OUT_DIR_KEYS = ("hydra.sweep.dir", "hydra.run.dir")
+
+
+def own_out_dir(overrides: list[str]) -> tuple[Path | None, str, list[str]]:
+    """The output directory `overrides` name (OUT_DIR_KEYS, the last given), the key it was given
+    by (else results_dir, which the default lies under: what a directory nobody can write to is
+    blamed on), and the overrides without them: for the verbs that run their points themselves
+    (plan, calibrate), as a sweep takes its hydra.sweep.dir, not a knob of any point."""
+    given = [o for o in overrides if _key(o) in OUT_DIR_KEYS]
+    rest = [o for o in overrides if _key(o) not in OUT_DIR_KEYS]
+    if not given:
+        return None, "results_dir", rest
+    return Path(given[-1].split("=", 1)[1]).expanduser().resolve(), _key(given[-1]), rest
+
+
 def make_out_dir(out: Path, key: str = "results_dir") -> None:
     """Where a command's rows go, made before anything runs: a path nobody can write to is bad
     input (ConfigError naming `key`), not a traceback after the points ran."""

@@ -11,7 +11,7 @@ import datetime as dt
 import sys
 from pathlib import Path
 
-from harness.cli.common import aggregate, make_out_dir, unknown_flag
+from harness.cli.common import aggregate, make_out_dir, own_out_dir, unknown_flag
 from harness.config.compose import compose, expand_grid, parallelism, split_overrides
 from harness.errors import EXIT_USAGE, ConfigError
 from harness.launch.point import to_point
@@ -27,6 +27,7 @@ def main(overrides: list[str], asked: list[str] | None = None) -> int:
     if unknown_flag(overrides):
         print(f"harness: error: {unknown_flag(overrides)}: unknown flag (plan takes overrides only)", file=sys.stderr)
         return EXIT_USAGE
+    given, out_key, overrides = own_out_dir(overrides)
     try:
         base = compose(split_overrides(overrides)[0])
         if base.backend in ("cuda", "cpu"):
@@ -34,10 +35,10 @@ def main(overrides: list[str], asked: list[str] | None = None) -> int:
         # auto too: a plan's probes never take a GPU
         overrides = [*(o for o in overrides if o.split("=", 1)[0] != "backend"), "backend=sim"]
         results_dir = Path(base.results_dir).expanduser().resolve()
-        out = results_dir / base.sweep / dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        out = given or results_dir / base.sweep / dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
         planner = Planner(out, results_dir, compose, to_point)
         groups = planner.groups(expand_grid(overrides))
-        make_out_dir(out)
+        make_out_dir(out, out_key)
     except ConfigError as e:
         print(f"harness: error: {e}", file=sys.stderr)
         return EXIT_USAGE
