@@ -336,7 +336,7 @@ def test_written_snapshot_loads_in_pytorch_memory_viz(tmp_path):
         assert sum(b["size"] for b in seg["blocks"]) == seg["total_size"]
 
 
-@pytest.mark.parametrize("content", ["text", "evil", "truncated", "no_trace", "missing"])
+@pytest.mark.parametrize("content", ["text", "evil", "truncated", "no_trace", "missing", "directory"])
 def test_replay_bad_input_is_a_clear_error_exit_2(tmp_path, content):
     import os
     import pickle
@@ -353,6 +353,8 @@ def test_replay_bad_input_is_a_clear_error_exit_2(tmp_path, content):
         path.write_bytes(SNAPSHOTS[0].read_bytes()[:1000])
     elif content == "no_trace":
         path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[]], "allocator_settings": {}}))
+    elif content == "directory":
+        path.mkdir()
     r = run_cli("replay", str(path))
     assert r.returncode == 2
     assert r.stderr.startswith("harness: error: ") and str(path) in r.stderr and len(r.stderr.splitlines()) == 1

@@ -639,11 +639,15 @@ def test_a_results_dir_nobody_can_write_is_refused_naming_it_before_anything_run
     assert not list(tmp_path.glob("**/result.json"))
 
 
-def test_report_of_a_file_that_is_no_result_is_refused_and_writes_nothing(tmp_path):
+def test_report_of_a_file_or_directory_that_holds_no_result_is_refused_and_writes_nothing(tmp_path):
     grid = tmp_path / "grid.yaml"
     grid.write_text("hydra: {}\n")
     r = run_cli("report", str(grid))
     assert r.returncode == 2 and str(grid) in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grid.yaml"]
+    # a directory no sweep or run made: no rows, no manifest
+    r = run_cli("report", str(tmp_path))
+    assert r.returncode == 2 and str(tmp_path) in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["grid.yaml"]
 
 

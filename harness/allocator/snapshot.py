@@ -31,6 +31,8 @@ def load(path: str | Path) -> dict:
             data = _PlainUnpickler(f).load()
     except FileNotFoundError:
         raise SnapshotError(f"{path}: no such file")
+    except OSError as e:  # a directory, a file it may not read
+        raise SnapshotError(f"{path}: cannot read it ({e.strerror or type(e).__name__})")
     except pickle.UnpicklingError as e:
         raise SnapshotError(f"{path}: {e}" if "refused" in str(e) else f"{path}: not a snapshot pickle ({e})")
     except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, OverflowError) as e:
