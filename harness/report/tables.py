@@ -316,9 +316,9 @@ def frontier_by_group(table: Table) -> list[tuple[str, Table]]:
     groups: dict[tuple, list[list[str]]] = {}
     for r in rows:
         groups.setdefault(tuple(r[i] for i in search), []).append(r)
-    return [(f"{label}: {axis} searched, margin {margin}, {probes} probes",
+    return [(f"{label}: {axis} searched, margin {margin}" + (f", {probes} probes" if probes != "-" else ""),
              ([header[i] for i in own], [[r[i] for i in own] for r in same]))
-            for (label, axis, margin, probes), same in groups.items()]
+            for (label, axis, margin, probes), same in groups.items()]  # (a failed search: no probes said)
 
 
 def serving_table(fr: pd.DataFrame) -> Table:

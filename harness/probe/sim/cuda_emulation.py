@@ -232,7 +232,7 @@ def cuda_kernels(capability: tuple[int, int] | None = None, calls: list | None =
     _attention.update(capability=capability, calls=calls)
     _fake_impl(_layer_norm_statistics_in_fp32)
     # torch's foreach paths take a plain tensor (type(t) is Tensor): a FakeTensor stands for one
-    # (one list, in place: torch.optim imports it by name)
+    # (the list itself, in place: torch.distributed.tensor appended DTensor to it by name)
     foreach_types = _foreach_utils._foreach_supported_types
     added = FakeTensor not in foreach_types
     if added:
