@@ -431,6 +431,37 @@ def test_sequence_parallel_splits_the_residual_stream_and_trades_all_reduces_for
     assert e.value.key == "parallel.sequence_parallel"
 
 
+
+def test_a_kernels_scratch_on_dtensors_is_sized_by_what_rank_0s_kernel_runs_on():
+    """kernel_scratch sizes a call on DTensors by rank 0's tensors: a sequence-parallel norm's weight
+    gradient sums its slice of the tokens (half its staging buffer's bytes over 2 ranks), a
+    clip over FSDP2's shards counts each shard's chunks, and where DTensor redistributes first
+    (attention over a sequence's slices takes its heads' slices of the whole sequence) the
+    redistributed shape."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import DTensor, Shard
+
+    from harness.config import cards, kernels
+    from harness.probe.sim import kernel_scratch
+    from harness.probe.sim.sharded import process_group
+
+    aten, g = torch.ops.aten, kernels.geometry(cards.by_key()["h200"])
+    with process_group(Parallel(tp=2)) as mesh, FakeTensorMode():
+        def split(local, dim):
+            return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False)
+
+        mine, whole = torch.empty(2, 1024, 64, dtype=torch.bfloat16), torch.empty(2, 2048, 64, dtype=torch.bfloat16)
+        staged = kernel_scratch.of(aten.sum.dim_IntList, (split(mine, 1), [0, 1]), {}, g)
+        assert staged == kernel_scratch.of(aten.sum.dim_IntList, (mine, [0, 1]), {}, g)
+        assert staged[0].bytes * 2 == kernel_scratch.of(aten.sum.dim_IntList, (whole, [0, 1]), {}, g)[0].bytes > 0
+        shards = [split(torch.empty(16000, 4096, dtype=torch.bfloat16), 0), split(torch.empty(2048, dtype=torch.bfloat16), 0)]
+        [partials] = kernel_scratch.of(aten._foreach_norm.Scalar, (shards, 2), {}, g)
+        assert partials.bytes == 2 * 1000 * 4  # 16,000 x 4,096 a rank: 1,000 chunks (2,000 whole)
+        q = split(torch.empty(2, 8, 512, 64, dtype=torch.bfloat16), 2)  # (2, 8, 1024, 64), the sequence split
+        args, _ = kernel_scratch.on_ranks_tensors(aten._scaled_dot_product_flash_attention.default,
+                                                  (q, q, q, 0.0, True), {})
+        assert [tuple(a.shape) for a in args[:3]] == [(2, 4, 1024, 64)] * 3
+
 def test_sequence_parallel_that_fits_the_card_is_a_remedy_named_by_its_knob():
     import pandas as pd
 

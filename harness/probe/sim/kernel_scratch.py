@@ -17,9 +17,11 @@ over 512 tokens where an A100 does not: 256 MiB staging buffers a 7B trace of th
 from __future__ import annotations
 
 import functools
+import sys
 from typing import NamedTuple
 
 import torch
+import torch.utils._pytree as pytree
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from harness.config import attention, embedding_kernels, kernels
@@ -284,17 +286,61 @@ _FREED_IN_ORDER = {_aten._scaled_dot_product_flash_attention.default,
 
 def of(func, args, kwargs, g: Geometry) -> list[Scratch]:
     """The scratch an op's CUDA kernel allocates on a card of geometry `g`, in the order it
-    allocates it; what is left of it is freed before the op returns (freed_in_order)."""
+    allocates it; what is left of it is freed before the op returns (freed_in_order). A call on
+    DTensors is sized by what the kernel runs on: each rank's local tensors (on_ranks_tensors)."""
     fn = _BY_ARGS.get(func)
     if fn is not None:
-        return [Scratch(*s) for s in fn(args, g)]
+        return [Scratch(*s) for s in fn(on_ranks_tensors(func, args, kwargs)[0], g)]
     if func in _BY_ARGS_AND_KWARGS:
-        return _BY_ARGS_AND_KWARGS[func](args, kwargs or {})
+        return _BY_ARGS_AND_KWARGS[func](*on_ranks_tensors(func, args, kwargs))
     if getattr(func, "namespace", None) == "fsdp":
         fsdp = _FSDP.get(func.overloadpacket.__name__)
         if fsdp is not None:
             return [Scratch(*s) for s in fsdp(args, g, (kwargs or {}).get("out"))]
     return []
+
+
+def on_ranks_tensors(func, args, kwargs) -> tuple[tuple, dict]:
+    """`args` and `kwargs` as rank 0's kernel gets them where some are DTensors: each its local
+    tensor, or, where DTensor's sharding propagation redistributes it first (a sequence's slices
+    gathered whole for attention), a meta tensor of rank 0's shape in the placements it is
+    redistributed to. A sequence-parallel norm's weight gradient sums the rank's slice of the
+    sequence, not the whole (before, its reduction's scratch was sized for the whole: over tensor
+    parallel 2, for twice the tokens)."""
+    kwargs = kwargs or {}
+    dtensor = sys.modules.get("torch.distributed.tensor")  # (none made where it was never imported)
+    if dtensor is None:
+        return args, kwargs
+    flat, tree = pytree.tree_flatten((args, kwargs))
+    if not any(isinstance(a, dtensor.DTensor) for a in flat):
+        return args, kwargs
+    specs: list = [None] * len(flat)
+    try:  # (private API, torch 2.13's: its own propagation, cached; a failure leaves the local tensors)
+        dispatcher = dtensor.DTensor._op_dispatcher
+        info = dispatcher.unwrap_to_op_info(func, args, kwargs)
+        dispatcher.sharding_propagator.propagate(info)
+        decided = info.output_sharding
+        if decided is not None and decided.needs_redistribute and decided.redistribute_schema is not None:
+            schema = decided.redistribute_schema
+            found = pytree.tree_leaves((schema.args_schema, schema.kwargs_schema))
+            specs = found if len(found) == len(flat) else specs
+    except Exception:  # noqa: BLE001 - sizing falls back to the rank's own tensors
+        pass
+
+    def local(a, spec):
+        if not isinstance(a, dtensor.DTensor):
+            return a
+        placements = getattr(spec, "placements", a.placements)
+        if placements == a.placements or not all(isinstance(p, (dtensor.Shard, dtensor.Replicate, dtensor.Partial))
+                                                  for p in placements):
+            return a._local_tensor
+        shape = list(a.shape)  # rank 0's: the first chunk of each split, ceil(size / ranks)
+        for mesh_dim, p in enumerate(placements):
+            if isinstance(p, dtensor.Shard):
+                shape[p.dim] = -(-shape[p.dim] // spec.mesh.size(mesh_dim))
+        return torch.empty(shape, dtype=a.dtype, device="meta")
+
+    return pytree.tree_unflatten([local(a, s) for a, s in zip(flat, specs, strict=True)], tree)
 
 
 def recorded(nbytes: int, code: str) -> bool:
