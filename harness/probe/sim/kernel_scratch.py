@@ -312,20 +312,13 @@ def on_ranks_tensors(func, args, kwargs) -> tuple[tuple, dict]:
     if dtensor is None:
         return args, kwargs
     flat, tree = pytree.tree_flatten((args, kwargs))
-    if not any(isinstance(a, dtensor.DTensor) for a in flat):
+    placed = [a.placements for a in flat if isinstance(a, dtensor.DTensor)]
+    if not placed:
         return args, kwargs
     specs: list = [None] * len(flat)
-    try:  # (private API, torch 2.13's: its own propagation, cached; a failure leaves the local tensors)
-        dispatcher = dtensor.DTensor._op_dispatcher
-        info = dispatcher.unwrap_to_op_info(func, args, kwargs)
-        dispatcher.sharding_propagator.propagate(info)
-        decided = info.output_sharding
-        if decided is not None and decided.needs_redistribute and decided.redistribute_schema is not None:
-            schema = decided.redistribute_schema
-            found = pytree.tree_leaves((schema.args_schema, schema.kwargs_schema))
-            specs = found if len(found) == len(flat) else specs
-    except Exception:  # noqa: BLE001 - sizing falls back to the rank's own tensors
-        pass
+    # (all replicated, as a tensor-parallel norm's inputs: whole on every rank, nothing to decide)
+    if not all(isinstance(p, dtensor.Replicate) for ps in placed for p in ps):
+        specs = _redistributed(dtensor.DTensor, func, args, kwargs) or specs
 
     def local(a, spec):
         if not isinstance(a, dtensor.DTensor):
@@ -341,6 +334,24 @@ def on_ranks_tensors(func, args, kwargs) -> tuple[tuple, dict]:
         return torch.empty(shape, dtype=a.dtype, device="meta")
 
     return pytree.tree_unflatten([local(a, s) for a, s in zip(flat, specs, strict=True)], tree)
+
+
+def _redistributed(dtensor_class, func, args, kwargs) -> list | None:
+    """The flattened (args, kwargs) specs DTensor's sharding propagation redistributes the call's
+    operands to first; None where it keeps them as they are, or cannot tell. (Private API, torch
+    2.13's: its own propagation, cached.)"""
+    try:
+        dispatcher = dtensor_class._op_dispatcher
+        info = dispatcher.unwrap_to_op_info(func, args, kwargs)
+        dispatcher.sharding_propagator.propagate(info)
+        decided = info.output_sharding
+    except Exception:  # noqa: BLE001 - sized by the rank's own tensors
+        return None
+    if decided is None or not decided.needs_redistribute or decided.redistribute_schema is None:
+        return None
+    schema = decided.redistribute_schema
+    found = pytree.tree_leaves((schema.args_schema, schema.kwargs_schema))
+    return found if len(found) == len(pytree.tree_leaves((args, kwargs))) else None
 
 
 def recorded(nbytes: int, code: str) -> bool:
