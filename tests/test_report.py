@@ -247,6 +247,32 @@ def test_the_terminals_fit_table_keeps_the_runs_figures_whole_on_a_narrow_consol
     assert capsys.readouterr().out == ""
 
 
+
+def test_rows_judged_against_another_catalog_are_named_where_the_verdicts_are_shown(monkeypatch, capsys):
+    """A row's fits hold for the catalog it was judged against (catalog_sha): rows of an older
+    catalog (calibrate measured a card since) are named, on the terminal with their count, those of
+    today's and a row without one (an error's) are not."""
+    import rich.console
+
+    from harness.config import cards as catalog
+    from harness.record import results
+    from harness.report import console
+
+    table, long = _wide_table()
+    df = pd.DataFrame([{"run_id": f"r{i}", "model": "7b", "workload": "train", "batch_size": 1, "seq_len": 512,
+                        "precision": "bf16", "checkpointing": False, "optimizer": "adamw", "optimizer_impl": "auto",
+                        "allocator_conf": None, "gpu": "A100 80GB", "backend": "sim", "status": "ok",
+                        "kind": "fits", "peak_allocated_bytes": 30 * 2**30, "peak_reserved_bytes": 31 * 2**30,
+                        "catalog_sha": sha} for i, sha in enumerate([catalog.digest(), "0123abcd", None])])
+    assert results.judged_elsewhere(df) == ["r1"]
+    assert results.judged_elsewhere(df.drop(columns="catalog_sha")) == []
+    monkeypatch.setattr(console, "_console", lambda: rich.console.Console(width=200, force_terminal=False))
+    console.render(df, long, "title")
+    out = capsys.readouterr().out
+    assert out.count("row(s) were judged against") == 1 and "\n1 row(s) were judged against" in out
+    console.render(df[df["run_id"] != "r1"], long, "title")
+    assert "catalog" not in capsys.readouterr().out
+
 def test_a_narrow_terminal_gets_each_verdict_on_lines_of_its_own_and_no_cell_cut_short(monkeypatch, capsys):
     """On a terminal narrower than the verdict table each answer is a block: its job, card, kind and
     verdict on one line, then where it runs out and each remedy on a line of its own, wrapped beside

@@ -145,3 +145,13 @@ def done_rows(results_dir: Path, sweep: str, exclude: Path, only: str | None = N
             if only is not None:
                 break
     return found
+
+
+def judged_elsewhere(df: pd.DataFrame) -> list[str]:
+    """The run_ids of rows whose fit verdicts were judged against a card catalog other than today's
+    (`catalog_sha`: calibrate has measured a card since, or the catalog's figures changed): their
+    fits and verdicts are that catalog's. A row without it (an error, an older harness's) is left out."""
+    if "catalog_sha" not in df:
+        return []
+    sha = df["catalog_sha"]
+    return df.loc[sha.notna() & (sha != catalog.digest()), "run_id"].tolist()

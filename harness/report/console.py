@@ -8,7 +8,8 @@ import functools
 import pandas as pd
 
 from harness.config import cards as catalog
-from harness.report import tables
+from harness.record import results
+from harness.report import tables, words
 
 
 def _console():
@@ -129,6 +130,9 @@ def render(df: pd.DataFrame, fit_long: pd.DataFrame, title: str) -> None:
         console.print(f"[yellow]{n} run(s):[/] {escape(str(sentence))}")
     for sentence, n in collections.Counter(r[1] for r in tables.unmodelled_table(df)[1]).items():
         console.print(f"[yellow]{n} run(s):[/] {escape(sentence)}")
+    stale = results.judged_elsewhere(df)
+    if stale:
+        console.print(f"[yellow]{escape(words.judged_elsewhere(len(stale)))}[/]")
 
 
 def render_capacity(df: pd.DataFrame, fit_long: pd.DataFrame) -> None:

@@ -19,6 +19,7 @@ import pandas as pd
 
 from harness.config import cards as catalog
 from harness.config.compose import parallelism
+from harness.record import results
 from harness.report import console, figures, tables, words
 
 FIG_DIR = "report_files"
@@ -128,6 +129,10 @@ def build(df: pd.DataFrame, fit_long: pd.DataFrame, judged: pd.DataFrame, fr: pd
     if rows:
         sections.append(Section("Not modelled", "Runs with layers a GPU runs through cuDNN, whose own memory "
                                 "the virtual GPU does not model.", (header, rows)))
+    stale = results.judged_elsewhere(df)
+    if stale:
+        sections.append(Section("Judged against another catalog", words.judged_elsewhere(len(stale)) + ": "
+                                + ", ".join(stale) + "."))
     if "world_size" in df and (df["world_size"].fillna(1) > 1).any():
         table, same = tables.fold_constant(tables.capacity_table(df, fit_long), tables.CAPACITY_IDENTITY_COLUMNS)
         sections.append(Section("Cards x count", "Per job (its batch per GPU) and card, the fewest GPUs of the "

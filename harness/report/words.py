@@ -279,6 +279,13 @@ _LIFTS = {"grouped_heads": "K and V expanded to every query head (transformers d
 _PRECISIONS = {"bfloat16": "bf16 (precision=bf16 or amp_bf16)", "float16": "fp16 (precision=fp16 or amp_fp16)"}
 
 
+def judged_elsewhere(n: int) -> str:
+    """Why `n` rows' fits may not be today's: the catalog they were judged against has changed."""
+    return (f"{n} row(s) were judged against another card catalog than today's (a card's figures have changed "
+            "since: calibrate measured it, or harness's catalog was updated): their fits and verdicts are that "
+            "catalog's; run the sweep again to judge them anew from their cached traces")
+
+
 def unmodelled(layers: str) -> str:
     """Why a job's figures may be off on a GPU: its layers (a row's `unmodelled`) run through cuDNN,
     whose own memory the virtual GPU does not model."""
