@@ -283,7 +283,7 @@ def judged_elsewhere(n: int) -> str:
     """Why `n` rows' fits may not be today's: the catalog they were judged against has changed."""
     return (f"{n} row(s) were judged against another card catalog than today's (a card's figures have changed "
             "since: calibrate measured it, or harness's catalog was updated): their fits and verdicts are that "
-            "catalog's; run the sweep again to judge them anew from their cached traces")
+            "catalog's; the same command run again judges them anew from their cached traces")
 
 
 def unmodelled(layers: str) -> str:
