@@ -571,6 +571,7 @@ def test_clip_grad_norm_takes_one_foreach_norm_with_its_chunks_partial_norms_as_
     partial norm per 65,536-element chunk of the largest gradient for every gradient (fp32 for
     bf16: 3 x 2,000 x 4 B for a 32,000 x 4,096 embedding's), then the norms, and frees them as it
     returns (ForeachReduceOp.cu)."""
+    from harness.config import cards, kernels
     from harness.probe.sim import kernel_scratch
 
     shapes = [(32000, 4096), (11008, 4096), (4096,)]
@@ -584,8 +585,9 @@ def test_clip_grad_norm_takes_one_foreach_norm_with_its_chunks_partial_norms_as_
     # fp32 gradients: fp32 partial norms and norms
     assert _clipped([(70000,), (10,)], dtype=torch.float32)[:4] == ["a16", "a4", "a4", "f16"]
     # the kernel's slow path (an order other than 1, 2 and inf; tensors of two dtypes): no chunks
-    args = [torch.empty(70000), torch.empty(10)]
-    assert kernel_scratch._foreach_norm((args, 3), {}) == []
-    assert kernel_scratch._foreach_norm(([args[0], torch.empty(10, dtype=torch.float64)], 2), {}) == []
-    assert kernel_scratch._foreach_norm((args, float("inf")), {"dtype": torch.float64}) == [
+    args, g = [torch.empty(70000), torch.empty(10)], kernels.geometry(cards.by_key()["h200"])
+    assert kernel_scratch.of(torch.ops.aten._foreach_norm.Scalar, (args, 3), {}, g) == []
+    assert kernel_scratch.of(torch.ops.aten._foreach_norm.Scalar,
+                             ([args[0], torch.empty(10, dtype=torch.float64)], 2), {}, g) == []
+    assert kernel_scratch.of(torch.ops.aten._foreach_norm.Scalar, (args, float("inf"), torch.float64), {}, g) == [
         kernel_scratch.Scratch(2 * 2 * 8, "", early=True)]

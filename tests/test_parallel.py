@@ -458,8 +458,8 @@ def test_a_kernels_scratch_on_dtensors_is_sized_by_what_rank_0s_kernel_runs_on()
         [partials] = kernel_scratch.of(aten._foreach_norm.Scalar, (shards, 2), {}, g)
         assert partials.bytes == 2 * 1000 * 4  # 16,000 x 4,096 a rank: 1,000 chunks (2,000 whole)
         q = split(torch.empty(2, 8, 512, 64, dtype=torch.bfloat16), 2)  # (2, 8, 1024, 64), the sequence split
-        args, _ = kernel_scratch.on_ranks_tensors(aten._scaled_dot_product_flash_attention.default,
-                                                  (q, q, q, 0.0, True), {})
+        args = kernel_scratch.on_ranks_tensors(aten._scaled_dot_product_flash_attention.default,
+                                               (q, q, q, 0.0, True), {})
         assert [tuple(a.shape) for a in args[:3]] == [(2, 4, 1024, 64)] * 3
 
 def test_sequence_parallel_that_fits_the_card_is_a_remedy_named_by_its_knob():

@@ -197,7 +197,7 @@ def _embedding_backward(args, g) -> list[Scratch]:
 FOREACH_CHUNK = 65536
 
 
-def _foreach_norm(args, kwargs) -> list[Scratch]:
+def _foreach_norm(args, g) -> list[Scratch]:
     """foreach_tensor_norm_cuda's own allocations (ForeachReduceOp.cu, torch 2.13): before its
     outputs, each tensor's partial norms, a slot per chunk of the largest tensor, in the output's
     opmath type (fp32 for bf16 gradients: a 7B model's 291 gradients, 2,000 chunks each, 2,328,000
@@ -205,9 +205,9 @@ def _foreach_norm(args, kwargs) -> list[Scratch]:
     slot freed instead, which this does not place: an empty gradient is rare). None on the slow
     path (tensors of mixed types or devices, not dense, integral, or an order other than 1, 2 and
     inf: a vector norm each)."""
-    tensors = list(args[0])
-    order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
-    dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+    tensors = list(args[0])  # (the dispatcher hands every argument over by position: ord, dtype)
+    order = args[1] if len(args) > 1 else 2
+    dtype = args[2] if len(args) > 2 else None
     first = tensors[0]
     if float(order) not in (1.0, 2.0, float("inf")) or not first.is_floating_point() or any(
             t.dtype != first.dtype or t.device != first.device or not _dense(t) for t in tensors):
@@ -267,14 +267,12 @@ _BY_ARGS = {
     _aten.max.default: _extremum(None),
     _aten.min.default: _extremum(None),
     _aten.embedding_dense_backward.default: _embedding_backward,
+    _aten._foreach_norm.Scalar: _foreach_norm,
 }
 
 
 # FSDP2's own ops (torch.distributed.fsdp registers them as fsdp::chunk_cat, fsdp::split_with_sizes_copy)
 _FSDP = {"chunk_cat": _chunk_cat, "split_with_sizes_copy": _split_copy}
-
-# Ops whose scratch depends on arguments a caller may name (args, kwargs)
-_BY_ARGS_AND_KWARGS = {_aten._foreach_norm.Scalar: _foreach_norm}
 
 
 # Ops that free what scratch is left as they return in the order made, not last first: flash's
@@ -290,9 +288,7 @@ def of(func, args, kwargs, g: Geometry) -> list[Scratch]:
     DTensors is sized by what the kernel runs on: each rank's local tensors (on_ranks_tensors)."""
     fn = _BY_ARGS.get(func)
     if fn is not None:
-        return [Scratch(*s) for s in fn(on_ranks_tensors(func, args, kwargs)[0], g)]
-    if func in _BY_ARGS_AND_KWARGS:
-        return _BY_ARGS_AND_KWARGS[func](*on_ranks_tensors(func, args, kwargs))
+        return [Scratch(*s) for s in fn(on_ranks_tensors(func, args, kwargs), g)]
     if getattr(func, "namespace", None) == "fsdp":
         fsdp = _FSDP.get(func.overloadpacket.__name__)
         if fsdp is not None:
@@ -300,21 +296,21 @@ def of(func, args, kwargs, g: Geometry) -> list[Scratch]:
     return []
 
 
-def on_ranks_tensors(func, args, kwargs) -> tuple[tuple, dict]:
-    """`args` and `kwargs` as rank 0's kernel gets them where some are DTensors: each its local
+def on_ranks_tensors(func, args, kwargs) -> tuple:
+    """`args` as rank 0's kernel gets them where some are DTensors: each its local
     tensor, or, where DTensor's sharding propagation redistributes it first (a sequence's slices
     gathered whole for attention), a meta tensor of rank 0's shape in the placements it is
     redistributed to. A sequence-parallel norm's weight gradient sums the rank's slice of the
     sequence, not the whole (before, its reduction's scratch was sized for the whole: over tensor
     parallel 2, for twice the tokens)."""
-    kwargs = kwargs or {}
     dtensor = sys.modules.get("torch.distributed.tensor")  # (none made where it was never imported)
-    if dtensor is None:
-        return args, kwargs
-    flat, tree = pytree.tree_flatten((args, kwargs))
+    # (a look at the arguments and their lists before any flattening: every traced reduction asks)
+    if dtensor is None or not any(isinstance(a, dtensor.DTensor) or isinstance(a, (list, tuple)) and any(
+            isinstance(t, dtensor.DTensor) for t in a) for a in args):
+        return args
+    kwargs = kwargs or {}
+    flat, tree = pytree.tree_flatten(args)
     placed = [a.placements for a in flat if isinstance(a, dtensor.DTensor)]
-    if not placed:
-        return args, kwargs
     specs: list = [None] * len(flat)
     # (all replicated, as a tensor-parallel norm's inputs: whole on every rank, nothing to decide)
     if not all(isinstance(p, dtensor.Replicate) for ps in placed for p in ps):
@@ -337,9 +333,9 @@ def on_ranks_tensors(func, args, kwargs) -> tuple[tuple, dict]:
 
 
 def _redistributed(dtensor_class, func, args, kwargs) -> list | None:
-    """The flattened (args, kwargs) specs DTensor's sharding propagation redistributes the call's
-    operands to first; None where it keeps them as they are, or cannot tell. (Private API, torch
-    2.13's: its own propagation, cached.)"""
+    """The flattened `args`' specs DTensor's sharding propagation redistributes the call's operands
+    to first; None where it keeps them as they are, or cannot tell. (Private API, torch 2.13's: its
+    own propagation, cached.)"""
     try:
         dispatcher = dtensor_class._op_dispatcher
         info = dispatcher.unwrap_to_op_info(func, args, kwargs)
@@ -349,9 +345,8 @@ def _redistributed(dtensor_class, func, args, kwargs) -> list | None:
         return None
     if decided is None or not decided.needs_redistribute or decided.redistribute_schema is None:
         return None
-    schema = decided.redistribute_schema
-    found = pytree.tree_leaves((schema.args_schema, schema.kwargs_schema))
-    return found if len(found) == len(pytree.tree_leaves((args, kwargs))) else None
+    found = pytree.tree_leaves(decided.redistribute_schema.args_schema)
+    return found if len(found) == len(pytree.tree_leaves(args)) else None
 
 
 def recorded(nbytes: int, code: str) -> bool:
