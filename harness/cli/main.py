@@ -255,7 +255,7 @@ def entry(argv: list[str]) -> int:
             return _fail(f"report: no such file or directory: {path}")
         if path.is_file() and not results.is_json(path):
             return _fail(f"report: {path} is not a result.json (report takes a sweep dir, a run dir or a result.json)")
-        if path.is_dir() and not (path / results.MANIFEST_FILE).exists() and not results.load_rows(path):
+        if path.is_dir() and not (path / results.MANIFEST_FILE).exists() and not results.has_rows(path):
             # (a sweep's dir without rows holds its manifest: its points left none, exit 1)
             return _fail(f"report: {path} holds no result.json and no sweep's points.json (report takes a sweep "
                          "dir, a run dir or a result.json)")

@@ -76,17 +76,17 @@ UNMODELLED = "unmodelled"  # the row's column: "<class> at <module>[ and N more]
 CUDNN_LAYERS = (torch.nn.RNNBase, torch.nn.modules.conv._ConvNd)
 
 
-def unmodelled_layers(model: torch.nn.Module | None) -> list[str]:
-    """The model's layers that run through cuDNN, each class once: "<class> at <its first module's
-    name>", and how many more of it there are."""
+def unmodelled_layers(model: torch.nn.Module | None) -> str | None:
+    """The row's UNMODELLED: the model's layers that run through cuDNN, each class once ("<class> at
+    <its first module's name>", and how many more of it there are); None where there are none."""
     if model is None:
-        return []
+        return None
     found: dict[str, list[str]] = {}
     for name, m in model.named_modules():
         if isinstance(m, CUDNN_LAYERS):
             found.setdefault(type(m).__name__, []).append(name or "(the model)")
-    return [f"{cls} at {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
-            for cls, names in found.items()]
+    return "; ".join(f"{cls} at {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+                     for cls, names in found.items()) or None
 
 
 def parameters(job: Job) -> list:

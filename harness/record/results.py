@@ -42,6 +42,11 @@ def load_rows(path: Path) -> list[dict]:
     return rows
 
 
+def has_rows(path: Path) -> bool:
+    """Whether load_rows finds any under the directory `path` (the first result.json found: none read)."""
+    return next(Path(path).glob(f"**/{RESULT_FILE}"), None) is not None
+
+
 MANIFEST_FILE = "points.json"  # every point a sweep was asked for, written before any runs
 
 

@@ -33,6 +33,11 @@ def _console_class():
     return _Console
 
 
+def _wider(table: tables.Table, console, wrap: tuple[str, ...] = ()) -> bool:
+    """Whether `table`, its `wrap` columns wrapped and the rest whole, is wider than `console`."""
+    return tables.ruled_width(tables.column_widths(table, wrap)) > console.width
+
+
 def _print(table: tables.Table, title: str, caption: str | None = None, right_from: int = 99,
            wrap: tuple[str, ...] = ()) -> None:
     """`wrap`: the columns whose text wraps where the console is narrower than the table."""
@@ -47,7 +52,7 @@ def _print(table: tables.Table, title: str, caption: str | None = None, right_fr
     for row in rows:
         t.add_row(*[_style(escape(c)) for c in row])
     console = _console()
-    if tables.ruled_width(tables.column_widths(table, wrap)) > console.width:
+    if _wider(table, console, wrap):
         # its unwrapped columns alone are wider than the terminal: printed whole at 200 columns (the
         # terminal wraps its lines), not with cells cut short (a sequence length of 512 read as 51)
         console = _console_class()(width=max(200, console.width))
@@ -155,7 +160,7 @@ def render_verdicts(judged: pd.DataFrame, more_gpus: str | None = None) -> None:
     if not judged.empty:
         table, title = tables.verdict_table(judged), "Code problem or card problem? (each point that OOMs on its card)"
         wrap, console = ("job", "runs out in", "what fits"), _console()
-        if console.is_terminal and tables.ruled_width(tables.column_widths(table)) > console.width:
+        if console.is_terminal and _wider(table, console):
             # a terminal narrower than the table: each answer on lines of its own, not in a column
             # of a few words a line
             _print_records(table, title, lead=("job", "card", "kind", "verdict"))
@@ -173,7 +178,7 @@ def render_frontier(fr: pd.DataFrame) -> None:
     table, title = tables.frontier_table(fr), "Frontiers: the largest value that fits each card (searched, " \
         "each checked at its boundary)"
     console = _console()
-    if console.is_terminal and tables.ruled_width(tables.column_widths(table, ("group",))) > console.width:
+    if console.is_terminal and _wider(table, console, ("group",)):
         # a terminal narrower than the table: a group at a time, its search in a line above its
         # cards (a row of 200 columns, wrapped by the terminal, reads as two)
         console.print(title, markup=False, highlight=False)

@@ -75,7 +75,7 @@ def unmodelled(point: Point) -> str | None:
     built on the meta device once a process (tens of ms; a zygote's before it forks the points)."""
     key = model_key(point.model)
     if key not in _UNMODELLED:
-        _UNMODELLED[key] = "; ".join(unmodelled_layers(on_meta(hf_config(point.model)))) or None
+        _UNMODELLED[key] = unmodelled_layers(on_meta(hf_config(point.model)))
     return _UNMODELLED[key]
 
 

@@ -174,7 +174,7 @@ def _run_point(point: Point, emulate_cuda: bool, fake: bool, mesh,
         # the attention calls, for the cards whose kernels they would not take (config.attention)
         tracker.findings[ATTENTION_CALLS] = [dataclasses.asdict(c) for c in tracker.attention_calls]
         m[ATTENTION_CALLS] = attention.to_column(tracker.attention_calls, point.gpu.capability)
-        m[UNMODELLED] = "; ".join(unmodelled_layers(job.model)) or None
+        m[UNMODELLED] = unmodelled_layers(job.model)
         if custom:  # the job names itself; a preset's row keeps the config's names
             m["model"] = job_name(job)
             m["optimizer"] = type(opt).__name__ if opt is not None else None
