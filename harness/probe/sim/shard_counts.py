@@ -1,4 +1,4 @@
-"""FSDP2's shallow journals at one shard count, made from those traced at others.
+"""FSDP2's shallow journals at one shard count (or HSDP's replica count), made from those traced at others.
 
 An FSDP2 rank's journal at a few layers is the same over N shards as over M but for its sizes: a
 shard (a parameter's, its gradient's, AdamW's state, the all-gather input) is 1/N of the whole
@@ -20,6 +20,12 @@ all-reduce across replicas: a shard). Anything else (an entry of another form,
 journals that differ otherwise, a count that some parameter's first dimension does not divide)
 leaves the count to be traced. Its synthesis is then checked as any other's (a structure not
 checked yet is traced at a+2 on the point's own count).
+
+HSDP's replica count is made alike, its shard count kept: each replica group's ranks hold the same
+shards, all-reduce the same gradient shards across replicas and gather the same layers over 2 or 64
+replicas; only its device mesh's rank tensors grow, one entry a GPU (7B's dimensions at 2 layers
+over 4 shards: 49 of 1,042 entries, each the replica count times the same). A job's shard counts
+are tried first, then its replica counts (a note of its own).
 """
 
 from __future__ import annotations
@@ -41,42 +47,67 @@ _SCALED_CODES = ("split_copy", "chunk_cat")  # FSDP2's copies: tables of each ch
 _NUMBER = re.compile(r"\d+")
 
 
-def _key(point: Point) -> str | None:
-    """The job as any shard count of it (its replicas and tensor parallel as they are), on cards of
-    the point's kernel geometry (its launch tables are sized there); None: not FSDP2, or not
-    training."""
+# The degrees a job's journals are made across: FSDP2's shard count, or HSDP's replica count beside
+# its shards (each replica group's ranks hold the same shards at any count: only the mesh grows)
+_OVER = ("dp_shard", "dp_replicate")
+
+
+def _key(point: Point, over: str) -> str | None:
+    """The job as any count of degree `over` of it (the other degrees as they are), on cards of the
+    point's kernel geometry (its launch tables are sized there); None: not FSDP2 (or not HSDP, over
+    replicas), or not training."""
     p = point.parallel
-    if p.dp_shard == 1 or point.workload.name != WorkloadName.train:
+    if p.dp_shard == 1 or point.workload.name != WorkloadName.train or over == "dp_replicate" and p.dp_replicate == 1:
         return None
-    at_two = point.replace(parallel=dataclasses.replace(p, dp_shard=2, nodes=AUTO_NODES))
-    return f"{trace_store.trace_id(at_two)}:{tuple(kernels.geometry(point.gpu))}"
+    two = (dataclasses.replace(p, dp_shard=2, nodes=AUTO_NODES) if over == "dp_shard"
+           else dataclasses.replace(p, dp_replicate=2, nodes=AUTO_NODES))
+    at_two = point.replace(parallel=two)
+    # (over replicas a note of its own: a job at 2 x 2 is the key of both)
+    return f"{'replicas:' if over == 'dp_replicate' else ''}{trace_store.trace_id(at_two)}:{tuple(kernels.geometry(point.gpu))}"
 
 
 def write(cache: Path | None, point: Point, depths: tuple[int, ...], journals: list[list[TraceEvent]],
           findings: list[dict]) -> None:
-    """Keep the journals and findings at `depths` traced over the point's count beside the job's
-    other counts' (a trace that read the card is kept for its own point only). Points written at
-    once may keep one count of theirs: the other is traced again where needed."""
-    key = _key(point)
-    if key is None or any(f.get(READS_CARD) for f in findings):
+    """Keep the journals and findings at `depths` traced over the point's counts beside the job's
+    other counts' of each degree (a trace that read the card is kept for its own point only). Points
+    written at once may keep one count of theirs: the other is traced again where needed."""
+    if any(f.get(READS_CARD) for f in findings):
         return
-    note = trace_store.read_note(cache, trace_store.SHARD_COUNTS, f"{key}:{depths}") or {}
-    counts = note.get("counts") if isinstance(note.get("counts"), dict) else {}
-    counts[str(point.parallel.dp_shard)] = {"journals": [[list(e) for e in j] for j in journals], "findings": findings}
-    trace_store.write_note(cache, trace_store.SHARD_COUNTS, f"{key}:{depths}", {"counts": counts})
+    for over in _OVER:
+        key = _key(point, over)
+        if key is None:
+            continue
+        note = trace_store.read_note(cache, trace_store.SHARD_COUNTS, f"{key}:{depths}") or {}
+        counts = note.get("counts") if isinstance(note.get("counts"), dict) else {}
+        counts[str(getattr(point.parallel, over))] = {"journals": [[list(e) for e in j] for j in journals],
+                                                      "findings": findings}
+        trace_store.write_note(cache, trace_store.SHARD_COUNTS, f"{key}:{depths}", {"counts": counts})
 
 
 def read(cache: Path | None, point: Point, depths: tuple[int, ...]
          ) -> tuple[list[list[TraceEvent]], list, str] | None:
-    """The journals and findings at `depths` of `point` made from two or more other counts' (and
-    how, for trace_method); None where they cannot be (see the module's docstring)."""
-    key = _key(point)
+    """The journals and findings at `depths` of `point` made from two or more other counts' of its
+    shards, else of its replicas (and how, for trace_method); None where they cannot be (see the
+    module's docstring)."""
+    for over in _OVER:
+        made = _read(cache, point, depths, over)
+        if made is not None:
+            return made
+    return None
+
+
+def _read(cache: Path | None, point: Point, depths: tuple[int, ...], over: str
+          ) -> tuple[list[list[TraceEvent]], list, str] | None:
+    key = _key(point, over)
     note = trace_store.read_note(cache, trace_store.SHARD_COUNTS, f"{key}:{depths}") if key else None
     if note is None:
         return None
-    # the counts whose shards are whole rows (of a tensor-parallel rank's slice), as the point's must
-    # be: only theirs are parsed (a note of 7B's four counts is 0.9 MB)
-    m, tp, dims = point.parallel.dp_shard, point.parallel.tp, _first_dims(point)
+    # over shards, the counts whose shards are whole rows (of a tensor-parallel rank's slice), as the
+    # point's must be: only theirs are parsed (a note of 7B's four counts is 0.9 MB); over replicas,
+    # every count's shards are the point's
+    m, tp, dims = getattr(point.parallel, over), point.parallel.tp, _first_dims(point)
+    if over == "dp_replicate":
+        dims = ()
     if dims is None or any(d % (m * tp) for d in dims):
         return None
     try:
@@ -98,7 +129,7 @@ def read(cache: Path | None, point: Point, depths: tuple[int, ...]
             return None
         journals.append(journal)
         findings.append(found)
-    gpus = point.parallel.world_size // m  # (each shard count's job: its replicas and tensor-parallel ranks too)
+    gpus = point.parallel.world_size // m  # (each count's job: its other degrees' ranks too)
     return journals, findings, f"scaled from those over {', '.join(str(n * gpus) for n in counts)} GPUs"
 
 

@@ -267,7 +267,9 @@ def synthesized(point: Point, a: int = SHALLOW, p: int = 1) -> Traced:
     # Both held at a+2p (the journal and the figures beside it), or were held on a point of this structure
     if checked is None:
         trace_store.write_note(cache, trace_store.CHECKED, structure, {"point": describe(point)})
-    if deeper_at in runs:  # traced here: for the job's other replica (DDP) or shard (FSDP2) counts
+    if other_count is None:  # traced here: for the job's other replica (DDP, HSDP) or shard (FSDP2) counts
+        if reused is not None:  # a+p placed as before: as its template makes it, what tracing it gives
+            deeper = blocks(1)
         replicas.write(cache, shallow, (a, deeper_at), [shallower, deeper], findings[:2])
         shard_counts.write(cache, shallow, (a, deeper_at), [shallower, deeper], findings[:2])
     recipe = repeat.recipe(template) if reused is None and other_count is None and p == 1 else None
