@@ -381,22 +381,23 @@ def test_an_fsdp2_count_made_from_two_traced_counts_is_its_full_trace(tmp_path, 
 
 
 @pytest.mark.slow
-def test_an_hsdp_replica_count_made_from_two_traced_replica_counts_is_its_full_trace(tmp_path):
-    """Over 2 and 4 replicas of 2 shards traced, 8 replicas' shallow journals are made from theirs
-    (the same shards, gathers and all-reduces at any replica count; the device mesh's rank tensors
-    one entry a GPU) and the point is its full trace, entry for entry and figure for figure. A job
-    without replicas takes none of them."""
+@pytest.mark.parametrize("tp", [1, 2], ids=["hsdp", "hsdp-tp"])
+def test_an_hsdp_replica_count_made_from_two_traced_replica_counts_is_its_full_trace(tmp_path, tp):
+    """Over 2 and 4 replicas of 2 shards traced (beside tensor parallel too), 8 replicas' shallow
+    journals are made from theirs (the same shards, gathers and all-reduces at any replica count;
+    the device mesh's rank tensors one entry a GPU) and the point is its full trace, entry for entry
+    and figure for figure. A job without replicas takes none of them."""
     from harness.probe.sim import shard_counts, shortcut
     from tests.test_repeat import _assert_same_as_full, _point
 
     def point(replicas, shards=2):
         p = _point(batch_size=2, seq_len=32, precision="bf16").replace(
-            parallel=Parallel(dp_shard=shards, dp_replicate=replicas, nodes="auto"), trace_cache=str(tmp_path))
+            parallel=Parallel(dp_shard=shards, dp_replicate=replicas, tp=tp, nodes="auto"), trace_cache=str(tmp_path))
         return p.replace(workload=dataclasses.replace(p.workload, steps=shortcut.traced_steps(p)))
     for n in (2, 4):
         assert "scaled" not in shortcut.trace(point(n)).measurements["trace_method"]
     assert _assert_same_as_full(point(8))["trace_method"].startswith(
-        "synthesized: layers 1, 2 scaled from those over 4, 8 GPUs -> 4")
+        f"synthesized: layers 1, 2 scaled from those over {4 * tp}, {8 * tp} GPUs -> 4")
     assert shard_counts.read(tmp_path, point(1), (1, 2)) is None
     assert shard_counts.read(tmp_path, point(8, shards=4), (1, 2)) is None  # another shard count: not traced
 
