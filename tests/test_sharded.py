@@ -402,6 +402,23 @@ def test_an_hsdp_replica_count_made_from_two_traced_replica_counts_is_its_full_t
     assert shard_counts.read(tmp_path, point(8, shards=4), (1, 2)) is None  # another shard count: not traced
 
 
+def test_traces_over_other_meshes_in_one_process_each_run_on_their_own_process_groups():
+    """DTensor keeps its sharding answers by op and specs, and a device mesh equals any other of the
+    same ranks whatever its groups: a trace over 8 shards x TP 2, then one over 4 replicas x 2
+    shards x TP 2 (16 GPUs each, the same tensor-parallel ranks), was handed the first one's mesh,
+    whose groups were gone ("Could not resolve the process group registered under the name 3")."""
+    from harness.probe.sim import shortcut
+    from harness.probe.sim.shortcut import at_depth, run_point
+    from tests.test_repeat import _point
+
+    def point(**kw):
+        p = _point(batch_size=2, seq_len=32, precision="bf16").replace(parallel=Parallel(nodes="auto", **kw))
+        return at_depth(p.replace(workload=dataclasses.replace(p.workload, steps=shortcut.traced_steps(p))), 1)
+    run_point(point(dp_shard=8, tp=2))
+    m, _ = run_point(point(dp_shard=2, dp_replicate=4, tp=2))
+    assert m["params_bytes"] > 0
+
+
 def test_an_fsdp2_copys_code_names_its_chunks_at_another_count():
     """Its chunk count is the count; each chunk's bytes a shard's, whole at the new count or none."""
     from harness.probe.sim.shard_counts import _scaled_code

@@ -105,9 +105,8 @@ def _read(cache: Path | None, point: Point, depths: tuple[int, ...], over: str
     # over shards, the counts whose shards are whole rows (of a tensor-parallel rank's slice), as the
     # point's must be: only theirs are parsed (a note of 7B's four counts is 0.9 MB); over replicas,
     # every count's shards are the point's
-    m, tp, dims = getattr(point.parallel, over), point.parallel.tp, _first_dims(point)
-    if over == "dp_replicate":
-        dims = ()
+    m, tp = getattr(point.parallel, over), point.parallel.tp
+    dims = () if over == "dp_replicate" else _first_dims(point)
     if dims is None or any(d % (m * tp) for d in dims):
         return None
     try:

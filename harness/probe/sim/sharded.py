@@ -16,6 +16,7 @@ mesh's device, the fake group's "cpu": in such a trace that device is the card (
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -53,6 +54,23 @@ def process_group(parallel: Parallel) -> Iterator[object | None]:
     finally:
         if joined:
             dist.destroy_process_group()
+            _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Clear what DTensor keeps by device mesh: its sharding propagation's answers (by op and operand
+    specs) and its redistribution planners (by a weak reference to the mesh, which the planner holds
+    itself). A mesh equals any other of the same ranks and dimensions whatever its process groups,
+    so the next trace's DTensors were handed this group's meshes, gone with it (in one process, an
+    HSDP x TP trace after others: "Could not resolve the process group registered under the name
+    3")."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # (its C++ fast path's and Python's)
+    clear_redistribute_planner_cache()
 
 
 @contextlib.contextmanager
