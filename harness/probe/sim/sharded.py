@@ -44,6 +44,7 @@ def process_group(parallel: Parallel) -> Iterator[object | None]:
 
     joined = not dist.is_initialized()
     if joined:
+        _forget_other_meshes(parallel.mesh_shape)
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=parallel.world_size)
     elif dist.get_world_size() != parallel.world_size:
         raise ValueError(f"this process's group has {dist.get_world_size()} ranks, the job {parallel.world_size}")
@@ -54,16 +55,23 @@ def process_group(parallel: Parallel) -> Iterator[object | None]:
     finally:
         if joined:
             dist.destroy_process_group()
-            _forget_meshes()
 
 
-def _forget_meshes() -> None:
-    """Clear what DTensor keeps by device mesh: its sharding propagation's answers (by op and operand
-    specs) and its redistribution planners (by a weak reference to the mesh, which the planner holds
+_joined: list[tuple] = []  # the mesh shape of the last fake group this process joined
+
+
+def _forget_other_meshes(shape: tuple) -> None:
+    """Before a fake group of mesh `shape` is joined, clear what DTensor keeps by device mesh where
+    the last group's mesh was another: its sharding propagation's answers (by op and operand specs)
+    and its redistribution planners (by a weak reference to the mesh, which the planner holds
     itself). A mesh equals any other of the same ranks and dimensions whatever its process groups,
-    so the next trace's DTensors were handed this group's meshes, gone with it (in one process, an
-    HSDP x TP trace after others: "Could not resolve the process group registered under the name
-    3")."""
+    so a trace was handed an earlier one's, its groups gone (in one process, one over 8 shards x TP
+    2, then one over 4 replicas x 2 shards x TP 2: "Could not resolve the process group registered
+    under the name 3"). The same shape makes the same groups under the same names: its answers are
+    kept (a tensor-parallel point's shallow depths: 15-20% of its time)."""
+    if _joined == [shape]:
+        return
+    _joined[:] = [shape]
     if "torch.distributed.tensor" not in sys.modules:
         return
     from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
