@@ -354,6 +354,17 @@ def test_a_ddp_point_is_synthesized_with_its_setup_traced_at_its_depth_and_is_it
         "synthesized: layers 1, 2 as traced over 4 GPUs -> 4")
 
 
+def _shallow_sharded(cache=None, **parallel) -> Point:
+    """7B's dimensions at the template's depth, b2 s32 bf16, over `parallel`'s degrees, as many
+    steps as its shallow traces take (in trace cache `cache`, where given)."""
+    from harness.probe.sim import shortcut
+    from tests.test_repeat import _point
+
+    p = _point(batch_size=2, seq_len=32, precision="bf16").replace(
+        parallel=Parallel(nodes="auto", **parallel), trace_cache=None if cache is None else str(cache))
+    return p.replace(workload=dataclasses.replace(p.workload, steps=shortcut.traced_steps(p)))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("replicas,tp,said,padded", [(1, 1, "2, 8", 512), (1, 2, "4, 16", 256), (2, 2, "8, 32", 256)],
                          ids=["fsdp2", "fsdp2-tp", "hsdp-tp"])
@@ -366,12 +377,10 @@ def test_an_fsdp2_count_made_from_two_traced_counts_is_its_full_trace(tmp_path, 
     entry for entry and figure for figure; where 7B's 32,000-row embedding would be padded (62.5
     rows a GPU over 512, of a tensor-parallel rank's 16,000 over 256), traced."""
     from harness.probe.sim import shard_counts, shortcut
-    from tests.test_repeat import _assert_same_as_full, _point
+    from tests.test_repeat import _assert_same_as_full
 
     def point(n):
-        p = _point(batch_size=2, seq_len=32, precision="bf16").replace(
-            parallel=Parallel(dp_shard=n, dp_replicate=replicas, tp=tp, nodes="auto"), trace_cache=str(tmp_path))
-        return p.replace(workload=dataclasses.replace(p.workload, steps=shortcut.traced_steps(p)))
+        return _shallow_sharded(tmp_path, dp_shard=n, dp_replicate=replicas, tp=tp)
     for n in (2, 8):
         assert "scaled" not in shortcut.trace(point(n)).measurements["trace_method"]
     assert _assert_same_as_full(point(64))["trace_method"].startswith(
@@ -388,12 +397,10 @@ def test_an_hsdp_replica_count_made_from_two_traced_replica_counts_is_its_full_t
     the device mesh's rank tensors one entry a GPU) and the point is its full trace, entry for entry
     and figure for figure. A job without replicas takes none of them."""
     from harness.probe.sim import shard_counts, shortcut
-    from tests.test_repeat import _assert_same_as_full, _point
+    from tests.test_repeat import _assert_same_as_full
 
     def point(replicas, shards=2):
-        p = _point(batch_size=2, seq_len=32, precision="bf16").replace(
-            parallel=Parallel(dp_shard=shards, dp_replicate=replicas, tp=tp, nodes="auto"), trace_cache=str(tmp_path))
-        return p.replace(workload=dataclasses.replace(p.workload, steps=shortcut.traced_steps(p)))
+        return _shallow_sharded(tmp_path, dp_shard=shards, dp_replicate=replicas, tp=tp)
     for n in (2, 4):
         assert "scaled" not in shortcut.trace(point(n)).measurements["trace_method"]
     assert _assert_same_as_full(point(8))["trace_method"].startswith(
@@ -407,15 +414,10 @@ def test_traces_over_other_meshes_in_one_process_each_run_on_their_own_process_g
     same ranks whatever its groups: a trace over 8 shards x TP 2, then one over 4 replicas x 2
     shards x TP 2 (16 GPUs each, the same tensor-parallel ranks), was handed the first one's mesh,
     whose groups were gone ("Could not resolve the process group registered under the name 3")."""
-    from harness.probe.sim import shortcut
-    from harness.probe.sim.shortcut import at_depth, run_point
-    from tests.test_repeat import _point
+    from harness.probe.sim.shortcut import at_depth
 
-    def point(**kw):
-        p = _point(batch_size=2, seq_len=32, precision="bf16").replace(parallel=Parallel(nodes="auto", **kw))
-        return at_depth(p.replace(workload=dataclasses.replace(p.workload, steps=shortcut.traced_steps(p))), 1)
-    run_point(point(dp_shard=8, tp=2))
-    m, _ = run_point(point(dp_shard=2, dp_replicate=4, tp=2))
+    run_point(at_depth(_shallow_sharded(dp_shard=8, tp=2), 1))
+    m, _ = run_point(at_depth(_shallow_sharded(dp_shard=2, dp_replicate=4, tp=2), 1))
     assert m["params_bytes"] > 0
 
 
