@@ -409,6 +409,30 @@ def test_an_hsdp_replica_count_made_from_two_traced_replica_counts_is_its_full_t
     assert shard_counts.read(tmp_path, point(8, shards=4), (1, 2)) is None  # another shard count: not traced
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model,sequence_parallel,made", [("7b", False, True), ("7b", True, True),
+                                                          ("llama3-8b", False, False)],
+                         ids=["7b", "7b-sp", "llama3-8b"])
+def test_a_tensor_parallel_count_is_made_from_two_others_only_where_its_own_first_layer_agrees(
+        tmp_path, model, sequence_parallel, made):
+    """Over TP 2 and 4 traced, TP 8's second layer is made from theirs (a rank's heads and columns
+    1/TP of the whole, flash's backward sized by its heads) where the point's own first layer
+    traces as made, and the point is its full trace; Llama-3-8B's 8 key/value heads over TP 8 (one a
+    rank) take the backward otherwise: traced, and its full trace too."""
+    from harness.probe.sim import shortcut
+    from tests.test_repeat import _assert_same_as_full, _point
+
+    def point(tp):
+        p = _point(model=model, batch_size=2, seq_len=32, precision="bf16").replace(
+            parallel=Parallel(tp=tp, sequence_parallel=sequence_parallel, nodes="auto"), trace_cache=str(tmp_path))
+        return p.replace(workload=dataclasses.replace(p.workload, steps=shortcut.traced_steps(p)))
+    for n in (2, 4):
+        assert "scaled" not in shortcut.trace(point(n)).measurements["trace_method"]
+    method = _assert_same_as_full(point(8))["trace_method"]
+    assert method.startswith("synthesized: layers 1, 2 scaled from those over 2, 4 GPUs, layer 1 traced alike -> 4") == made
+    assert method.startswith("synthesized: layers 1, 2 -> 4") != made
+
+
 def test_traces_over_other_meshes_in_one_process_each_run_on_their_own_process_groups():
     """DTensor keeps its sharding answers by op and specs, and a device mesh equals any other of the
     same ranks whatever its groups: a trace over 8 shards x TP 2, then one over 4 replicas x 2

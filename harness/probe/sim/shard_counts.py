@@ -31,10 +31,12 @@ are tried first, then its replica counts (a note of its own).
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import re
 from pathlib import Path
 
-from harness.config import kernels
+from harness.config import attention, kernels
 from harness.config.models import hf_config, model_key, on_meta
 from harness.config.point import AUTO_NODES, Point, WorkloadName
 from harness.probe.sim import ledger, repeat
@@ -43,13 +45,20 @@ from harness.probe.sim.tracker import TraceEvent, counted
 from harness.probe.sim.virtual_cuda import READS_CARD
 from harness.record import trace_store
 
-_SCALED_CODES = ("split_copy", "chunk_cat")  # FSDP2's copies: tables of each chunk, made at any count
+# FSDP2's copies (tables of each chunk, made at any count) and the attention kernels' scratch, sized
+# by the call's shape (a tensor-parallel rank's heads): a fused backward's, flash's split keys', the
+# memory-efficient backward's
+_SCALED_CODES = ("split_copy", "chunk_cat", attention.FUSED_PREFIX[:-1], kernels.SPLITKV_PREFIX[:-1],
+                 kernels.EFFICIENT_PREFIX[:-1])
 _NUMBER = re.compile(r"\d+")
 
 
-# The degrees a job's journals are made across: FSDP2's shard count, or HSDP's replica count beside
-# its shards (each replica group's ranks hold the same shards at any count: only the mesh grows)
-_OVER = ("dp_shard", "dp_replicate")
+# The degrees a job's journals are made across: FSDP2's shard count, HSDP's replica count beside its
+# shards (each replica group's ranks hold the same shards at any count: only the mesh grows), and
+# tensor parallel's (a rank's heads and columns 1/N of the whole; read only where asked: a rank's
+# heads may take the kernels another way, which its own first layer must show, probe.sim.shortcut)
+_OVER = ("dp_shard", "dp_replicate", "tp")
+SHARDS, TENSOR_PARALLEL = ("dp_shard", "dp_replicate"), ("tp",)
 
 
 def _key(point: Point, over: str) -> str | None:
@@ -57,13 +66,14 @@ def _key(point: Point, over: str) -> str | None:
     point's kernel geometry (its launch tables are sized there); None: not FSDP2 (or not HSDP, over
     replicas), or not training."""
     p = point.parallel
-    if p.dp_shard == 1 or point.workload.name != WorkloadName.train or over == "dp_replicate" and p.dp_replicate == 1:
+    if point.workload.name != WorkloadName.train or getattr(p, over) == 1 or over != "tp" and p.dp_shard == 1:
         return None
-    two = (dataclasses.replace(p, dp_shard=2, nodes=AUTO_NODES) if over == "dp_shard"
-           else dataclasses.replace(p, dp_replicate=2, nodes=AUTO_NODES))
-    at_two = point.replace(parallel=two)
-    # (over replicas a note of its own: a job at 2 x 2 is the key of both)
-    return f"{'replicas:' if over == 'dp_replicate' else ''}{trace_store.trace_id(at_two)}:{tuple(kernels.geometry(point.gpu))}"
+    two = {"dp_shard": lambda: dataclasses.replace(p, dp_shard=2, nodes=AUTO_NODES),
+           "dp_replicate": lambda: dataclasses.replace(p, dp_replicate=2, nodes=AUTO_NODES),
+           "tp": lambda: dataclasses.replace(p, tp=2, nodes=AUTO_NODES)}[over]()
+    # (a note of each degree's own: a job at 2 x 2 is the key of both)
+    prefix = "" if over == "dp_shard" else f"{over}:"
+    return f"{prefix}{trace_store.trace_id(point.replace(parallel=two))}:{tuple(kernels.geometry(point.gpu))}"
 
 
 def write(cache: Path | None, point: Point, depths: tuple[int, ...], journals: list[list[TraceEvent]],
@@ -84,12 +94,12 @@ def write(cache: Path | None, point: Point, depths: tuple[int, ...], journals: l
         trace_store.write_note(cache, trace_store.SHARD_COUNTS, f"{key}:{depths}", {"counts": counts})
 
 
-def read(cache: Path | None, point: Point, depths: tuple[int, ...]
+def read(cache: Path | None, point: Point, depths: tuple[int, ...], degrees: tuple[str, ...] = SHARDS
          ) -> tuple[list[list[TraceEvent]], list, str] | None:
-    """The journals and findings at `depths` of `point` made from two or more other counts' of its
-    shards, else of its replicas (and how, for trace_method); None where they cannot be (see the
-    module's docstring)."""
-    for over in _OVER:
+    """The journals and findings at `depths` of `point` made from two or more other counts' of the
+    first of `degrees` that can (shards, then replicas; or TENSOR_PARALLEL) and how, for
+    trace_method; None where they cannot be (see the module's docstring)."""
+    for over in degrees:
         made = _read(cache, point, depths, over)
         if made is not None:
             return made
@@ -105,22 +115,37 @@ def _read(cache: Path | None, point: Point, depths: tuple[int, ...], over: str
     # over shards, the counts whose shards are whole rows (of a tensor-parallel rank's slice), as the
     # point's must be: only theirs are parsed (a note of 7B's four counts is 0.9 MB); over replicas,
     # every count's shards are the point's
-    m, tp = getattr(point.parallel, over), point.parallel.tp
-    dims = () if over == "dp_replicate" else _first_dims(point)
-    if dims is None or any(d % (m * tp) for d in dims):
+    p, m = point.parallel, getattr(point.parallel, over)
+    beside = p.dp_shard if over == "tp" else p.tp  # (FSDP2 pads a tensor-parallel slice's rows)
+    dims = () if over == "dp_replicate" or over == "tp" and p.dp_shard == 1 else _first_dims(point)
+    if dims is None or any(d % (m * beside) for d in dims):
         return None
     try:
         kept = {int(n): c for n, c in note["counts"].items()}
-        counts = sorted(n for n in kept if n != m and all(d % (n * tp) == 0 for d in dims))
+        counts = sorted(n for n in kept if n != m and all(d % (n * beside) == 0 for d in dims))
         if len(counts) < 2:
             return None
         traced = {n: ([[TraceEvent._make(e) for e in j] for j in kept[n]["journals"]], list(kept[n]["findings"]))
                   for n in counts}
     except (KeyError, TypeError, ValueError, AttributeError):  # not a note of ours: traced anew
         return None
-    g = kernels.geometry(point.gpu)
+    # every count at once; else (tensor parallel: a count whose ranks hold one head each may take
+    # the kernels another way) the two nearest the point's that make it
+    nearest = sorted(itertools.combinations(counts, 2), key=lambda c: sum(abs(math.log(n / m)) for n in c))
+    for using in [counts, *(list(c) for c in nearest)] if over == "tp" and len(counts) > 2 else [counts]:
+        made = _made(traced, using, m, kernels.geometry(point.gpu), len(depths))
+        if made is not None:
+            gpus = point.parallel.world_size // m  # (each count's job: its other degrees' ranks too)
+            return *made, f"scaled from those over {', '.join(str(n * gpus) for n in using)} GPUs"
+    return None
+
+
+def _made(traced: dict[int, tuple[list, list]], counts: list[int], m: int, g: kernels.Geometry,
+          depths: int) -> tuple[list[list[TraceEvent]], list] | None:
+    """The journals and findings at each of `depths` depths over `m` made from those over `counts`
+    (`traced`: each count's), or None."""
     journals, findings = [], []
-    for i in range(len(depths)):
+    for i in range(depths):
         at = {n: traced[n][0][i] for n in counts}
         journal = _scaled(at, m, g)
         found = None if journal is None else _scaled_findings([traced[n][1][i] for n in counts], at, journal, m)
@@ -128,8 +153,7 @@ def _read(cache: Path | None, point: Point, depths: tuple[int, ...], over: str
             return None
         journals.append(journal)
         findings.append(found)
-    gpus = point.parallel.world_size // m  # (each count's job: its other degrees' ranks too)
-    return journals, findings, f"scaled from those over {', '.join(str(n * gpus) for n in counts)} GPUs"
+    return journals, findings
 
 
 # The figures that sum storages as the allocator holds them (tracker.allocated_bytes_of: 512 B
@@ -200,19 +224,34 @@ def _scaled(journals: dict[int, list[TraceEvent]], m: int, g: kernels.Geometry) 
         if e.action != "alloc" and 0 <= ref < len(out) and all(c[2] == cn[ref][2] for c, cn in zip(at, canon, strict=True)):
             out.append(e._replace(size=out[ref].size))  # a free's or retag's bytes: its alloc's
             continue
-        if codes[0] and len(set(codes)) == 1 and len(set(sizes)) > 1:
+        if _sizes_it(codes[0]) and len(set(codes)) == 1 and len(set(sizes)) > 1:
             return None  # a launch of the same code sized otherwise: not a copy's table
         if len(set(codes)) > 1:
             code = _scaled_code(codes, counts, m)
-            if code is None or any(kernels.scratch_bytes(c, g) != s for c, s in zip(codes, sizes, strict=True)):
+            if code is None or any(_code_bytes(c, g) != s for c, s in zip(codes, sizes, strict=True)):
                 return None
-            out.append(e._replace(size=kernels.scratch_bytes(code, g), kernel=code))
+            out.append(e._replace(size=_code_bytes(code, g), kernel=code))
             continue
         size = _scaled_value(sizes, counts, m)
         if size is _NO:
             return None
         out.append(e._replace(size=size))
     return out
+
+
+def _sizes_it(code: str) -> bool:
+    """Whether a trace's `code` says its allocation's bytes (a fused forward's outputs and scratch
+    carry one without their shape, for the swap of kernels, probe.sim.fused_swap: a value)."""
+    return bool(code) and not (code.startswith(attention.FUSED_PREFIX) and attention.fused_parts(code)[2] is None)
+
+
+def _code_bytes(code: str, g: kernels.Geometry) -> int:
+    """A code's bytes on a card of geometry `g`: a fused backward's block by its shape (alike on
+    every card), else config.kernels'."""
+    if code.startswith(attention.FUSED_PREFIX):
+        _phase, kernel, shape, block = attention.fused_parts(code)
+        return -1 if shape is None else attention.fused_backward_scratch(kernel, shape)[block or 0]
+    return kernels.scratch_bytes(code, g)
 
 
 def _scaled_code(codes: list[str], counts: list[int], m: int) -> str | None:

@@ -220,11 +220,13 @@ def synthesized(point: Point, a: int = SHALLOW, p: int = 1) -> Traced:
     reused = placed_on = None
     # DDP: the shallow depths as another replica count of the job traced them (probe.sim.replicas);
     # FSDP2: made from those of two or more other shard counts (probe.sim.shard_counts)
-    other_count = replicas.read(cache, shallow, (a, deeper_at)) or shard_counts.read(cache, shallow, (a, deeper_at))
+    other_count = (replicas.read(cache, shallow, (a, deeper_at)) or shard_counts.read(cache, shallow, (a, deeper_at))
+                   or _tensor_parallel_count(cache, shallow, a, deeper_at, runs, crossed_from, grow))
     if other_count is not None:
         (shallower, deeper), findings, counted = other_count
     else:
-        runs[a] = _shallow_trace(at_depth(shallow, a), crossed_from, grow)
+        if a not in runs:
+            runs[a] = _shallow_trace(at_depth(shallow, a), crossed_from, grow)
         shallower = ddp_setup.cut(runs[a].journal())
         skeleton = repeat.skeleton(shallower)
         reused = _placed_as_before(cache, skeleton, shallower, runs[a].findings) if p == 1 else None
@@ -289,6 +291,25 @@ def synthesized(point: Point, a: int = SHALLOW, p: int = 1) -> Traced:
                      else f"layers {a}, {deeper_at}") + (f" (blocks of {p} layers)" if p > 1 else "")
     m["trace_method"] = f"synthesized: {traced_layers} -> {n}{steps_said}{setup} ({how})"
     return Traced(m, events, {"scalars": scalars, "retained_holder": holder, ATTENTION_CALLS: calls})
+
+
+def _tensor_parallel_count(cache: Path | None, shallow: Point, a: int, deeper_at: int,
+                           runs: dict[int, StorageTracker | Joined], crossed_from: int | None,
+                           grow: Callable[[str], int | None] | None) -> tuple[list, list, str] | None:
+    """The shallow journals and findings made from two other tensor-parallel counts of the job
+    (probe.sim.shard_counts), where the point's own `a`-layer trace (into `runs`) is the made one,
+    entry for entry and figure for figure: a rank's heads may take the kernels another way (Llama-3-8B's
+    8 key/value heads over TP 8, one a rank: its backward's ops differ from TP 2's and 4's), which
+    only its own trace shows. None where none are made or they differ."""
+    made = shard_counts.read(cache, shallow, (a, deeper_at), shard_counts.TENSOR_PARALLEL)
+    if made is None:
+        return None
+    runs[a] = _shallow_trace(at_depth(shallow, a), crossed_from, grow)
+    traced = ddp_setup.cut(runs[a].journal())
+    (journal, deeper), (found, deeper_found), how = made
+    if repeat.canonical(traced) != repeat.canonical(journal) or _as_json(runs[a].findings) != found:
+        return None
+    return [traced, deeper], [runs[a].findings, deeper_found], f"{how}, layer {a} traced alike"
 
 
 def _placed_as_before(cache: Path | None, skeleton: str, shallower: list[TraceEvent],
