@@ -1,4 +1,4 @@
-"""FSDP2's shallow journals at one shard count (or HSDP's replica count), made from those traced at others.
+"""FSDP2's shallow journals at one shard count (HSDP's replica count, TP's), made from those traced at others.
 
 An FSDP2 rank's journal at a few layers is the same over N shards as over M but for its sizes: a
 shard (a parameter's, its gradient's, AdamW's state, the all-gather input) is 1/N of the whole
@@ -26,6 +26,14 @@ shards, all-reduce the same gradient shards across replicas and gather the same 
 replicas; only its device mesh's rank tensors grow, one entry a GPU (7B's dimensions at 2 layers
 over 4 shards: 49 of 1,042 entries, each the replica count times the same). A job's shard counts
 are tried first, then its replica counts (a note of its own).
+
+Tensor parallel's degree alike, where asked (TENSOR_PARALLEL): a rank's heads and columns 1/TP of
+the whole, the rest whole, the attention kernels' scratch sized from their codes' shapes (their
+heads scaled). Only the caller can trust it, by tracing the point's own first layer
+(probe.sim.shortcut): a rank's heads may take the kernels another way (one key/value head a rank,
+flash splitting the keys of few), so the counts that agree are taken, all or the two nearest.
+Not under FSDP2: its gathered root mixes 1/TP and whole parameters in one buffer (neither kept nor
+scaled: traced).
 """
 
 from __future__ import annotations

@@ -219,7 +219,8 @@ def synthesized(point: Point, a: int = SHALLOW, p: int = 1) -> Traced:
     runs: dict[int, StorageTracker | Joined] = {}
     reused = placed_on = None
     # DDP: the shallow depths as another replica count of the job traced them (probe.sim.replicas);
-    # FSDP2: made from those of two or more other shard counts (probe.sim.shard_counts)
+    # FSDP2 (HSDP): made from those of two or more other shard (replica) counts, tensor parallel
+    # from two others where its own first layer agrees (probe.sim.shard_counts)
     other_count = (replicas.read(cache, shallow, (a, deeper_at)) or shard_counts.read(cache, shallow, (a, deeper_at))
                    or _tensor_parallel_count(cache, shallow, a, deeper_at, runs, crossed_from, grow))
     if other_count is not None:
