@@ -71,8 +71,8 @@ SHARDS, TENSOR_PARALLEL = ("dp_shard", "dp_replicate"), ("tp",)
 
 def _key(point: Point, over: str) -> str | None:
     """The job as any count of degree `over` of it (the other degrees as they are), on cards of the
-    point's kernel geometry (its launch tables are sized there); None: not FSDP2 (or not HSDP, over
-    replicas), or not training."""
+    point's kernel geometry (its launch tables are sized there); None: not training, one GPU of that
+    degree, or not FSDP2 (over shards or replicas)."""
     p = point.parallel
     if point.workload.name != WorkloadName.train or getattr(p, over) == 1 or over != "tp" and p.dp_shard == 1:
         return None
