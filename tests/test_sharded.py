@@ -354,13 +354,13 @@ def test_a_ddp_point_is_synthesized_with_its_setup_traced_at_its_depth_and_is_it
         "synthesized: layers 1, 2 as traced over 4 GPUs -> 4")
 
 
-def _shallow_sharded(cache=None, **parallel) -> Point:
-    """7B's dimensions at the template's depth, b2 s32 bf16, over `parallel`'s degrees, as many
+def _shallow_sharded(cache=None, model="7b", **parallel) -> Point:
+    """`model`'s dimensions at the template's depth, b2 s32 bf16, over `parallel`'s degrees, as many
     steps as its shallow traces take (in trace cache `cache`, where given)."""
     from harness.probe.sim import shortcut
     from tests.test_repeat import _point
 
-    p = _point(batch_size=2, seq_len=32, precision="bf16").replace(
+    p = _point(model=model, batch_size=2, seq_len=32, precision="bf16").replace(
         parallel=Parallel(nodes="auto", **parallel), trace_cache=None if cache is None else str(cache))
     return p.replace(workload=dataclasses.replace(p.workload, steps=shortcut.traced_steps(p)))
 
@@ -420,12 +420,10 @@ def test_a_tensor_parallel_count_is_made_from_two_others_only_where_its_own_firs
     traces as made, and the point is its full trace; Llama-3-8B's 8 key/value heads over TP 8 (one a
     rank) take the backward otherwise: traced, and its full trace too."""
     from harness.probe.sim import shortcut
-    from tests.test_repeat import _assert_same_as_full, _point
+    from tests.test_repeat import _assert_same_as_full
 
     def point(tp):
-        p = _point(model=model, batch_size=2, seq_len=32, precision="bf16").replace(
-            parallel=Parallel(tp=tp, sequence_parallel=sequence_parallel, nodes="auto"), trace_cache=str(tmp_path))
-        return p.replace(workload=dataclasses.replace(p.workload, steps=shortcut.traced_steps(p)))
+        return _shallow_sharded(tmp_path, model, tp=tp, sequence_parallel=sequence_parallel)
     for n in (2, 4):
         assert "scaled" not in shortcut.trace(point(n)).measurements["trace_method"]
     method = _assert_same_as_full(point(8))["trace_method"]
