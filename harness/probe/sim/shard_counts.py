@@ -33,7 +33,7 @@ heads scaled). Only the caller can trust it, by tracing the point's own first la
 (probe.sim.shortcut): a rank's heads may take the kernels another way (one key/value head a rank,
 flash splitting the keys of few), so the counts that agree are taken, all or the two nearest.
 Not under FSDP2: its gathered root mixes 1/TP and whole parameters in one buffer (neither kept nor
-scaled: traced).
+scaled): traced, no note kept.
 """
 
 from __future__ import annotations
@@ -72,9 +72,10 @@ SHARDS, TENSOR_PARALLEL = ("dp_shard", "dp_replicate"), ("tp",)
 def _key(point: Point, over: str) -> str | None:
     """The job as any count of degree `over` of it (the other degrees as they are), on cards of the
     point's kernel geometry (its launch tables are sized there); None: not training, one GPU of that
-    degree, or not FSDP2 (over shards or replicas)."""
+    degree, or not FSDP2 (over shards or replicas), or FSDP2 (over tensor parallel: its gathered root
+    mixes 1/TP and whole parameters in one buffer, which neither keeps nor scales)."""
     p = point.parallel
-    if point.workload.name != WorkloadName.train or getattr(p, over) == 1 or over != "tp" and p.dp_shard == 1:
+    if point.workload.name != WorkloadName.train or getattr(p, over) == 1 or (p.dp_shard > 1) == (over == "tp"):
         return None
     two = {"dp_shard": lambda: dataclasses.replace(p, dp_shard=2, nodes=AUTO_NODES),
            "dp_replicate": lambda: dataclasses.replace(p, dp_replicate=2, nodes=AUTO_NODES),
@@ -122,15 +123,14 @@ def _read(cache: Path | None, point: Point, depths: tuple[int, ...], over: str
         return None
     # over shards, the counts whose shards are whole rows (of a tensor-parallel rank's slice), as the
     # point's must be: only theirs are parsed (a note of 7B's four counts is 0.9 MB); over replicas,
-    # every count's shards are the point's
-    p, m = point.parallel, getattr(point.parallel, over)
-    beside = p.dp_shard if over == "tp" else p.tp  # (FSDP2 pads a tensor-parallel slice's rows)
-    dims = () if over == "dp_replicate" or over == "tp" and p.dp_shard == 1 else _first_dims(point)
-    if dims is None or any(d % (m * beside) for d in dims):
+    # every count's shards are the point's (over tensor parallel, none: checked by the caller)
+    m, tp = getattr(point.parallel, over), point.parallel.tp
+    dims = _first_dims(point) if over == "dp_shard" else ()
+    if dims is None or any(d % (m * tp) for d in dims):
         return None
     try:
         kept = {int(n): c for n, c in note["counts"].items()}
-        counts = sorted(n for n in kept if n != m and all(d % (n * beside) == 0 for d in dims))
+        counts = sorted(n for n in kept if n != m and all(d % (n * tp) == 0 for d in dims))
         if len(counts) < 2:
             return None
         traced = {n: ([[TraceEvent._make(e) for e in j] for j in kept[n]["journals"]], list(kept[n]["findings"]))
