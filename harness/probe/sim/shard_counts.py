@@ -43,6 +43,7 @@ import itertools
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 from harness.config import attention, kernels
 from harness.config.models import hf_config, model_key, on_meta
@@ -65,8 +66,8 @@ _NUMBER = re.compile(r"\d+")
 # shards (each replica group's ranks hold the same shards at any count: only the mesh grows), and
 # tensor parallel's (a rank's heads and columns 1/N of the whole; read only where asked: a rank's
 # heads may take the kernels another way, which its own first layer must show, probe.sim.shortcut)
-_OVER = ("dp_shard", "dp_replicate", "tp")
 SHARDS, TENSOR_PARALLEL = ("dp_shard", "dp_replicate"), ("tp",)
+_OVER = SHARDS + TENSOR_PARALLEL
 
 
 def _key(point: Point, over: str) -> str | None:
@@ -77,9 +78,8 @@ def _key(point: Point, over: str) -> str | None:
     p = point.parallel
     if point.workload.name != WorkloadName.train or getattr(p, over) == 1 or (p.dp_shard > 1) == (over == "tp"):
         return None
-    two = {"dp_shard": lambda: dataclasses.replace(p, dp_shard=2, nodes=AUTO_NODES),
-           "dp_replicate": lambda: dataclasses.replace(p, dp_replicate=2, nodes=AUTO_NODES),
-           "tp": lambda: dataclasses.replace(p, tp=2, nodes=AUTO_NODES)}[over]()
+    at_two: dict[str, Any] = {over: 2}
+    two = dataclasses.replace(p, nodes=AUTO_NODES, **at_two)
     # (a note of each degree's own: a job at 2 x 2 is the key of both)
     prefix = "" if over == "dp_shard" else f"{over}:"
     return f"{prefix}{trace_store.trace_id(point.replace(parallel=two))}:{tuple(kernels.geometry(point.gpu))}"
@@ -92,14 +92,12 @@ def write(cache: Path | None, point: Point, depths: tuple[int, ...], journals: l
     written at once may keep one count of theirs: the other is traced again where needed."""
     if any(f.get(READS_CARD) for f in findings):
         return
-    for over in _OVER:
-        key = _key(point, over)
-        if key is None:
-            continue
+    keys = {over: key for over in _OVER if (key := _key(point, over)) is not None}
+    kept = {"journals": [[list(e) for e in j] for j in journals], "findings": findings} if keys else {}
+    for over, key in keys.items():
         note = trace_store.read_note(cache, trace_store.SHARD_COUNTS, f"{key}:{depths}") or {}
         counts = note.get("counts") if isinstance(note.get("counts"), dict) else {}
-        counts[str(getattr(point.parallel, over))] = {"journals": [[list(e) for e in j] for j in journals],
-                                                      "findings": findings}
+        counts[str(getattr(point.parallel, over))] = kept
         trace_store.write_note(cache, trace_store.SHARD_COUNTS, f"{key}:{depths}", {"counts": counts})
 
 
@@ -139,8 +137,11 @@ def _read(cache: Path | None, point: Point, depths: tuple[int, ...], over: str
         return None
     # every count at once; else (tensor parallel: a count whose ranks hold one head each may take
     # the kernels another way) the two nearest the point's that make it
-    nearest = sorted(itertools.combinations(counts, 2), key=lambda c: sum(abs(math.log(n / m)) for n in c))
-    for using in [counts, *(list(c) for c in nearest)] if over == "tp" and len(counts) > 2 else [counts]:
+    tried = [counts]
+    if over == "tp" and len(counts) > 2:
+        tried += sorted((list(c) for c in itertools.combinations(counts, 2)),
+                        key=lambda c: sum(abs(math.log(n / m)) for n in c))
+    for using in tried:
         made = _made(traced, using, m, kernels.geometry(point.gpu), len(depths))
         if made is not None:
             gpus = point.parallel.world_size // m  # (each count's job: its other degrees' ranks too)
@@ -232,7 +233,7 @@ def _scaled(journals: dict[int, list[TraceEvent]], m: int, g: kernels.Geometry) 
         if e.action != "alloc" and 0 <= ref < len(out) and all(c[2] == cn[ref][2] for c, cn in zip(at, canon, strict=True)):
             out.append(e._replace(size=out[ref].size))  # a free's or retag's bytes: its alloc's
             continue
-        if _sizes_it(codes[0]) and len(set(codes)) == 1 and len(set(sizes)) > 1:
+        if len(set(sizes)) > 1 and len(set(codes)) == 1 and _sizes_it(codes[0]):
             return None  # a launch of the same code sized otherwise: not a copy's table
         if len(set(codes)) > 1:
             code = _scaled_code(codes, counts, m)

@@ -57,7 +57,7 @@ def process_group(parallel: Parallel) -> Iterator[object | None]:
             dist.destroy_process_group()
 
 
-_joined: list[tuple] = []  # the mesh shape of the last fake group this process joined
+_joined_shape: tuple | None = None  # the mesh shape of the last fake group this process joined
 
 
 def _forget_other_meshes(shape: tuple) -> None:
@@ -69,9 +69,10 @@ def _forget_other_meshes(shape: tuple) -> None:
     2, then one over 4 replicas x 2 shards x TP 2: "Could not resolve the process group registered
     under the name 3"). The same shape makes the same groups under the same names: its answers are
     kept (a tensor-parallel point's shallow depths: 15-20% of its time)."""
-    if _joined == [shape]:
+    global _joined_shape
+    if _joined_shape == shape:
         return
-    _joined[:] = [shape]
+    _joined_shape = shape
     if "torch.distributed.tensor" not in sys.modules:
         return
     from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
