@@ -14,6 +14,7 @@ copied a dense layer 58 times.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 
 from harness.config.models import hf_config, on_meta
@@ -24,6 +25,14 @@ from harness.config.point import Point
 _INDEX = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number"})
 _PLAIN = (bool, int, float, str, type(None))
 MAX_PERIOD = 8  # layers in a repeated block (Gemma 3's: five sliding-window layers and a global one)
+
+
+def at_depth(point: Point, n: int) -> Point:
+    """The point's model cut to its first `n` layers (its config's per-layer lists with them)."""
+    config = hf_config(point.model)
+    cut = per_layer_lists(config, int(config.num_hidden_layers))
+    hf = {**point.model.hf, **{k: v[:n] for k, v in cut.items()}, "num_hidden_layers": n}
+    return point.replace(model=dataclasses.replace(point.model, hf=hf))
 
 
 def per_layer_lists(config, n: int) -> dict[str, list]:

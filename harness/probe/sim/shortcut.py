@@ -44,6 +44,7 @@ from harness.probe.jobs import UNMODELLED, unmodelled_layers
 from harness.probe.sim import ddp_setup, layers, repeat, replicas, shard_counts
 from harness.probe.sim import steps as stepwise
 from harness.probe.sim.kernel_scratch import recorded
+from harness.probe.sim.layers import at_depth
 from harness.probe.sim.measure import measurements
 from harness.probe.sim.repeat import NotRepeating
 from harness.probe.sim.trace import collector, run_point
@@ -187,14 +188,6 @@ def _template_depth(point: Point) -> tuple[int, int, str | None]:
         at = next((i for i, (x, y) in enumerate(zip(checked or [], deep)) if x != y), 0)
         return a, p, f"a model of its first {a + 2 * p} layers builds layer {at} otherwise than it does"
     return a, p, None
-
-
-def at_depth(point: Point, n: int) -> Point:
-    """The point's model cut to its first `n` layers (its config's per-layer lists with them)."""
-    config = hf_config(point.model)
-    cut = layers.per_layer_lists(config, int(config.num_hidden_layers))
-    hf = {**point.model.hf, **{k: v[:n] for k, v in cut.items()}, "num_hidden_layers": n}
-    return point.replace(model=dataclasses.replace(point.model, hf=hf))
 
 
 def synthesized(point: Point, a: int = SHALLOW, p: int = 1) -> Traced:
