@@ -410,24 +410,26 @@ def test_an_hsdp_replica_count_made_from_two_traced_replica_counts_is_its_full_t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,sequence_parallel,made", [("7b", False, True), ("7b", True, True),
-                                                          ("llama3-8b", False, False)],
-                         ids=["7b", "7b-sp", "llama3-8b"])
+@pytest.mark.parametrize("model,sequence_parallel,shards,made", [("7b", False, 1, True), ("7b", True, 1, True),
+                                                                 ("7b", False, 4, True), ("llama3-8b", False, 1, False)],
+                         ids=["7b", "7b-sp", "7b-fsdp2", "llama3-8b"])
 def test_a_tensor_parallel_count_is_made_from_two_others_only_where_its_own_first_layer_agrees(
-        tmp_path, model, sequence_parallel, made):
+        tmp_path, model, sequence_parallel, shards, made):
     """Over TP 2 and 4 traced, TP 8's second layer is made from theirs (a rank's heads and columns
-    1/TP of the whole, flash's backward sized by its heads) where the point's own first layer
+    1/TP of the whole, flash's backward sized by its heads; under FSDP2 its units' gathered buffers
+    c + d/TP bytes, their 1/TP parameters beside the whole norms) where the point's own first layer
     traces as made, and the point is its full trace; Llama-3-8B's 8 key/value heads over TP 8 (one a
     rank) take the backward otherwise: traced, and its full trace too."""
     from harness.probe.sim import shortcut
     from tests.test_repeat import _assert_same_as_full
 
     def point(tp):
-        return _shallow_sharded(tmp_path, model, tp=tp, sequence_parallel=sequence_parallel)
+        return _shallow_sharded(tmp_path, model, tp=tp, sequence_parallel=sequence_parallel, dp_shard=shards)
     for n in (2, 4):
         assert "scaled" not in shortcut.trace(point(n)).measurements["trace_method"]
     method = _assert_same_as_full(point(8))["trace_method"]
-    assert method.startswith("synthesized: layers 1, 2 scaled from those over 2, 4 GPUs, layer 1 traced alike -> 4") == made
+    said = f"synthesized: layers 1, 2 scaled from those over {2 * shards}, {4 * shards} GPUs, layer 1 traced alike -> 4"
+    assert method.startswith(said) == made, method
     assert method.startswith("synthesized: layers 1, 2 -> 4") != made
 
 

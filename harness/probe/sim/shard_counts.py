@@ -32,8 +32,12 @@ the whole, the rest whole, the attention kernels' scratch sized from their codes
 heads scaled). Only the caller can trust it, by tracing the point's own first layer
 (probe.sim.shortcut): a rank's heads may take the kernels another way (one key/value head a rank,
 flash splitting the keys of few), so the counts that agree are taken, all or the two nearest.
-Not under FSDP2: its gathered root mixes 1/TP and whole parameters in one buffer (neither kept nor
-scaled): traced, no note kept.
+Under FSDP2 too, at the same shard count: a unit's gathered buffer (and its shard, its gradients'
+reduce-scatter) holds its 1/TP parameters beside its whole ones (a norm's), c + d/TP bytes, as do
+the figures that sum them (the bytes all-gathered a step); two counts fit any such pair, so in the
+deeper journal only where the first journal (which the point's own trace checks) holds an entry of
+the same bytes at every count: Llama-2-7B over 4 shards x TP 2, 4 and 8, at one layer 44 of 1,048
+entries, at two 66 of 1,715.
 """
 
 from __future__ import annotations
@@ -74,10 +78,9 @@ _OVER = SHARDS + TENSOR_PARALLEL
 def _key(point: Point, over: str) -> str | None:
     """The job as any count of degree `over` of it (the other degrees as they are), on cards of the
     point's kernel geometry (its launch tables are sized there); None: not training, one GPU of that
-    degree, or not FSDP2 (over shards or replicas), or FSDP2 (over tensor parallel: its gathered root
-    mixes 1/TP and whole parameters in one buffer, which neither keeps nor scales)."""
+    degree, or not FSDP2 (over shards or replicas)."""
     p = point.parallel
-    if point.workload.name != WorkloadName.train or getattr(p, over) == 1 or (p.dp_shard > 1) == (over == "tp"):
+    if point.workload.name != WorkloadName.train or getattr(p, over) == 1 or (over != "tp" and p.dp_shard == 1):
         return None
     at_two: dict[str, Any] = {over: 2}
     two = dataclasses.replace(p, nodes=AUTO_NODES, **at_two)
@@ -143,7 +146,7 @@ def _read(cache: Path | None, point: Point, depths: tuple[int, ...], over: str
         tried += sorted((list(c) for c in itertools.combinations(counts, 2)),
                         key=lambda c: sum(abs(math.log(n / m)) for n in c))
     for using in tried:
-        made = _made(traced, using, m, kernels.geometry(point.gpu), len(depths))
+        made = _made(traced, using, m, kernels.geometry(point.gpu), len(depths), over)
         if made is not None:
             gpus = point.parallel.world_size // m  # (each count's job: its other degrees' ranks too)
             return *made, f"scaled from those over {', '.join(str(n * gpus) for n in using)} GPUs"
@@ -151,14 +154,17 @@ def _read(cache: Path | None, point: Point, depths: tuple[int, ...], over: str
 
 
 def _made(traced: dict[int, tuple[list, list]], counts: list[int], m: int, g: kernels.Geometry,
-          depths: int) -> tuple[list[list[TraceEvent]], list] | None:
+          depths: int, over: str) -> tuple[list[list[TraceEvent]], list] | None:
     """The journals and findings at each of `depths` depths over `m` made from those over `counts`
-    (`traced`: each count's), or None."""
+    (`traced`: each count's), or None. `over`: their degree (tensor parallel's: c + d/count bytes)."""
     journals, findings = [], []
+    # the bytes at each count of the first journal's entries made c + d/count: the deeper's only so
+    affine: set[tuple[int, ...]] | None = set() if over == "tp" else None
     for i in range(depths):
         at = {n: traced[n][0][i] for n in counts}
-        journal = _scaled(at, m, g)
-        found = None if journal is None else _scaled_findings([traced[n][1][i] for n in counts], at, journal, m)
+        journal = _scaled(at, m, g, affine, checked=i == 0)
+        found = None if journal is None else _scaled_findings([traced[n][1][i] for n in counts], at, journal, m,
+                                                              affine is not None)
         if journal is None or found is None:
             return None
         journals.append(journal)
@@ -172,12 +178,12 @@ _HELD = {"params_bytes": "parameter", "state_bytes": "optimizer_state"}
 
 
 def _scaled_findings(found: list[dict], journals: dict[int, list[TraceEvent]], journal: list[TraceEvent],
-                     m: int) -> dict | None:
+                     m: int, affine: bool = False) -> dict | None:
     """The findings over `m` GPUs (its `journal`) from those over other counts (`journals`): the
     figures of _HELD the shards of their kind alive at the journal's end, each as the allocator
     holds it, and what else every other count's figure holds (the same at each); the other figures
-    _scaled_value's; the rest (what holds a leak, the attention calls) the same at each count. None
-    where they are not."""
+    _scaled_value's (or `affine`: c + d/count); the rest (what holds a leak, the attention calls)
+    the same at each count. None where they are not."""
     counts = sorted(journals)
     rest = [{k: v for k, v in f.items() if k != "scalars"} for f in found]
     if any(r != rest[0] for r in rest):
@@ -198,7 +204,7 @@ def _scaled_findings(found: list[dict], journals: dict[int, list[TraceEvent]], j
     # tensor parallel's traffic (the same at every count, as the rest is) apart from the data
     # parallel one's, which may be a shard (HSDP's all-reduce across replicas)
     over_tp = rest[0].get(TENSOR_PARALLEL_TRAFFIC) or {}
-    made = _scaled_value([{**s, **{k: s[k] - v for k, v in over_tp.items()}} for s in scalars], counts, m)
+    made = _scaled_value([{**s, **{k: s[k] - v for k, v in over_tp.items()}} for s in scalars], counts, m, affine)
     if made is _NO:
         return None
     return {**rest[0], "scalars": {**made, **{k: made[k] + v for k, v in over_tp.items()}, **held}}
@@ -219,8 +225,11 @@ def _first_dims(point: Point, depth: int) -> tuple[int, ...] | None:
     return _dims[key]
 
 
-def _scaled(journals: dict[int, list[TraceEvent]], m: int, g: kernels.Geometry) -> list[TraceEvent] | None:
-    """The journal over `m` GPUs made of the same depth's journals over other counts, or None."""
+def _scaled(journals: dict[int, list[TraceEvent]], m: int, g: kernels.Geometry,
+            affine: set[tuple[int, ...]] | None = None, checked: bool = True) -> list[TraceEvent] | None:
+    """The journal over `m` GPUs made of the same depth's journals over other counts, or None.
+    `affine` (None: no entry so): the bytes at each count of the entries made c + d/count, into it
+    where the caller's trace checks the journal (`checked`), else only those in it."""
     counts = sorted(journals)
     canon = [repeat.canonical(journals[n]) for n in counts]
     first = journals[counts[0]]
@@ -245,6 +254,10 @@ def _scaled(journals: dict[int, list[TraceEvent]], m: int, g: kernels.Geometry) 
             out.append(e._replace(size=_code_bytes(code, g), kernel=code))
             continue
         size = _scaled_value(sizes, counts, m)
+        if size is _NO and affine is not None and (checked or tuple(sizes) in affine):
+            size = _affine(sizes, counts, m)
+            if checked and size is not _NO:
+                affine.add(tuple(sizes))
         if size is _NO:
             return None
         out.append(e._replace(size=size))
@@ -291,12 +304,12 @@ class _No:
 _NO = _No()
 
 
-def _scaled_value(values: list, counts: list[int], m: int):
+def _scaled_value(values: list, counts: list[int], m: int, affine: bool = False):
     """The value over `m` GPUs of one taking `values` over `counts`: the same at each, kept; an int
     whose product with the count is the same at each, that product over `m` where whole (a
     shard's bytes); an int the count times the same at each, `m` times that (a device mesh's rank
-    tensors, HSDP's and tensor parallel's: one entry per GPU); a dict (the figures), each of its
-    values so. Else _NO."""
+    tensors, HSDP's and tensor parallel's: one entry per GPU); or where `affine`, _affine's; a dict
+    (the figures), each of its values so. Else _NO."""
     first = values[0]
     if all(v == first and type(v) is type(first) for v in values):
         return first
@@ -309,8 +322,22 @@ def _scaled_value(values: list, counts: list[int], m: int):
             each = {v // n for v, n in zip(values, counts, strict=True)}
             if len(each) == 1:
                 return each.pop() * m
-        return _NO
+        return _affine(values, counts, m) if affine else _NO
     if all(isinstance(v, dict) for v in values) and all(v.keys() == first.keys() for v in values):
-        made = {k: _scaled_value([v[k] for v in values], counts, m) for k in first}
+        made = {k: _scaled_value([v[k] for v in values], counts, m, affine) for k in first}
         return _NO if any(x is _NO for x in made.values()) else made
     return _NO
+
+
+def _affine(values: list[int], counts: list[int], m: int):
+    """c + d/m where each of `values` is c + d/count (whole bytes: d a multiple of every count and
+    of `m`; a tensor-parallel rank's 1/TP parameters beside its whole ones), else _NO. Two counts
+    fit any two values: what trusts it is the caller's."""
+    (n0, v0), (n1, v1) = sorted(zip(counts, values, strict=True))[:2]
+    d, rest = divmod((v0 - v1) * n0 * n1, n1 - n0)
+    if rest or d % n0:
+        return _NO
+    c = v0 - d // n0
+    if any(d % n or c + d // n != v for n, v in zip(counts, values, strict=True)) or d % m:
+        return _NO
+    return c + d // m
