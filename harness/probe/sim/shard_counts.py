@@ -159,6 +159,7 @@ def _made(traced: dict[int, tuple[list, list]], counts: list[int], m: int, g: ke
     (`traced`: each count's), or None. `over`: their degree (tensor parallel's: c + d/count bytes)."""
     journals, findings = [], []
     # the bytes at each count of the first journal's entries made c + d/count: the deeper's only so
+    # (its figures so too: each sums whole and 1/TP parts, as the first's, which the caller checks)
     affine: set[tuple[int, ...]] | None = set() if over == "tp" else None
     for i in range(depths):
         at = {n: traced[n][0][i] for n in counts}
