@@ -445,6 +445,17 @@ def test_traces_over_other_meshes_in_one_process_each_run_on_their_own_process_g
     assert m["params_bytes"] > 0
 
 
+def test_a_buffer_of_split_and_whole_parameters_scales_as_c_plus_d_over_the_count():
+    """Under FSDP2 x TP a gathered buffer holds 1/TP parameters beside whole ones: 4,145,152 B whole
+    and 1,858,076,672 B split (7B's first layer over 4 shards), made at TP 8 and 16 from TP 2 and 4;
+    values no whole c + d/count fits, or three counts that disagree, are not made."""
+    from harness.probe.sim.shard_counts import _NO, _affine
+    assert _affine([933183488, 468664320], [2, 4], 8) == 236404736
+    assert _affine([933183488, 468664320, 236404736], [2, 4, 8], 16) == 4145152 + 1858076672 // 16
+    assert _affine([10, 7], [2, 4], 8) is _NO  # d = 12 is no multiple of 8
+    assert _affine([100, 60, 41], [2, 4, 8], 16) is _NO  # 8's would be 40
+
+
 def test_an_fsdp2_copys_code_names_its_chunks_at_another_count():
     """Its chunk count is the count; each chunk's bytes a shard's, whole at the new count or none."""
     from harness.probe.sim.shard_counts import _scaled_code

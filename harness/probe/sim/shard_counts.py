@@ -145,8 +145,9 @@ def _read(cache: Path | None, point: Point, depths: tuple[int, ...], over: str
     if over == "tp" and len(counts) > 2:
         tried += sorted((list(c) for c in itertools.combinations(counts, 2)),
                         key=lambda c: sum(abs(math.log(n / m)) for n in c))
+    g = kernels.geometry(point.gpu)
     for using in tried:
-        made = _made(traced, using, m, kernels.geometry(point.gpu), len(depths), over)
+        made = _made(traced, using, m, g, len(depths), over)
         if made is not None:
             gpus = point.parallel.world_size // m  # (each count's job: its other degrees' ranks too)
             return *made, f"scaled from those over {', '.join(str(n * gpus) for n in using)} GPUs"
@@ -158,14 +159,15 @@ def _made(traced: dict[int, tuple[list, list]], counts: list[int], m: int, g: ke
     """The journals and findings at each of `depths` depths over `m` made from those over `counts`
     (`traced`: each count's), or None. `over`: their degree (tensor parallel's: c + d/count bytes)."""
     journals, findings = [], []
-    # the bytes at each count of the first journal's entries made c + d/count: the deeper's only so
-    # (its figures so too: each sums whole and 1/TP parts, as the first's, which the caller checks)
-    affine: set[tuple[int, ...]] | None = set() if over == "tp" else None
+    # over tensor parallel, the bytes at each count of the first journal's entries (which the caller
+    # checks): the deeper journal's made c + d/count only where they are one of those (its figures
+    # so too: each sums whole and 1/TP parts, as the first's)
+    checked: set[tuple[int, ...]] | None = set() if over == "tp" else None
     for i in range(depths):
         at = {n: traced[n][0][i] for n in counts}
-        journal = _scaled(at, m, g, affine, checked=i == 0)
+        journal = _scaled(at, m, g, checked, checking=i == 0)
         found = None if journal is None else _scaled_findings([traced[n][1][i] for n in counts], at, journal, m,
-                                                              affine is not None)
+                                                              checked is not None)
         if journal is None or found is None:
             return None
         journals.append(journal)
@@ -227,10 +229,11 @@ def _first_dims(point: Point, depth: int) -> tuple[int, ...] | None:
 
 
 def _scaled(journals: dict[int, list[TraceEvent]], m: int, g: kernels.Geometry,
-            affine: set[tuple[int, ...]] | None = None, checked: bool = True) -> list[TraceEvent] | None:
+            checked: set[tuple[int, ...]] | None = None, checking: bool = True) -> list[TraceEvent] | None:
     """The journal over `m` GPUs made of the same depth's journals over other counts, or None.
-    `affine` (None: no entry so): the bytes at each count of the entries made c + d/count, into it
-    where the caller's trace checks the journal (`checked`), else only those in it."""
+    `checked` (None: no entry c + d/count): the bytes at each count of the entries of the journal
+    the caller checks, into it where this is that journal (`checking`); else an entry's bytes are
+    made so only where they are one of those."""
     counts = sorted(journals)
     canon = [repeat.canonical(journals[n]) for n in counts]
     first = journals[counts[0]]
@@ -254,13 +257,11 @@ def _scaled(journals: dict[int, list[TraceEvent]], m: int, g: kernels.Geometry,
                 return None
             out.append(e._replace(size=_code_bytes(code, g), kernel=code))
             continue
-        size = _scaled_value(sizes, counts, m)
-        if size is _NO and affine is not None and (checked or tuple(sizes) in affine):
-            size = _affine(sizes, counts, m)
-            if checked and size is not _NO:
-                affine.add(tuple(sizes))
+        size = _scaled_value(sizes, counts, m, checked is not None and (checking or tuple(sizes) in checked))
         if size is _NO:
             return None
+        if checked is not None and checking:
+            checked.add(tuple(sizes))
         out.append(e._replace(size=size))
     return out
 
